@@ -1,0 +1,179 @@
+"""Typed configuration shared by every service, and the flag parser that builds it.
+
+Each service owns one frozen config dataclass built once, at startup, from its
+CLI flags and `MESHLLM_*` environment variables (a flag `--etcd-endpoints`
+reads `MESHLLM_ETCD_ENDPOINTS` as its default), validated when built. Nothing
+below the entry points reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from meshllm.errors import InvalidArgument
+
+__all__ = [
+    "ConfigError",
+    "DiscoveryKind",
+    "EnvArgumentParser",
+    "EventsKind",
+    "PlaneConfig",
+    "ServerConfig",
+    "add_plane_args",
+    "env_name",
+    "parse_host_port",
+]
+
+
+class ConfigError(InvalidArgument):
+    """A flag or environment value is invalid; the message is one line for the operator."""
+
+
+class DiscoveryKind(enum.StrEnum):
+    """Where instances and model cards are registered and watched."""
+
+    ETCD = "etcd"
+    MEMORY = "memory"
+    STATIC = "static"
+
+
+class EventsKind(enum.StrEnum):
+    """Where KV events and load snapshots travel."""
+
+    NATS = "nats"
+    MEMORY = "memory"
+    NONE = "none"
+
+
+def env_name(flag: str) -> str:
+    """`--etcd-endpoints` -> `MESHLLM_ETCD_ENDPOINTS`."""
+    return "MESHLLM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose long options default to their `MESHLLM_*` variable.
+
+    Errors print one line (`meshllm worker: error: ...`) and exit with status 2.
+    """
+
+    def __init__(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env: Mapping[str, str] = env if env is not None else {}
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        longs = [a for a in args if isinstance(a, str) and a.startswith("--")]
+        if longs and kwargs.get("action") not in ("help", "version"):
+            var = env_name(longs[0])
+            if var in self.env:
+                raw = self.env[var]
+                if kwargs.get("action") == "store_true":
+                    kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+                else:
+                    conv = kwargs.get("type")
+                    try:
+                        kwargs["default"] = conv(raw) if callable(conv) else raw
+                    except (TypeError, ValueError) as exc:
+                        self.error(f"{var}={raw!r}: {exc}")
+            helptext = kwargs.get("help")
+            if helptext is not None and helptext != argparse.SUPPRESS:
+                kwargs["help"] = f"{helptext} [env {var}]"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
+    """'host:port' -> (host, port), with a one-line error when malformed."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"{what} {value!r} is not host:port")
+    return host.strip("[]"), int(port_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerConfig:
+    """Where and how a gRPC server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = ephemeral
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port {self.port} is out of range 0..65535")
+        if self.max_message_bytes <= 0:
+            raise ConfigError("max message size must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlaneConfig:
+    """Which discovery and event planes a process uses."""
+
+    namespace: str = "meshllm"
+    discovery: DiscoveryKind = DiscoveryKind.MEMORY
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    lease_ttl_s: float = 10.0
+    events: EventsKind = EventsKind.MEMORY
+    nats_url: str = "nats://127.0.0.1:4222"
+
+    def __post_init__(self) -> None:
+        if not self.namespace or not all(c.isalnum() or c in "-_" for c in self.namespace):
+            raise ConfigError(f"namespace {self.namespace!r} must be letters, digits, '-' or '_'")
+        if self.discovery is DiscoveryKind.ETCD:
+            if not self.etcd_endpoints:
+                raise ConfigError("--etcd-endpoints is empty")
+            for ep in self.etcd_endpoints:
+                parse_host_port(ep, what="etcd endpoint")
+        if self.lease_ttl_s < 2:
+            raise ConfigError(f"lease TTL {self.lease_ttl_s}s is too short (minimum 2s)")
+        if self.events is EventsKind.NATS and not self.nats_url.startswith(("nats://", "tls://")):
+            raise ConfigError(f"--nats-url {self.nats_url!r} must start with nats:// or tls://")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> PlaneConfig:
+        """Build from the flags added by `add_plane_args`."""
+        discovery = DiscoveryKind(ns.discovery)
+        events = EventsKind(ns.events) if ns.events else (
+            EventsKind.NATS if discovery is DiscoveryKind.ETCD else
+            EventsKind.MEMORY if discovery is DiscoveryKind.MEMORY else EventsKind.NONE
+        )
+        return cls(
+            namespace=ns.namespace,
+            discovery=discovery,
+            etcd_endpoints=_split(ns.etcd_endpoints),
+            lease_ttl_s=ns.lease_ttl,
+            events=events,
+            nats_url=ns.nats_url,
+        )
+
+
+def _split(value: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return tuple(value)
+
+
+def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKind) -> None:
+    """The discovery and event flags every service shares."""
+    g = parser.add_argument_group("planes")
+    g.add_argument("--namespace", default="meshllm", help="deployment namespace")
+    g.add_argument(
+        "--discovery",
+        choices=[k.value for k in DiscoveryKind],
+        default=default_discovery.value,
+        help="discovery backend",
+    )
+    g.add_argument("--etcd-endpoints", default="127.0.0.1:2379", help="comma-separated etcd host:port list")
+    g.add_argument("--lease-ttl", type=float, default=10.0, help="discovery lease TTL in seconds")
+    g.add_argument(
+        "--events",
+        choices=[k.value for k in EventsKind],
+        default=None,
+        help="event plane (default: nats with etcd, memory with memory, none with static)",
+    )
+    g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")

@@ -1,0 +1,116 @@
+"""Lifecycle helpers: idempotent async close, ordered shutdown, signal wiring.
+
+Only entry points (`main.py`, `cli.py`) and this module start tasks, servers
+or signal handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncCloseable:
+    """Base for long-lived objects: `async with` closes; `aclose()` is idempotent.
+
+    Subclasses implement `_aclose()`. Concurrent and repeated `aclose()` calls
+    run it exactly once and all wait for it.
+    """
+
+    _close_task: asyncio.Future[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._close_task is not None
+
+    async def aclose(self) -> None:
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._aclose())
+        await asyncio.shield(self._close_task)
+
+    async def _aclose(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownStep:
+    """One named step of a shutdown, with an optional time bound."""
+
+    name: str
+    action: Callable[[], Awaitable[object]]
+    timeout_s: float | None = None
+
+
+class Shutdown:
+    """An ordered, idempotent shutdown routine.
+
+    Steps run in the order added. A step that fails or times out is logged
+    and the next one still runs: shutdown always reaches the end. `run()` may
+    be called any number of times, concurrently; the steps run once.
+    `durations` records each step's seconds (for the lifecycle gauges).
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[ShutdownStep] = []
+        self._task: asyncio.Future[None] | None = None
+        self.durations: dict[str, float] = {}
+        self.completed: list[str] = []
+
+    def add(self, name: str, action: Callable[[], Awaitable[object]], *, timeout_s: float | None = None) -> None:
+        if self._task is not None:
+            raise RuntimeError("shutdown already started")
+        self._steps.append(ShutdownStep(name, action, timeout_s))
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def run(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        await asyncio.shield(self._task)
+
+    async def _run(self) -> None:
+        for step in self._steps:
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(step.action(), step.timeout_s)
+            except TimeoutError:
+                log.warning("shutdown step %s timed out after %.1fs", step.name, step.timeout_s)
+            except Exception:
+                log.exception("shutdown step %s failed", step.name)
+            self.durations[step.name] = time.monotonic() - t0
+            self.completed.append(step.name)
+            log.debug("shutdown step %s done in %.3fs", step.name, self.durations[step.name])
+
+
+def install_signal_handlers(callback: Callable[[signal.Signals], None]) -> Callable[[], None]:
+    """Call `callback(sig)` on SIGTERM / SIGINT in the running loop; return an uninstaller."""
+    loop = asyncio.get_running_loop()
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        loop.add_signal_handler(sig, callback, sig)
+
+    def uninstall() -> None:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+
+    return uninstall

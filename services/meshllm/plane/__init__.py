@@ -1,0 +1,1 @@
+"""The planes: request (gRPC transport), discovery (etcd | memory | static), events (NATS | memory)."""

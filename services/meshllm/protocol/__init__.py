@@ -1,0 +1,1 @@
+"""Pure data, no I/O: internal types, converters, KV block hashing, names."""

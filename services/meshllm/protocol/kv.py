@@ -1,0 +1,71 @@
+"""KV block hashing shared by every engine and the router.
+
+A prompt is cut into full blocks of `block_size` tokens (a trailing partial
+block is never hashed). Each block's *tokens hash* is XXH3-64 (seed 1337) over
+its token ids as little-endian u32. Its *block hash* chains the previous
+block's hash with its tokens hash, so equal block hashes mean equal prefixes:
+
+    block_hash[0] = tokens_hash[0]
+    block_hash[i] = XXH3-64(le_u64(block_hash[i-1]) || le_u64(tokens_hash[i]), seed 1337)
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+__all__ = ["SEED", "block_hashes", "chain_hash", "stored_blocks", "tokens_hash"]
+
+SEED = 1337
+_PAIR = struct.Struct("<QQ")
+_xxh3 = xxhash.xxh3_64_intdigest
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _le_u32(tokens: Sequence[int]) -> bytes:
+    arr = array("I", tokens)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def tokens_hash(tokens: Sequence[int]) -> int:
+    """XXH3-64 (seed 1337) of one block's token ids as little-endian u32."""
+    return _xxh3(_le_u32(tokens), SEED)
+
+
+def chain_hash(parent_hash: int | None, block_tokens_hash: int) -> int:
+    """The block hash of a block whose parent has `parent_hash` (None for the first)."""
+    if parent_hash is None:
+        return block_tokens_hash
+    return _xxh3(_PAIR.pack(parent_hash, block_tokens_hash), SEED)
+
+
+def stored_blocks(
+    tokens: Sequence[int], block_size: int, *, parent_hash: int | None = None
+) -> list[tuple[int, int]]:
+    """(block_hash, tokens_hash) of every full block of `tokens`, in order."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(tokens) // block_size
+    if n_full == 0:
+        return []
+    raw = _le_u32(tokens[: n_full * block_size])
+    step = block_size * 4
+    out: list[tuple[int, int]] = []
+    parent = parent_hash
+    for i in range(n_full):
+        th = _xxh3(raw[i * step : (i + 1) * step], SEED)
+        bh = th if parent is None else _xxh3(_PAIR.pack(parent, th), SEED)
+        out.append((bh, th))
+        parent = bh
+    return out
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The chained block hash of every full block of `tokens`, in order."""
+    return [bh for bh, _ in stored_blocks(tokens, block_size)]

@@ -1,0 +1,1 @@
+"""Test support: real etcd / nats-server processes, the engine conformance kit, fakes."""
