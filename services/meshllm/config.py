@@ -64,24 +64,40 @@ class EnvArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.env: Mapping[str, str] = env if env is not None else {}
 
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        longs = [a for a in args if isinstance(a, str) and a.startswith("--")]
-        if longs and kwargs.get("action") not in ("help", "version"):
+    def _apply_env(self) -> None:
+        # Runs at parse time so arguments added through groups are covered too.
+        if getattr(self, "_env_applied", False):
+            return
+        self._env_applied = True
+        for action in self._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if not longs or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
             var = env_name(longs[0])
-            if var in self.env:
-                raw = self.env[var]
-                if kwargs.get("action") == "store_true":
-                    kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
-                else:
-                    conv = kwargs.get("type")
-                    try:
-                        kwargs["default"] = conv(raw) if callable(conv) else raw
-                    except (TypeError, ValueError) as exc:
-                        self.error(f"{var}={raw!r}: {exc}")
-            helptext = kwargs.get("help")
-            if helptext is not None and helptext != argparse.SUPPRESS:
-                kwargs["help"] = f"{helptext} [env {var}]"
-        return super().add_argument(*args, **kwargs)
+            if action.help is not None and action.help != argparse.SUPPRESS:
+                action.help = f"{action.help} [env {var}]"
+            if var not in self.env:
+                continue
+            raw = self.env[var]
+            if isinstance(action, argparse._StoreTrueAction):
+                action.default = raw.strip().lower() in ("1", "true", "yes", "on")
+                continue
+            try:
+                value: Any = action.type(raw) if callable(action.type) else raw
+            except (TypeError, ValueError) as exc:
+                self.error(f"{var}={raw!r}: {exc}")
+            if action.choices is not None and value not in action.choices:
+                self.error(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+            action.default = value
+            action.required = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._apply_env()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._apply_env()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
