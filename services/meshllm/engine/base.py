@@ -1,0 +1,383 @@
+"""The engine contract: `LLMEngine` and the types that cross it.
+
+An engine turns token ids into token ids. The framework (`meshllm.worker.run`)
+owns everything else: flags, signals, planes, registration, serving,
+cancellation, health, metrics and the shutdown order. Engines never open etcd
+or NATS; they report cache changes and load through the `EngineSink` they are
+given. Every clause below is checked by `meshllm.testing.conformance`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import json
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Self
+
+from meshllm.config import (
+    ConfigError,
+    DiscoveryKind,
+    EnvArgumentParser,
+    PlaneConfig,
+    ServerConfig,
+    add_plane_args,
+)
+from meshllm.protocol.types import (
+    DisaggParams,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    Usage,
+)
+
+__all__ = [
+    "Context",
+    "DisaggregationMode",
+    "EngineConfig",
+    "EngineSink",
+    "FinishReason",
+    "GenerateChunk",
+    "GenerateRequest",
+    "KvTransfer",
+    "LLMEngine",
+    "LoadMetrics",
+    "NullSink",
+    "WorkerConfig",
+    "terminal",
+    "worker_arg_parser",
+]
+
+
+class DisaggregationMode(enum.StrEnum):
+    """The role a worker plays (`--role`)."""
+
+    AGGREGATED = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """What `start()` reports. Only `model` is required; 0 means unknown."""
+
+    model: str
+    kv_block_size: int = 0
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    context_length: int = 0
+    data_parallel_size: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # Where frontends get the tokenizer: "builtin:<name>", a path, or "" (ask
+    # the worker with GetModelFiles when `model_files()` serves files).
+    tokenizer_source: str = ""
+    chat_template: str = ""
+    # Engine-defined fingerprint of the KV layout; disaggregated transfers
+    # between workers with different layouts are refused.
+    kv_layout: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model is required")
+        if self.data_parallel_size < 1:
+            raise ValueError("EngineConfig.data_parallel_size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadMetrics:
+    """A load sample an engine reports through `EngineSink.load`."""
+
+    active_blocks: int
+    total_blocks: int
+    waiting: int
+    running: int
+    queued_prefill_tokens: int = 0
+    dp_rank: int = 0
+
+
+class EngineSink(Protocol):
+    """Where an engine reports KV cache changes and load (the worker implements it).
+
+    Calls are cheap and never block: the worker assigns event ids, batches,
+    publishes and keeps the block set that answers `GetKvSnapshot`. Hashes come
+    from `meshllm.protocol.kv` so routers can match them against prompts.
+    """
+
+    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
+        """Full blocks `(block_hash, tokens_hash)` became resident, chained after `parent_hash`."""
+
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
+        """Blocks left the cache."""
+
+    def all_cleared(self, dp_rank: int = 0) -> None:
+        """The whole cache was dropped."""
+
+    def load(self, metrics: LoadMetrics) -> None:
+        """The latest load; the worker publishes at most every 100 ms."""
+
+
+class NullSink:
+    """An EngineSink that drops everything (engines used outside a worker)."""
+
+    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
+        pass
+
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
+        pass
+
+    def all_cleared(self, dp_rank: int = 0) -> None:
+        pass
+
+    def load(self, metrics: LoadMetrics) -> None:
+        pass
+
+
+class Context:
+    """One request's handle: its id, its stop signal, its trace context.
+
+    The worker calls `stop()` when the caller cancels (gRPC cancel, Abort) or
+    the worker shuts down hard. Engines poll `is_stopped()` between yields, or
+    await `stopped()` alongside their own work.
+    """
+
+    __slots__ = ("_event", "id", "traceparent")
+
+    def __init__(self, request_id: str, *, traceparent: str | None = None) -> None:
+        self.id = request_id
+        self.traceparent = traceparent
+        self._event = asyncio.Event()
+
+    def is_stopped(self) -> bool:
+        return self._event.is_set()
+
+    async def stopped(self) -> None:
+        """Return once the request is stopped."""
+        await self._event.wait()
+
+    def stop(self) -> None:
+        """Mark the request stopped (framework use; idempotent)."""
+        self._event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """One piece of serialized KV served by `LLMEngine.pull_kv`."""
+
+    data: bytes
+    total_bytes: int
+    layout: str = ""
+    n_tokens: int = 0
+
+
+def terminal(
+    reason: FinishReason,
+    usage: Usage,
+    *,
+    token_ids: Sequence[int] = (),
+    stop_reason: str = "",
+    disagg: DisaggParams | None = None,
+) -> GenerateChunk:
+    """Build a terminal chunk (a convenience for engines)."""
+    chunk: GenerateChunk = {"token_ids": list(token_ids), "finish_reason": reason, "usage": usage}
+    if stop_reason:
+        chunk["stop_reason"] = stop_reason
+    if disagg is not None:
+        chunk["disagg"] = disagg
+    return chunk
+
+
+class LLMEngine(abc.ABC):
+    """The contract between meshllm and an inference engine.
+
+    Who calls what, and when:
+
+    1. `from_args(argv)` (async classmethod) — parses the engine's flags plus the
+       common worker flags (use `worker_arg_parser`) and returns
+       `(engine, WorkerConfig)`. It constructs; it does not load anything.
+    2. The framework sets `engine.sink` (an `EngineSink`) and calls
+       `start(worker_id)` once. `start` loads the model and returns an
+       `EngineConfig`. From then on the engine is *ready*: `generate` may be
+       called any number of times **concurrently**.
+    3. `generate(request, context)` is an async iterator of `GenerateChunk`
+       dicts. Guarantees the engine must give:
+         - the stream ends with **exactly one terminal chunk** — one with
+           `finish_reason` and `usage` — and **nothing after it**;
+         - `max_tokens` reached → "length"; a `stop_token_ids` hit → "stop"
+           (the stop token is not emitted); an EOS token (unless `ignore_eos`)
+           → "eos"; no EOS/stop before `min_tokens`;
+         - it polls `context.is_stopped()` between yields; once stopped it ends
+           promptly (well within 2 s) with a "cancelled" terminal and frees the
+           request's resources (use `try/finally`: the consumer may also drop
+           the iterator at any yield);
+         - invalid input (e.g. an empty prompt) raises
+           `meshllm.errors.InvalidArgument` before any chunk; other failures
+           raise a `meshllm.errors.MeshError` subclass (the class and message
+           cross the wire intact) — anything else is wrapped as `Unknown`.
+       Role: a request whose `disagg.request_type` is "context_only" (prefill
+       role) computes the prompt and ends with one terminal chunk carrying the
+       first token(s) and `disagg` (a kv handle); "generation_only" (decode
+       role) obtains that KV and continues after `disagg.first_token_ids`.
+    4. `abort(context)` — optional, called once when a request is cancelled,
+       for out-of-band release of engine resources (default: no-op).
+    5. `drain()` — optional, pre-shutdown work while the planes are still up,
+       after in-flight requests finished or the drain timeout passed.
+    6. `cleanup()` — releases everything. Safe without `start`, safe to call
+       twice (and concurrently).
+
+    Optional capabilities (defaults raise `Unimplemented`, which the worker
+    turns into gRPC UNIMPLEMENTED): `clear_kv_blocks`, `pull_kv`,
+    `model_files`.
+    """
+
+    #: Set by the framework before `start`; engines report KV events and load here.
+    sink: EngineSink = NullSink()
+
+    @classmethod
+    @abc.abstractmethod
+    async def from_args(cls, argv: Sequence[str]) -> tuple[Self, WorkerConfig]:
+        """Parse flags; construct the engine (do not start it)."""
+
+    @abc.abstractmethod
+    async def start(self, worker_id: str) -> EngineConfig:
+        """Load the model; afterwards `generate` is safe to call concurrently."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks for one request (see the class docstring for guarantees)."""
+
+    async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook
+        """Release engine resources of a cancelled request out of band (optional)."""
+
+    async def drain(self) -> None:  # noqa: B027 - optional hook
+        """Pre-shutdown work while planes are still up (optional)."""
+
+    @abc.abstractmethod
+    async def cleanup(self) -> None:
+        """Release everything; safe without start and safe twice."""
+
+    async def clear_kv_blocks(self) -> int:
+        """Drop every cached, unreferenced KV block; return how many (optional)."""
+        from meshllm.errors import Unimplemented
+
+        raise Unimplemented(f"{type(self).__name__} cannot clear KV blocks")
+
+    def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        """Serve the KV held under `kv_handle` once, in ~1 MiB pieces (optional)."""
+        from meshllm.errors import Unimplemented
+
+        raise Unimplemented(f"{type(self).__name__} does not transfer KV over gRPC")
+
+    def model_files(self) -> Mapping[str, Path]:
+        """Tokenizer/config files served by GetModelFiles, by name (optional; empty = none)."""
+        return {}
+
+
+# ---------------------------------------------------------------- worker config
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerConfig:
+    """Everything the worker runtime needs, built once from flags and `MESHLLM_*`."""
+
+    engine: str
+    role: DisaggregationMode = DisaggregationMode.AGGREGATED
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    component: str = "worker"
+    endpoint: str = "generate"
+    static: bool = False
+    instance_id: str | None = None
+    model_name: str | None = None
+    migration_limit: int = 3
+    health_check_payload: Mapping[str, Any] | None = None
+    health_check_interval_s: float = 10.0
+    grace_period_s: float = 1.0
+    drain_timeout_s: float = 30.0
+    metrics_port: int | None = None
+    validate_streams: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("component", "endpoint"):
+            value = getattr(self, name)
+            if not value or "/" in value or "." in value:
+                raise ConfigError(f"--{name} {value!r} must be a non-empty name without '/' or '.'")
+        if self.grace_period_s < 0 or self.drain_timeout_s < 0:
+            raise ConfigError("--grace-period and --drain-timeout must be >= 0")
+        if self.health_check_interval_s <= 0:
+            raise ConfigError("--health-check-interval must be > 0")
+        if self.migration_limit < 0:
+            raise ConfigError("--migration-limit must be >= 0")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("--model-name must not be empty")
+
+    @classmethod
+    def from_namespace(cls, ns: Any, *, engine: str) -> WorkerConfig:
+        """Build from the flags added by `worker_arg_parser`."""
+        payload = None
+        if ns.health_check_payload:
+            try:
+                payload = json.loads(ns.health_check_payload)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--health-check-payload is not JSON: {exc.msg}") from None
+            if not isinstance(payload, dict) or not isinstance(payload.get("token_ids"), list):
+                raise ConfigError('--health-check-payload must be a JSON object with "token_ids": [...]')
+        plane = PlaneConfig.from_namespace(ns)
+        static = bool(ns.static) or plane.discovery is DiscoveryKind.STATIC
+        if static and plane.discovery is not DiscoveryKind.STATIC:
+            plane = PlaneConfig(
+                namespace=plane.namespace, discovery=DiscoveryKind.STATIC, events=plane.events, nats_url=plane.nats_url
+            )
+        return cls(
+            engine=engine,
+            role=DisaggregationMode(ns.role),
+            plane=plane,
+            server=ServerConfig(host=ns.host, port=ns.port),
+            component=ns.component,
+            endpoint=ns.endpoint,
+            static=static,
+            instance_id=ns.instance_id or None,
+            model_name=ns.model_name,
+            migration_limit=ns.migration_limit,
+            health_check_payload=payload,
+            health_check_interval_s=ns.health_check_interval,
+            grace_period_s=ns.grace_period,
+            drain_timeout_s=ns.drain_timeout,
+            metrics_port=ns.metrics_port,
+            validate_streams=ns.validate_streams,
+        )
+
+
+def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> EnvArgumentParser:
+    """A parser with every common worker flag; engines add their own and parse.
+
+    Defaults come from `MESHLLM_*` variables (`os.environ` unless `env` is given).
+    """
+    parser = EnvArgumentParser(
+        prog=f"meshllm worker --engine {engine}",
+        env=os.environ if env is None else env,
+        description=f"meshllm worker running the {engine} engine",
+    )
+    g = parser.add_argument_group("worker")
+    g.add_argument("--role", choices=[m.value for m in DisaggregationMode], default="agg", help="worker role")
+    g.add_argument("--component", default="worker", help="discovery component name")
+    g.add_argument("--endpoint", default="generate", help="discovery endpoint name")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
+    g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
+    g.add_argument("--static", action="store_true", help="do not register in discovery")
+    g.add_argument("--instance-id", default="", help="instance id (default: random)")
+    g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
+    g.add_argument("--migration-limit", type=int, default=3, help="migrations allowed per request")
+    g.add_argument("--health-check-payload", default="", help='canary request JSON, e.g. {"token_ids": [1, 2]}')
+    g.add_argument("--health-check-interval", type=float, default=10.0, help="idle seconds between canaries")
+    g.add_argument("--grace-period", type=float, default=1.0, help="seconds between unregistering and refusing requests")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="max seconds to wait for in-flight requests")
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
+    g.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
+    add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    return parser

@@ -1,0 +1,221 @@
+"""Pure converters between the internal TypedDicts and the meshllm.v1 protobufs.
+
+Each function is one direction of one type, used exactly once per hop at a
+service edge. Round trips are lossless for every field the protos define.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from meshllm.protocol.types import (
+    DisaggParams,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    GuidedDecoding,
+    RequestType,
+    TokenLogprob,
+    Usage,
+)
+from meshllm.v1 import generate_pb2 as pb
+
+__all__ = [
+    "chunk_from_proto",
+    "chunk_to_proto",
+    "disagg_from_proto",
+    "disagg_to_proto",
+    "request_from_proto",
+    "request_to_proto",
+]
+
+_FINISH_TO_PB: dict[str, int] = {
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "error": pb.FINISH_REASON_ERROR,
+    "content_filter": pb.FINISH_REASON_CONTENT_FILTER,
+}
+_FINISH_FROM_PB = {v: cast(FinishReason, k) for k, v in _FINISH_TO_PB.items()}
+_RTYPE_TO_PB = {
+    "context_only": pb.DISAGG_REQUEST_TYPE_CONTEXT_ONLY,
+    "generation_only": pb.DISAGG_REQUEST_TYPE_GENERATION_ONLY,
+}
+_RTYPE_FROM_PB = {v: cast(RequestType, k) for k, v in _RTYPE_TO_PB.items()}
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_GUIDED = ("json_schema", "regex", "grammar", "json_object")
+_HINTS_OPT = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "dp_rank")
+
+
+def disagg_to_proto(d: DisaggParams) -> pb.DisaggParams:
+    m = pb.DisaggParams(
+        kv_handle=d.get("kv_handle", b""),
+        prefill_worker_id=d.get("prefill_worker_id", ""),
+        prefill_address=d.get("prefill_address", ""),
+        first_token_ids=d.get("first_token_ids", ()),
+        ctx_request_id=d.get("ctx_request_id", ""),
+        opaque_state=d.get("opaque_state", b""),
+        cached_tokens=d.get("cached_tokens", 0),
+        kv_bytes=d.get("kv_bytes", 0),
+    )
+    if "request_type" in d:
+        m.request_type = _RTYPE_TO_PB[d["request_type"]]  # type: ignore[assignment]
+    return m
+
+
+def disagg_from_proto(m: pb.DisaggParams) -> DisaggParams:
+    d: DisaggParams = {}
+    if m.request_type:
+        d["request_type"] = _RTYPE_FROM_PB[m.request_type]
+    if m.kv_handle:
+        d["kv_handle"] = m.kv_handle
+    if m.prefill_worker_id:
+        d["prefill_worker_id"] = m.prefill_worker_id
+    if m.prefill_address:
+        d["prefill_address"] = m.prefill_address
+    if m.first_token_ids:
+        d["first_token_ids"] = list(m.first_token_ids)
+    if m.ctx_request_id:
+        d["ctx_request_id"] = m.ctx_request_id
+    if m.opaque_state:
+        d["opaque_state"] = m.opaque_state
+    if m.cached_tokens:
+        d["cached_tokens"] = m.cached_tokens
+    if m.kv_bytes:
+        d["kv_bytes"] = m.kv_bytes
+    return d
+
+
+def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+    m = pb.GenerateRequest(
+        request_id=r["request_id"],
+        model=r.get("model", ""),
+        token_ids=r["token_ids"],
+        eos_token_ids=r.get("eos_token_ids", ()),
+        annotations=r.get("annotations", {}),
+    )
+    if s := r.get("sampling"):
+        for k in _SAMPLING:
+            if k in s:
+                setattr(m.sampling, k, s[k])  # type: ignore[literal-required]
+        if g := s.get("guided"):
+            for k in _GUIDED:
+                if k in g:
+                    setattr(m.sampling.guided, k, g[k])  # type: ignore[literal-required]
+            if "choice" in g:
+                m.sampling.guided.choice.values.extend(g["choice"])
+    if st := r.get("stop"):
+        if "max_tokens" in st:
+            m.stop.max_tokens = st["max_tokens"]
+        m.stop.min_tokens = st.get("min_tokens", 0)
+        m.stop.stop_token_ids.extend(st.get("stop_token_ids", ()))
+        m.stop.ignore_eos = st.get("ignore_eos", False)
+    if o := r.get("output"):
+        if "logprobs" in o:
+            m.output.logprobs = o["logprobs"]
+        if "prompt_logprobs" in o:
+            m.output.prompt_logprobs = o["prompt_logprobs"]
+        m.output.skip_special_tokens = o.get("skip_special_tokens", False)
+    if h := r.get("routing"):
+        for k in _HINTS_OPT:
+            if k in h:
+                setattr(m.routing, k, h[k])  # type: ignore[literal-required]
+        m.routing.lora_name = h.get("lora_name", "")
+        m.routing.priority = h.get("priority", 0)
+        m.routing.allowed_worker_ids.extend(h.get("allowed_worker_ids", ()))
+    if "disagg" in r:
+        m.disagg.CopyFrom(disagg_to_proto(r["disagg"]))
+    return m
+
+
+def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
+    r: GenerateRequest = {"request_id": m.request_id, "token_ids": list(m.token_ids)}
+    if m.model:
+        r["model"] = m.model
+    if m.HasField("sampling"):
+        s = m.sampling
+        sampling = {k: getattr(s, k) for k in _SAMPLING if s.HasField(k)}
+        if s.HasField("guided"):
+            kind = s.guided.WhichOneof("kind")
+            if kind == "choice":
+                sampling["guided"] = GuidedDecoding(choice=list(s.guided.choice.values))
+            elif kind is not None:
+                sampling["guided"] = cast(GuidedDecoding, {kind: getattr(s.guided, kind)})
+        r["sampling"] = sampling  # type: ignore[typeddict-item]
+    if m.HasField("stop"):
+        st = m.stop
+        r["stop"] = {"min_tokens": st.min_tokens, "stop_token_ids": list(st.stop_token_ids), "ignore_eos": st.ignore_eos}
+        if st.HasField("max_tokens"):
+            r["stop"]["max_tokens"] = st.max_tokens
+    if m.HasField("output"):
+        o = m.output
+        r["output"] = {"skip_special_tokens": o.skip_special_tokens}
+        if o.HasField("logprobs"):
+            r["output"]["logprobs"] = o.logprobs
+        if o.HasField("prompt_logprobs"):
+            r["output"]["prompt_logprobs"] = o.prompt_logprobs
+    if m.eos_token_ids:
+        r["eos_token_ids"] = list(m.eos_token_ids)
+    if m.HasField("routing"):
+        h = m.routing
+        hints = {k: getattr(h, k) for k in _HINTS_OPT if h.HasField(k)}
+        if h.lora_name:
+            hints["lora_name"] = h.lora_name
+        if h.priority:
+            hints["priority"] = h.priority
+        if h.allowed_worker_ids:
+            hints["allowed_worker_ids"] = list(h.allowed_worker_ids)
+        r["routing"] = hints  # type: ignore[typeddict-item]
+    if m.HasField("disagg"):
+        r["disagg"] = disagg_from_proto(m.disagg)
+    if m.annotations:
+        r["annotations"] = dict(m.annotations)
+    return r
+
+
+def chunk_to_proto(c: GenerateChunk) -> pb.GenerateChunk:
+    m = pb.GenerateChunk(token_ids=c.get("token_ids", ()), index=c.get("index", 0), stop_reason=c.get("stop_reason", ""))
+    if "finish_reason" in c:
+        m.finish_reason = _FINISH_TO_PB[c["finish_reason"]]  # type: ignore[assignment]
+    if u := c.get("usage"):
+        m.usage.prompt_tokens = u["prompt_tokens"]
+        m.usage.completion_tokens = u["completion_tokens"]
+        m.usage.cached_tokens = u["cached_tokens"]
+    for lp in c.get("logprobs", ()):
+        e = m.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"])
+        for tid, p in lp.get("top", ()):
+            e.top.add(token_id=tid, logprob=p)
+    if "disagg" in c:
+        m.disagg.CopyFrom(disagg_to_proto(c["disagg"]))
+    if err := c.get("error"):
+        m.error.code = err["code"]
+        m.error.message = err["message"]
+    return m
+
+
+def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:
+    c: GenerateChunk = {"token_ids": list(m.token_ids)}
+    if m.index:
+        c["index"] = m.index
+    if m.finish_reason:
+        c["finish_reason"] = _FINISH_FROM_PB[m.finish_reason]
+    if m.stop_reason:
+        c["stop_reason"] = m.stop_reason
+    if m.HasField("usage"):
+        c["usage"] = Usage(
+            prompt_tokens=m.usage.prompt_tokens,
+            completion_tokens=m.usage.completion_tokens,
+            cached_tokens=m.usage.cached_tokens,
+        )
+    if m.logprobs:
+        c["logprobs"] = [
+            TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=[(t.token_id, t.logprob) for t in e.top])
+            for e in m.logprobs
+        ]
+    if m.HasField("disagg"):
+        c["disagg"] = disagg_from_proto(m.disagg)
+    if m.HasField("error"):
+        c["error"] = {"code": m.error.code, "message": m.error.message}
+    return c
