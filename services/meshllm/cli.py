@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "run": (None, "frontend + router + workers in one process (the embedded default)"),
     "frontend": (None, "OpenAI HTTP API and text gRPC Inference API"),
     "router": (None, "KV-aware router: routes, disaggregates, migrates"),
-    "worker": (None, "one inference engine behind the Worker gRPC service"),
+    "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
 }
 
 USAGE = "usage: meshllm {" + ",".join(COMMANDS) + "} [options]  (meshllm COMMAND --help for its flags)"

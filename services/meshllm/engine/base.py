@@ -23,6 +23,7 @@ from meshllm.config import (
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
+    EventsKind,
     PlaneConfig,
     ServerConfig,
     add_plane_args,
@@ -330,9 +331,9 @@ class WorkerConfig:
         plane = PlaneConfig.from_namespace(ns)
         static = bool(ns.static) or plane.discovery is DiscoveryKind.STATIC
         if static and plane.discovery is not DiscoveryKind.STATIC:
-            plane = PlaneConfig(
-                namespace=plane.namespace, discovery=DiscoveryKind.STATIC, events=plane.events, nats_url=plane.nats_url
-            )
+            # --static touches neither etcd nor (unless --events says so) NATS.
+            events = plane.events if ns.events else EventsKind.NONE
+            plane = PlaneConfig(namespace=plane.namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
         return cls(
             engine=engine,
             role=DisaggregationMode(ns.role),

@@ -1,0 +1,1 @@
+"""The worker: one engine behind the Worker gRPC service (`meshllm worker`)."""

@@ -1,0 +1,36 @@
+"""Prometheus metrics of one worker (its own registry, so several workers share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["WorkerMetrics"]
+
+
+class WorkerMetrics:
+    """Lifecycle gauges, load, aborts and KV transfer bytes, labelled by worker."""
+
+    def __init__(self, worker_id: str, *, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"worker_id": worker_id}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        self.model_load_time = gauge("model_load_time_seconds", "Seconds engine.start() took")
+        self.drain_time = gauge("drain_time_seconds", "Seconds the last shutdown spent draining in-flight work")
+        self.cleanup_time = gauge("cleanup_time_seconds", "Seconds engine.cleanup() took")
+        self.inflight = gauge("meshllm_worker_inflight_requests", "Requests in flight")
+        self.kv_active_blocks = gauge("meshllm_worker_kv_active_blocks", "KV blocks in use")
+        self.kv_total_blocks = gauge("meshllm_worker_kv_total_blocks", "KV blocks in the cache")
+        self.kv_usage = gauge("meshllm_worker_kv_usage_ratio", "Fraction of KV blocks in use")
+        self.waiting = gauge("meshllm_worker_waiting_requests", "Sequences waiting for admission")
+        self.running = gauge("meshllm_worker_running_requests", "Sequences running")
+        self.requests = counter("meshllm_worker_requests", "Generate requests accepted")
+        self.aborts = counter("meshllm_worker_aborts", "Requests aborted (cancel or Abort)")
+        self.kv_transfer_bytes = counter("meshllm_worker_kv_transfer_bytes", "KV bytes served by PullKv")
+        self.kv_events = counter("meshllm_worker_kv_events", "KV events published")
+        self.health_failures = counter("meshllm_worker_health_check_failures", "Failed canary requests")

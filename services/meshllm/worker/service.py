@@ -1,0 +1,217 @@
+"""The Worker gRPC servicer: one engine behind `meshllm.v1.Worker`.
+
+Per request: proto → internal once, `engine.generate`, internal → proto once.
+A gRPC cancel (or `Abort`) stops the request's `Context` and calls
+`engine.abort(context)` exactly once. The stream always ends with exactly one
+terminal chunk or a gRPC error; engine errors of the typed family cross the
+wire intact (the transport's error mapping), others become `Unknown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from meshllm.engine.base import Context, EngineConfig, LLMEngine
+from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
+from meshllm.plane.transport import CallInfo
+from meshllm.protocol.convert import chunk_to_proto, request_from_proto
+from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from meshllm.worker.metrics import WorkerMetrics
+from meshllm.worker.sink import WorkerSink
+from meshllm.worker.validator import validate_stream
+
+__all__ = ["WorkerServicer"]
+
+log = logging.getLogger(__name__)
+FILE_CHUNK = 1 << 20
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one started engine. `admitting` gates new Generate calls."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        sink: WorkerSink,
+        metrics: WorkerMetrics,
+        *,
+        info: Callable[[], worker_pb2.WorkerInfo],
+        validate_streams: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.metrics = metrics
+        self._info = info
+        self.validate_streams = validate_streams
+        self.admitting = True
+        self.inflight: dict[str, Context] = {}
+        self._aborted: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.requests_served = 0
+        self.on_drain_request: Callable[[], Any] | None = None
+
+    # ------------------------------------------------------------ generate
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateChunk]:
+        gen = self.run_request(request_from_proto(request), CallInfo.from_context(context).traceparent)
+        try:
+            async for chunk in gen:
+                yield chunk_to_proto(chunk)
+        finally:
+            await gen.aclose()  # a cancel reaches run_request at once, not at garbage collection
+
+    async def run_request(self, req: GenerateRequest, traceparent: str | None = None) -> AsyncGenerator[GenerateChunk, None]:
+        """Run one request through the engine (also used by the health canary)."""
+        if not self.admitting:
+            raise EngineShutdown("worker is draining and admits no new requests")
+        if not req.get("request_id"):
+            req["request_id"] = uuid.uuid4().hex
+        rid = req["request_id"]
+        if rid in self.inflight:
+            raise InvalidArgument(f"request_id {rid!r} is already in flight", param="request_id")
+        ctx = Context(rid, traceparent=traceparent)
+        self.inflight[rid] = ctx
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        stream = self.engine.generate(req, ctx)
+        if self.validate_streams:
+            stream = validate_stream(stream, req, ctx)
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+                if "finish_reason" in chunk:
+                    finished = True
+                    break
+            if not finished:
+                raise StreamIncomplete(f"engine stream for {rid} ended without a terminal chunk")
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (gRPC cancel): stop the request, tell the engine.
+            if not finished:
+                ctx.stop()
+                self._schedule_abort(ctx)
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await _aclose(stream)
+            self.inflight.pop(rid, None)
+            self._aborted.discard(rid)
+            self.metrics.inflight.dec()
+            self.requests_served += 1
+            if not self.inflight:
+                self._idle.set()
+
+    def _schedule_abort(self, ctx: Context) -> None:
+        if ctx.id in self._aborted:
+            return
+        self._aborted.add(ctx.id)
+        self.metrics.aborts.inc()
+        task = asyncio.ensure_future(self._abort(ctx))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _abort(self, ctx: Context) -> None:
+        try:
+            await self.engine.abort(ctx)
+        except Exception:
+            log.exception("engine.abort failed for %s", ctx.id)
+
+    # ------------------------------------------------------------ control
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+        ctx = self.inflight.get(request.request_id)
+        if ctx is None:
+            return worker_pb2.AbortResponse(found=False)
+        ctx.stop()
+        self._schedule_abort(ctx)
+        return worker_pb2.AbortResponse(found=True)
+
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return self._info()
+
+    async def GetKvSnapshot(
+        self, request: worker_pb2.GetKvSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvSnapshot:
+        return self.sink.snapshot()
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+        if self.on_drain_request is not None:
+            self.on_drain_request()
+        else:
+            self.admitting = False
+        return worker_pb2.DrainResponse(in_flight=len(self.inflight))
+
+    async def ClearKvBlocks(
+        self, request: worker_pb2.ClearKvBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ClearKvBlocksResponse:
+        return worker_pb2.ClearKvBlocksResponse(cleared_blocks=await self.engine.clear_kv_blocks())
+
+    async def PullKv(
+        self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvChunk]:
+        offset = 0
+        first = True
+        async for piece in self.engine.pull_kv(request.kv_handle, request.layout):
+            chunk = worker_pb2.KvChunk(data=piece.data, offset=offset, total_bytes=piece.total_bytes)
+            if first:
+                chunk.layout, chunk.n_tokens, first = piece.layout, piece.n_tokens, False
+            offset += len(piece.data)
+            self.metrics.kv_transfer_bytes.inc(len(piece.data))
+            yield chunk
+
+    async def GetModelFiles(
+        self, request: worker_pb2.GetModelFilesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.ModelFileChunk]:
+        files = self.engine.model_files()
+        if not files:
+            from meshllm.errors import Unimplemented
+
+            raise Unimplemented(f"{type(self.engine).__name__} serves no model files")
+        names = list(request.names) or sorted(files)
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise NotFound(f"model files not served: {', '.join(missing)}")
+        for name in names:
+            data = await asyncio.to_thread(files[name].read_bytes)
+            for off in range(0, max(len(data), 1), FILE_CHUNK):
+                yield worker_pb2.ModelFileChunk(
+                    name=name, data=data[off : off + FILE_CHUNK], offset=off, total_bytes=len(data)
+                )
+
+    # ------------------------------------------------------------ lifecycle helpers
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    def stop_all(self) -> None:
+        """Stop every in-flight request (drain timeout passed)."""
+        for ctx in list(self.inflight.values()):
+            ctx.stop()
+            self._schedule_abort(ctx)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def engine_config_proto(cfg: EngineConfig) -> worker_pb2.EngineConfig:
+    """EngineConfig dataclass → proto (used by GetInfo)."""
+    return worker_pb2.EngineConfig(
+        model=cfg.model,
+        kv_block_size=cfg.kv_block_size,
+        total_kv_blocks=cfg.total_kv_blocks,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        context_length=cfg.context_length,
+        data_parallel_size=cfg.data_parallel_size,
+    )

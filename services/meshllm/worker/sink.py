@@ -1,0 +1,166 @@
+"""The worker's EngineSink: numbers, batches and publishes KV events and load.
+
+Engines report cache changes here (from the event loop thread). The sink gives
+each event the next per-worker event id, collects the events of one loop
+iteration into one `KvEventBatch` per dp rank, publishes it, keeps a bounded
+ring of recent events, and maintains the full resident block set that answers
+`Worker.GetKvSnapshot`. Load samples are published at most every 100 ms (the
+latest sample wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Sequence
+
+from meshllm.engine.base import LoadMetrics
+from meshllm.plane.events import EventBus
+from meshllm.protocol.names import kv_subject, load_subject
+from meshllm.v1 import events_pb2, worker_pb2
+
+__all__ = ["WorkerSink"]
+
+LOAD_INTERVAL_S = 0.1
+
+
+class WorkerSink:
+    """EngineSink of one worker. Not thread-safe: call from the event loop."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        bus: EventBus,
+        *,
+        namespace: str,
+        component: str,
+        ring_size: int = 4096,
+        on_load: Callable[[LoadMetrics], None] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self._on_load = on_load
+        self._bus = bus
+        self._kv_subject = kv_subject(namespace, component)
+        self._load_subject = load_subject(namespace, component)
+        self.last_event_id = 0
+        self.ring: collections.deque[events_pb2.KvEvent] = collections.deque(maxlen=ring_size)
+        self._blocks: dict[int, dict[int, int]] = collections.defaultdict(dict)  # dp -> block_hash -> tokens_hash
+        self._pending: list[tuple[int, events_pb2.KvEvent]] = []
+        self._flush_scheduled = False
+        self._latest_load: LoadMetrics | None = None
+        self._load_sent_at = 0.0
+        self._load_timer: asyncio.TimerHandle | None = None
+        self.events_published = 0
+
+    # -- EngineSink
+    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
+        if not blocks:
+            return
+        stored = events_pb2.BlocksStored(
+            blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks]
+        )
+        if parent_hash is not None:
+            stored.parent_hash = parent_hash
+        resident = self._blocks[dp_rank]
+        for bh, th in blocks:
+            resident[bh] = th
+        self._add(dp_rank, events_pb2.KvEvent(stored=stored))
+
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
+        if not block_hashes:
+            return
+        resident = self._blocks[dp_rank]
+        for bh in block_hashes:
+            resident.pop(bh, None)
+        self._add(dp_rank, events_pb2.KvEvent(removed=events_pb2.BlocksRemoved(block_hashes=block_hashes)))
+
+    def all_cleared(self, dp_rank: int = 0) -> None:
+        self._blocks[dp_rank].clear()
+        self._add(dp_rank, events_pb2.KvEvent(cleared=events_pb2.AllCleared()))
+
+    def load(self, metrics: LoadMetrics) -> None:
+        self._latest_load = metrics
+        if self._on_load is not None:
+            self._on_load(metrics)
+        if self._load_timer is not None:
+            return
+        wait = self._load_sent_at + LOAD_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._send_load()
+        else:
+            self._load_timer = asyncio.get_running_loop().call_later(wait, self._send_load)
+
+    # -- snapshot
+    def snapshot(self) -> worker_pb2.KvSnapshot:
+        """Every resident block, per dp rank, as of `last_event_id` (flushes first)."""
+        self._flush()
+        snap = worker_pb2.KvSnapshot(worker_id=self.worker_id, last_event_id=self.last_event_id)
+        for dp, blocks in sorted(self._blocks.items()):
+            rank = snap.ranks.add(dp_rank=dp)
+            rank.blocks.extend(events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks.items())
+        return snap
+
+    @property
+    def latest_load(self) -> LoadMetrics | None:
+        return self._latest_load
+
+    def block_count(self) -> int:
+        return sum(len(b) for b in self._blocks.values())
+
+    # -- internals
+    def _add(self, dp_rank: int, event: events_pb2.KvEvent) -> None:
+        self.last_event_id += 1
+        event.event_id = self.last_event_id
+        self.ring.append(event)
+        self._pending.append((dp_rank, event))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        batch: events_pb2.KvEventBatch | None = None
+        for dp, ev in pending:
+            if batch is None or batch.dp_rank != dp:
+                if batch is not None:
+                    self._publish_batch(batch)
+                batch = events_pb2.KvEventBatch(worker_id=self.worker_id, dp_rank=dp)
+            batch.events.append(ev)
+        if batch is not None:
+            self._publish_batch(batch)
+
+    def _publish_batch(self, batch: events_pb2.KvEventBatch) -> None:
+        self._bus.publish(self._kv_subject, batch)
+        self.events_published += len(batch.events)
+
+    def _send_load(self) -> None:
+        self._load_timer = None
+        m = self._latest_load
+        if m is None:
+            return
+        self._load_sent_at = time.monotonic()
+        self._bus.publish(
+            self._load_subject,
+            events_pb2.LoadSnapshot(
+                worker_id=self.worker_id,
+                dp_rank=m.dp_rank,
+                active_blocks=m.active_blocks,
+                total_blocks=m.total_blocks,
+                waiting=m.waiting,
+                running=m.running,
+                queued_prefill_tokens=m.queued_prefill_tokens,
+                last_event_id=self.last_event_id,
+                timestamp_ms=int(time.time() * 1000),
+            ),
+        )
+
+    def close(self) -> None:
+        """Publish what is pending (last events and load) and stop timers."""
+        self._flush()
+        if self._load_timer is not None:
+            self._load_timer.cancel()
+            self._send_load()
