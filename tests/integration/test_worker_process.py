@@ -1,0 +1,204 @@
+"""`meshllm worker` as a real subprocess, with real etcd and nats-server.
+
+Locks issue 3's integration clauses: registration in etcd, a typed client
+streaming Generate, cancellation reaching the engine's abort, the SIGTERM
+shutdown order (leave etcd first, finish in-flight, refuse new calls, exit 0),
+`--static` without etcd, and an engine module outside services/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from meshllm import errors
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.plane.discovery import Discovery, open_discovery
+from meshllm.plane.events import open_events
+from meshllm.plane.transport import ChannelCache
+from meshllm.protocol.names import load_subject
+from meshllm.testing.servers import EtcdServer, NatsServer
+from meshllm.v1 import discovery_pb2, events_pb2
+from meshllm.worker.client import WorkerClient
+
+pytestmark = pytest.mark.integration
+
+ENGINES = Path(__file__).parent / "engines"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        penv = {**os.environ, "PYTHONPATH": f"{ENGINES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshllm", "worker", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=penv,
+            cwd=ROOT,
+            text=True,
+        )
+        self.address = ""
+
+    async def ready(self, timeout_s: float = 30.0) -> str:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)  # type: ignore[union-attr]
+        assert "serving on" in line, f"worker did not start: {line!r} {self.stderr()}"
+        self.address = line.rsplit(" ", 1)[-1].strip()
+        return self.address
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stderr.read() if self.proc.stderr else ""  # type: ignore[no-any-return]
+
+    async def wait(self, timeout_s: float = 30.0) -> int:
+        return await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[tuple[EtcdServer, NatsServer]]:
+    async with EtcdServer() as etcd, NatsServer() as nats:
+        yield etcd, nats
+
+
+def plane_args(etcd: EtcdServer, nats: NatsServer) -> list[str]:
+    return ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url, "--lease-ttl", "3"]
+
+
+async def wait_instances(watch: AsyncIterator[dict[str, discovery_pb2.Instance]], pred: object, timeout_s: float) -> dict[str, discovery_pb2.Instance]:
+    async with asyncio.timeout(timeout_s):
+        async for snap in watch:
+            if pred(snap):  # type: ignore[operator]
+                return snap
+    raise AssertionError("watch ended")
+
+
+async def etcd_discovery(etcd: EtcdServer) -> Discovery:
+    return await open_discovery(PlaneConfig(discovery=DiscoveryKind.ETCD, etcd_endpoints=(etcd.endpoint,), lease_ttl_s=3))
+
+
+async def test_worker_registers_streams_and_cancel_reaches_engine_abort(mesh: tuple[EtcdServer, NatsServer], tmp_path: Path) -> None:
+    etcd, nats = mesh
+    probe = tmp_path / "aborts.txt"
+    w = WorkerProcess(
+        "--engine", "abort_probe:AbortProbeEngine", *plane_args(etcd, nats), "--token-delay-ms", "20",
+        env={"ABORT_PROBE_FILE": str(probe)},
+    )  # fmt: skip
+    try:
+        address = await w.ready()
+        async with await etcd_discovery(etcd) as disc, ChannelCache() as ch:
+            snap = await wait_instances(disc.watch_instances("worker"), lambda s: any(i.address == address for i in s.values()), 10)
+            (inst,) = snap.values()
+            assert inst.role == discovery_pb2.WORKER_ROLE_AGGREGATED
+            models = await disc.list_models()
+            assert models[inst.id].name == "sample"
+
+            client = WorkerClient(ch, address)
+            chunks = [c async for c in client.generate({"request_id": "full", "token_ids": [10, 20], "stop": {"max_tokens": 5}})]
+            assert [t for c in chunks for t in c.get("token_ids", [])] == [21, 22, 23, 24, 25]
+            assert chunks[-1]["finish_reason"] == "length"
+
+            # the sample engine publishes load snapshots; watch running go up then back to 0
+            async with await open_events(PlaneConfig(events=EventsKind.NATS, nats_url=nats.url)) as bus:
+                sub = await bus.subscribe(load_subject("meshllm", "worker"), events_pb2.LoadSnapshot)
+                stream = client.generate({"request_id": "to-cancel", "token_ids": [1], "stop": {"max_tokens": 100_000}})
+                await anext(stream)
+                await stream.aclose()  # cancel mid-stream
+                async with asyncio.timeout(10):
+                    while not (probe.exists() and "to-cancel" in probe.read_text()):
+                        await asyncio.sleep(0.02)  # polling the engine's side effect with a deadline
+                    async for load in sub:
+                        if load.worker_id == inst.id and load.running == 0:
+                            break
+            assert probe.read_text().splitlines() == ["to-cancel"]
+    finally:
+        w.kill()
+
+
+async def test_sigterm_leaves_etcd_first_finishes_inflight_refuses_new_and_exits_0(mesh: tuple[EtcdServer, NatsServer]) -> None:
+    etcd, nats = mesh
+    w = WorkerProcess("--engine", "sample", *plane_args(etcd, nats), "--token-delay-ms", "20", "--grace-period", "1")
+    try:
+        address = await w.ready()
+        async with await etcd_discovery(etcd) as disc, ChannelCache() as ch:
+            watch = disc.watch_instances("worker")
+            await wait_instances(watch, lambda s: len(s) == 1, 10)
+            client = WorkerClient(ch, address)
+            stream = client.generate({"request_id": "long", "token_ids": [1], "stop": {"max_tokens": 200}})
+            first = await anext(stream)
+            tokens = list(first["token_ids"])
+            w.proc.send_signal(signal.SIGTERM)
+
+            events: list[str] = []
+
+            async def consume() -> None:
+                async for chunk in stream:
+                    tokens.extend(chunk.get("token_ids", []))
+                    if "finish_reason" in chunk:
+                        events.append(f"terminal:{chunk['finish_reason']}")
+
+            async def watch_gone() -> None:
+                await wait_instances(watch, lambda s: len(s) == 0, 10)
+                events.append("unregistered")
+
+            async def refused() -> None:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    try:
+                        [c async for c in client.generate({"request_id": f"new-{time.monotonic()}", "token_ids": [1], "stop": {"max_tokens": 1}})]
+                    except errors.Unavailable:
+                        events.append("refused")
+                        return
+                    await asyncio.sleep(0.05)  # retry a probe until the worker stops admitting
+
+            await asyncio.gather(consume(), watch_gone(), refused())
+            assert events.index("unregistered") < events.index("terminal:length")
+            assert "refused" in events
+            assert len(tokens) == 200 and tokens == [(1 + 1 + i) % 32000 for i in range(200)]
+        assert await w.wait() == 0
+    finally:
+        w.kill()
+
+
+async def test_static_worker_serves_with_no_etcd_running() -> None:
+    w = WorkerProcess("--engine", "sample", "--static", "--discovery", "etcd", "--etcd-endpoints", "127.0.0.1:1")
+    try:
+        address = await w.ready()
+        async with ChannelCache() as ch:
+            chunks = [c async for c in WorkerClient(ch, address).generate({"request_id": "s", "token_ids": [3], "stop": {"max_tokens": 2}})]
+        assert [t for c in chunks for t in c.get("token_ids", [])] == [4, 5]
+        w.proc.send_signal(signal.SIGTERM)
+        assert await w.wait() == 0
+    finally:
+        w.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "nope"], "--engine 'nope' is neither a built-in"),
+        (["--engine", "no_such_module:X"], "cannot import"),
+        (["--engine", "sample", "--role", "boss"], "--role: invalid choice"),
+        (["--engine", "sample", "--static", "--health-check-payload", "{bad"], "--health-check-payload is not JSON"),
+        (["--engine", "sample", "--static", "--component", "a.b"], "--component 'a.b'"),
+    ],
+)
+async def test_bad_flags_stop_startup_with_one_line(args: list[str], message: str) -> None:
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "meshllm", "worker", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
