@@ -1,0 +1,167 @@
+"""Deliberately broken engines: each breaks exactly one contract clause of the conformance kit.
+
+Each is the `sample` engine with one realistic bug; `BROKEN` maps every clause
+to the engine that breaks it. They also serve the pytest-plugin tests
+(`pytest --meshllm-engine broken_engines:IgnoresStopTokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from meshllm.engine.base import Context, EngineConfig, GenerateChunk, GenerateRequest, terminal
+from meshllm.engine.sample import SampleEngine
+from meshllm.testing.conformance import Clause
+
+
+class BadStartConfig(SampleEngine):
+    """start_config: start() returns a plain dict instead of an EngineConfig."""
+
+    async def start(self, worker_id: str) -> Any:
+        config = await super().start(worker_id)
+        return {"model": config.model}
+
+
+class MiscountedUsage(SampleEngine):
+    """basic_generate: usage.completion_tokens is one more than the tokens emitted."""
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        async for chunk in super().generate(request, context):
+            if "usage" in chunk:
+                chunk["usage"] = {**chunk["usage"], "completion_tokens": chunk["usage"]["completion_tokens"] + 1}
+            yield chunk
+
+
+class ChunkAfterTerminal(SampleEngine):
+    """nothing_after_terminal: one more token chunk follows the terminal chunk."""
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        async for chunk in super().generate(request, context):
+            yield chunk
+        yield {"token_ids": [0]}
+
+
+class IgnoresMaxTokens(SampleEngine):
+    """max_tokens_length: an off-by-one emits max_tokens + 1 tokens."""
+
+    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        stop = request.get("stop", {})
+        one_too_many = (stop.get("max_tokens") or self.default_max_tokens) + 1
+        return super().generate({**request, "stop": {**stop, "max_tokens": one_too_many}}, context)
+
+
+class IgnoresStopTokens(SampleEngine):
+    """stop_token_ids_stop: stop_token_ids are never looked at."""
+
+    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        stop = {k: v for k, v in request.get("stop", {}).items() if k != "stop_token_ids"}
+        return super().generate({**request, "stop": stop}, context)  # type: ignore[typeddict-item]
+
+
+class IgnoresCancellation(SampleEngine):
+    """cancellation: generate never polls the request's context."""
+
+    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        return super().generate(request, Context(context.id))
+
+
+class SharedScratchBuffer(SampleEngine):
+    """concurrent_streams: every request reads its prompt from one shared buffer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._scratch: list[int] = []
+
+    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        self._scratch[:] = request["token_ids"]  # the next request overwrites it mid-stream
+        return super().generate({**request, "token_ids": self._scratch}, context)
+
+
+class DrainFails(SampleEngine):
+    """drain: drain() raises."""
+
+    async def drain(self) -> None:
+        raise RuntimeError("lost the connection to the model server while draining")
+
+
+class CleanupNeedsStart(SampleEngine):
+    """cleanup_without_start: cleanup() touches a resource that only start() creates."""
+
+    async def start(self, worker_id: str) -> EngineConfig:
+        self._pool: set[str] = set()
+        return await super().start(worker_id)
+
+    async def cleanup(self) -> None:
+        self._pool.clear()
+        await super().cleanup()
+
+
+class CleanupOnlyOnce(SampleEngine):
+    """cleanup_twice: a second cleanup() raises instead of returning."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._closed = False
+
+    async def cleanup(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine already closed")
+        self._closed = True
+        await super().cleanup()
+
+
+class AcceptsEmptyPrompt(SampleEngine):
+    """empty_prompt_invalid_argument: an empty prompt gets an empty "length" stream instead of an error."""
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        if not request["token_ids"]:
+            yield terminal("length", {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})
+            return
+        async for chunk in super().generate(request, context):
+            yield chunk
+
+
+#: Every clause and the engine that breaks exactly it.
+BROKEN: dict[Clause, type[SampleEngine]] = {
+    Clause.START_CONFIG: BadStartConfig,
+    Clause.BASIC_GENERATE: MiscountedUsage,
+    Clause.NOTHING_AFTER_TERMINAL: ChunkAfterTerminal,
+    Clause.MAX_TOKENS_LENGTH: IgnoresMaxTokens,
+    Clause.STOP_TOKEN_IDS_STOP: IgnoresStopTokens,
+    Clause.CANCELLATION: IgnoresCancellation,
+    Clause.CONCURRENT_STREAMS: SharedScratchBuffer,
+    Clause.DRAIN: DrainFails,
+    Clause.CLEANUP_WITHOUT_START: CleanupNeedsStart,
+    Clause.CLEANUP_TWICE: CleanupOnlyOnce,
+    Clause.EMPTY_PROMPT_INVALID_ARGUMENT: AcceptsEmptyPrompt,
+}
+
+
+class HangingEngine(SampleEngine):
+    """Hangs forever wherever `hang` says ("start", "generate", "drain" or "cleanup"), whatever its context says."""
+
+    hang = "generate"
+
+    async def _forever(self) -> None:
+        await asyncio.Event().wait()
+
+    async def start(self, worker_id: str) -> EngineConfig:
+        if self.hang == "start":
+            await self._forever()
+        return await super().start(worker_id)
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        if self.hang == "generate":
+            await self._forever()
+        async for chunk in super().generate(request, context):
+            yield chunk
+
+    async def drain(self) -> None:
+        if self.hang == "drain":
+            await self._forever()
+
+    async def cleanup(self) -> None:
+        if self.hang == "cleanup":
+            await self._forever()
