@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "frontend": (None, "OpenAI HTTP API and text gRPC Inference API"),
     "router": (None, "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
+    "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),
 }
 
 USAGE = "usage: meshllm {" + ",".join(COMMANDS) + "} [options]  (meshllm COMMAND --help for its flags)"
