@@ -293,6 +293,7 @@ class WorkerConfig:
     component: str = "worker"
     endpoint: str = "generate"
     static: bool = False
+    advertise_host: str | None = None
     instance_id: str | None = None
     model_name: str | None = None
     migration_limit: int = 3
@@ -342,6 +343,7 @@ class WorkerConfig:
             component=ns.component,
             endpoint=ns.endpoint,
             static=static,
+            advertise_host=ns.advertise_host or None,
             instance_id=ns.instance_id or None,
             model_name=ns.model_name,
             migration_limit=ns.migration_limit,
@@ -370,6 +372,7 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--endpoint", default="generate", help="discovery endpoint name")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
+    g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
     g.add_argument("--static", action="store_true", help="do not register in discovery")
     g.add_argument("--instance-id", default="", help="instance id (default: random)")
     g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")

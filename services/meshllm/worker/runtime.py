@@ -122,7 +122,7 @@ class Worker(AsyncCloseable):
         return self.instance.address
 
     def _instance(self, port: int) -> discovery_pb2.Instance:
-        host = self.config.server.host
+        host = self.config.advertise_host or self.config.server.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         assert self.engine_config is not None
