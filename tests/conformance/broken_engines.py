@@ -48,7 +48,7 @@ class IgnoresMaxTokens(SampleEngine):
 
     def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
         stop = request.get("stop", {})
-        one_too_many = (stop.get("max_tokens") or self.default_max_tokens) + 1
+        one_too_many = stop.get("max_tokens", self.default_max_tokens) + 1
         return super().generate({**request, "stop": {**stop, "max_tokens": one_too_many}}, context)
 
 

@@ -47,9 +47,11 @@ async def test_prefill_then_decode_equals_the_aggregated_output() -> None:
     assert decode[-1]["usage"] == aggregated[-1]["usage"]  # the decode leg reports the whole completion
 
 
-async def test_a_decode_leg_without_first_tokens_is_invalid() -> None:
+async def test_a_decode_leg_without_first_tokens_or_a_zero_max_tokens_is_invalid() -> None:
     with pytest.raises(InvalidArgument):
         await run(SampleEngine(), [1], disagg={"request_type": "generation_only"})
+    with pytest.raises(InvalidArgument):
+        await run(SampleEngine(), [1], stop={"max_tokens": 0})
 
 
 async def test_eos_ends_the_stream_unless_ignored_and_not_before_min_tokens() -> None:

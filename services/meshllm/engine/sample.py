@@ -60,9 +60,9 @@ class SampleEngine(LLMEngine):
         if not prompt:
             raise InvalidArgument("token_ids must not be empty", param="token_ids")
         stop = request.get("stop", {})
-        max_tokens = stop.get("max_tokens") or self.default_max_tokens
-        if max_tokens < 0:
-            raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
+        max_tokens = stop.get("max_tokens", self.default_max_tokens)
+        if max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         disagg = request.get("disagg", {})
         role = disagg.get("request_type")
         first = list(disagg.get("first_token_ids", [])) if role == "generation_only" else []
