@@ -49,3 +49,14 @@ async def test_the_kit_gives_the_engine_a_recording_sink_before_start() -> None:
     (sink,) = seen
     assert isinstance(sink, RecordingSink)
     assert [m.running for m in sink.loads] == [1, 0]
+
+
+def test_the_command_line_prints_the_report_and_exits_by_its_outcome(capsys: pytest.CaptureFixture[str]) -> None:
+    """Locks: `python -m meshllm.testing.conformance NAME -- flags` works without pytest's plugin."""
+    from meshllm.testing.conformance import main
+
+    assert main(["sample", "--", "--model-name", "cli"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"PASS {clause}" in out for clause in Clause)
+    assert main(["no_such_module:Engine"]) == 2
+    assert "cannot import" in capsys.readouterr().err

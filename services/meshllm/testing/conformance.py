@@ -602,14 +602,20 @@ def options_from_strings(pairs: Sequence[str], base: ConformanceOptions | None =
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m meshllm.testing.conformance module:Class [-- engine flags]`: print the report."""
+    from meshllm.config import ConfigError
     from meshllm.engine import load_engine_class
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0].startswith("-"):
         print("usage: python -m meshllm.testing.conformance NAME|module:Class [-- engine flags]", file=sys.stderr)
         return 2
+    try:
+        cls = load_engine_class(args[0])
+    except ConfigError as exc:
+        print(f"meshllm conformance: error: {exc.message}", file=sys.stderr)
+        return 2
     engine_args = args[2:] if args[1:2] == ["--"] else args[1:]
-    report = asyncio.run(run_conformance(factory_for(load_engine_class(args[0]), engine_args)))
+    report = asyncio.run(run_conformance(factory_for(cls, engine_args)))
     print(report.summary())
     return 0 if report.passed else 1
 
