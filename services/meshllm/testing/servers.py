@@ -77,6 +77,11 @@ class _Process(AsyncCloseable):
         return self
 
     @property
+    def pid(self) -> int | None:
+        """Process id of the running server (None when stopped)."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
