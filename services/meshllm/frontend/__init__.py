@@ -1,0 +1,1 @@
+"""The frontend: OpenAI HTTP and text gRPC APIs, tokenization, chat templates and detokenization."""
