@@ -1,0 +1,239 @@
+"""The chat/completion semantics both edges share: admit → model → preprocess → upstream → postprocess.
+
+    completion = await core.begin(text_request)      # 4xx/5xx errors surface here
+    try:
+        async for delta in completion.deltas(): ...  # text per choice, finish reasons
+        completion.usage()                           # OpenAI usage with cached tokens
+    finally:
+        await completion.aclose()                    # cancels whatever still runs upstream
+
+HTTP (`app.py`) and gRPC (`grpc_api.py`) are thin edges around this. Choice
+`i` of a request with n > 1 (or several prompts) is its own upstream request;
+their streams are merged as they arrive. Closing a completion, or cancelling
+the task iterating it (a client disconnect), closes every upstream stream at
+once, which cancels the gRPC calls down to the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
+from meshllm.frontend.metrics import FrontendMetrics
+from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
+from meshllm.frontend.postprocess import ChoiceStream, Delta
+from meshllm.frontend.preprocess import Plan, preprocess
+from meshllm.frontend.upstream import Upstream
+from meshllm.plane.transport import CallInfo
+from meshllm.protocol.openai import TextRequest, usage_body
+from meshllm.protocol.types import GenerateChunk
+
+__all__ = ["Completion", "InferenceCore"]
+
+
+class InferenceCore:
+    """Admission (`max_inflight` → Overloaded), model lookup and request start."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        upstream: Upstream,
+        metrics: FrontendMetrics,
+        *,
+        max_inflight: int = 0,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        self.registry = registry
+        self.upstream = upstream
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.retry_after_s = retry_after_s
+        self.inflight = 0
+        self.admitting = True
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def begin(self, req: TextRequest, *, call: CallInfo | None = None, t0: float | None = None) -> Completion:
+        """Admit and preprocess a request; raises the MeshError a user should see."""
+        if not self.admitting:
+            raise Unavailable("the frontend is shutting down")
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise Overloaded(f"too many requests in flight ({self.inflight}); retry later", retry_after_s=self.retry_after_s)
+        self._enter()
+        try:
+            model = self.registry.lookup(req.model)
+            tk = await model.tokenization()
+            rid = req.request_id or f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            plan = await preprocess(req, model, tk, rid)
+        except BaseException:
+            self._exit()
+            raise
+        return Completion(self, req, model, tk, plan, rid, call, time.perf_counter() if t0 is None else t0)
+
+    def _enter(self) -> None:
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+        if not self.inflight:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight."""
+        await self._idle.wait()
+
+
+class Completion:
+    """One admitted request: iterate `deltas()`, then read `usage()`; always `aclose()`."""
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        req: TextRequest,
+        model: ServedModel,
+        tk: Tokenization,
+        plan: Plan,
+        request_id: str,
+        call: CallInfo | None,
+        t0: float,
+    ) -> None:
+        self.core = core
+        self.request = req
+        self.model = model
+        self.tokenization = tk
+        self.plan = plan
+        self.id = request_id
+        self.created = int(time.time())
+        self.call = call
+        self.t0 = t0
+        self.choices = [
+            ChoiceStream(
+                i,
+                tk,
+                plan.prompts[p].token_ids,
+                stop=req.stop,
+                skip_special_tokens=req.skip_special_tokens,
+                logprobs=req.logprobs is not None,
+                prompt_index=p,
+            )
+            for i, p in enumerate(plan.prompt_of)
+        ]
+        self._first_token_at: float | None = None
+        self._gen: AsyncIterator[Delta] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ streaming
+    def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of every choice as they come; ends when every choice has finished."""
+        if self._gen is None:
+            self._gen = self._single() if len(self.choices) == 1 else self._merged()
+        return self._gen
+
+    def _observe(self, chunk: GenerateChunk, last: list[float]) -> None:
+        n = len(chunk.get("token_ids") or ())
+        if not n:
+            return
+        now = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = now
+            self.core.metrics.ttft.labels(self.model.name).observe(now - self.t0)
+        elif last[0]:
+            self.core.metrics.itl.labels(self.model.name).observe((now - last[0]) / n)
+        last[0] = now
+
+    async def _single(self) -> AsyncIterator[Delta]:
+        choice = self.choices[0]
+        last = [0.0]
+        stream = self.core.upstream.generate(self.plan.requests[0], call=self.call)
+        try:
+            async for chunk in stream:
+                self._observe(chunk, last)
+                delta = choice.feed(chunk)
+                yield delta
+                if choice.finished:
+                    return
+        finally:
+            await _aclose(stream)
+        raise StreamIncomplete("the upstream stream ended without a terminal chunk")
+
+    async def _merged(self) -> AsyncIterator[Delta]:
+        queue: asyncio.Queue[tuple[int, GenerateChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            stream = self.core.upstream.generate(self.plan.requests[i], call=self.call)
+            try:
+                async for chunk in stream:
+                    queue.put_nowait((i, chunk))
+                queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+            finally:
+                await _aclose(stream)
+
+        tasks = [asyncio.create_task(pump(i), name=f"{self.id}-choice-{i}") for i in range(len(self.choices))]
+        lasts = [[0.0] for _ in self.choices]
+        open_choices = len(self.choices)
+        try:
+            while open_choices:
+                i, item = await queue.get()
+                choice = self.choices[i]
+                if choice.finished:
+                    continue
+                if item is None:
+                    raise StreamIncomplete("an upstream stream ended without a terminal chunk")
+                if isinstance(item, BaseException):
+                    raise item
+                self._observe(item, lasts[i])
+                delta = choice.feed(item)
+                if choice.finished:
+                    open_choices -= 1
+                    tasks[i].cancel()
+                yield delta
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ results
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: each prompt counted once, every choice's completion tokens, cached prompt tokens."""
+        prompt = cached = 0
+        seen: set[int] = set()
+        for c in self.choices:
+            if c.prompt_index not in seen:
+                seen.add(c.prompt_index)
+                prompt += c.prompt_tokens
+                cached += c.cached_tokens
+        return usage_body(prompt, sum(c.completion_tokens for c in self.choices), cached)
+
+    async def aclose(self) -> None:
+        """Cancel what still runs upstream, record metrics, leave admission (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._gen is not None:
+                await _aclose(self._gen)
+        finally:
+            m, name = self.core.metrics, self.model.name
+            m.e2e.labels(name).observe(time.perf_counter() - self.t0)
+            u = self.usage()
+            m.input_tokens.labels(name).inc(u["prompt_tokens"])
+            m.output_tokens.labels(name).inc(u["completion_tokens"])
+            m.cached_tokens.labels(name).inc(u["prompt_tokens_details"]["cached_tokens"])
+            self.core._exit()
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(MeshError, RuntimeError, StopAsyncIteration):
+            await aclose()

@@ -1,0 +1,264 @@
+"""`meshllm frontend`: wiring (planes, router, models, HTTP and gRPC servers) and the ordered shutdown.
+
+    async with await Frontend.start(config) as fe:      # serving when start() returns
+        print(fe.url, fe.grpc_address)
+                                                        # close = the ordered shutdown:
+    stop admitting (503, gRPC NOT_SERVING) → HTTP server stops (waits for open
+    responses, bounded) → gRPC server stops → model registry → router → channels → planes.
+
+Upstream: `--router-address` → router replicas over gRPC; otherwise the
+routing core is embedded (`meshllm.router.RouterCore`, `--router-mode`).
+Static mode builds its discovery from the flags: one Instance per
+`--static-workers` address and a ModelCard for `--model-name` (context
+length, eos ids and tokenizer source taken from the workers' GetInfo when
+they answer, `--model-path` overriding the tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from meshllm.config import ConfigError
+from meshllm.errors import MeshError
+from meshllm.frontend.app import HttpServer, OpenAIApp
+from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
+from meshllm.frontend.grpc_api import inference_binding
+from meshllm.frontend.inference import InferenceCore
+from meshllm.frontend.metrics import FrontendMetrics
+from meshllm.frontend.models import ModelRegistry
+from meshllm.frontend.upstream import RouterReplicas, Upstream, WorkerPool
+from meshllm.lifecycle import AsyncCloseable, Shutdown, install_signal_handlers
+from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
+from meshllm.plane.events import EventBus, MemoryBroker, open_events
+from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
+from meshllm.v1 import discovery_pb2
+from meshllm.worker.client import WorkerClient
+
+__all__ = ["Frontend", "main", "run_loop", "serve", "static_records"]
+
+log = logging.getLogger("meshllm.frontend")
+T = TypeVar("T")
+
+
+async def static_records(
+    config: FrontendConfig, channels: ChannelCache, *, probe_timeout_s: float = 3.0
+) -> tuple[list[discovery_pb2.Instance], list[discovery_pb2.ModelCard]]:
+    """Instances and ModelCards of static mode, enriched by the workers' GetInfo when they answer."""
+    assert config.static_endpoint is not None and config.model_name
+    ns, component, endpoint = config.static_endpoint
+
+    async def probe(address: str) -> discovery_pb2.ModelCard | None:
+        with contextlib.suppress(MeshError, TimeoutError):
+            info = await WorkerClient(channels, address).get_info(timeout_s=probe_timeout_s)
+            return info.model_card
+        return None
+
+    cards = await asyncio.gather(*(probe(a) for a in config.static_workers))
+    instances, models = [], []
+    for i, (address, found) in enumerate(zip(config.static_workers, cards, strict=True)):
+        iid = f"static-{i}"
+        instances.append(
+            discovery_pb2.Instance(
+                id=iid, namespace=ns, component=component, endpoint=endpoint, address=address,
+                role=discovery_pb2.WORKER_ROLE_AGGREGATED, model=config.model_name, dp_size=1,
+            )
+        )  # fmt: skip
+        card = discovery_pb2.ModelCard()
+        if found is not None:
+            card.CopyFrom(found)
+            if card.tokenizer_source.startswith("worker:"):
+                card.tokenizer_source = f"worker:{iid}"
+        card.name, card.instance_id = config.model_name, iid
+        if config.model_path:
+            card.tokenizer_source = config.model_path
+        models.append(card)
+    return instances, models
+
+
+class Frontend(AsyncCloseable):
+    """A started frontend. Use `Frontend.start`."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.metrics = FrontendMetrics()
+        self.channels = ChannelCache()
+        self.discovery: Discovery | None = None
+        self.bus: EventBus | None = None
+        self.router: AsyncCloseable | None = None
+        self.upstream: Upstream | None = None
+        self.registry: ModelRegistry | None = None
+        self.core: InferenceCore | None = None
+        self.http: HttpServer | None = None
+        self.grpc: GrpcServer | None = None
+        self.shutdown = Shutdown()
+
+    @classmethod
+    async def start(
+        cls,
+        config: FrontendConfig,
+        *,
+        memory_store: MemoryStore | None = None,
+        memory_broker: MemoryBroker | None = None,
+        upstream: Upstream | None = None,
+    ) -> Frontend:
+        """Open planes and the upstream, follow models, serve HTTP and gRPC. Cleans up on failure."""
+        self = cls(config)
+        self._plan_shutdown()
+        try:
+            await self._start(memory_store, memory_broker, upstream)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _start(self, store: MemoryStore | None, broker: MemoryBroker | None, upstream: Upstream | None) -> None:
+        cfg = self.config
+        instances: list[discovery_pb2.Instance] = []
+        cards: list[discovery_pb2.ModelCard] = []
+        if cfg.static:
+            instances, cards = await static_records(cfg, self.channels)
+        self.discovery = await open_discovery(cfg.plane, memory_store=store, static_instances=instances, static_models=cards)
+        self.bus = await open_events(cfg.plane, memory_broker=broker, name="meshllm-frontend")
+        self.upstream = upstream if upstream is not None else await self._open_upstream()
+        self.registry = await ModelRegistry(
+            self.discovery,
+            self.channels,
+            model_path=cfg.model_path,
+            model_name=cfg.model_name,
+            cache_dir=cfg.tokenizer_cache_dir,
+        ).start()
+        self.core = InferenceCore(
+            self.registry, self.upstream, self.metrics, max_inflight=cfg.max_inflight, retry_after_s=cfg.retry_after_s
+        )
+        app = OpenAIApp(self.core, max_body_bytes=cfg.max_body_bytes)
+        self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port)
+        if cfg.grpc is not None:
+            self.grpc = await start_server(cfg.grpc, [inference_binding(self.core)])
+        log.info("frontend serving HTTP on %s, Inference gRPC on %s", self.url, self.grpc_address or "(off)")
+
+    async def _open_upstream(self) -> Upstream:
+        cfg = self.config
+        assert self.discovery is not None and self.bus is not None
+        if cfg.router_addresses:
+            from meshllm.router.client import RouterClient
+
+            return RouterReplicas.connect(self.channels, cfg.router_addresses, RouterClient)
+        try:
+            from meshllm.router.config import RouterConfig, RouterMode, StaticEndpoint
+            from meshllm.router.core import RouterCore
+        except ImportError:  # a tree without the router package: plain round-robin over workers
+            log.warning("meshllm.router is not available: routing round-robin over discovered workers")
+            pool = await WorkerPool(self.discovery, self.channels, component=cfg.worker_component).start()
+            self.router = pool
+            return pool
+        endpoint = StaticEndpoint(*cfg.static_endpoint) if cfg.static_endpoint else None
+        rc = RouterConfig(
+            plane=cfg.plane,
+            mode=RouterMode(cfg.router_mode),
+            static_endpoint=endpoint,
+            static_workers=cfg.static_workers,
+            model_name=cfg.model_name if cfg.static else None,
+        )
+        core = RouterCore(rc, self.discovery, self.bus, self.channels)
+        self.router = core
+        await core.start()
+        return core
+
+    @property
+    def url(self) -> str:
+        assert self.http is not None
+        return self.http.url
+
+    @property
+    def grpc_address(self) -> str | None:
+        if self.grpc is None:
+            return None
+        host = "127.0.0.1" if self.grpc.host in ("0.0.0.0", "") else self.grpc.host
+        return f"{host}:{self.grpc.port}"
+
+    # ------------------------------------------------------------ shutdown
+    def _plan_shutdown(self) -> None:
+        sd = self.shutdown
+        sd.add("stop admitting", self._stop_admitting)
+        sd.add("stop http", self._close(lambda: self.http), timeout_s=15)
+        sd.add("stop grpc", self._close(lambda: self.grpc), timeout_s=10)
+        sd.add("close models", self._close(lambda: self.registry), timeout_s=5)
+        sd.add("close router", self._close(lambda: self.router), timeout_s=10)
+        sd.add("close channels", self.channels.aclose, timeout_s=5)
+        sd.add("close events", self._close(lambda: self.bus), timeout_s=5)
+        sd.add("close discovery", self._close(lambda: self.discovery), timeout_s=5)
+
+    async def _stop_admitting(self) -> None:
+        if self.core is not None:
+            self.core.admitting = False
+        if self.grpc is not None:
+            await self.grpc.set_serving(False)
+
+    @staticmethod
+    def _close(get: Any) -> Any:
+        async def close() -> None:
+            thing = get()
+            if thing is not None:
+                await thing.aclose()
+
+        return close
+
+    async def _aclose(self) -> None:
+        await self.shutdown.run()
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def setup_logging() -> None:
+    level = os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on uvloop when available (the fast path), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+async def serve(config: FrontendConfig) -> int:
+    """Start, print where it serves, run until SIGTERM/SIGINT, shut down in order."""
+    stop = asyncio.Event()
+    uninstall = install_signal_handlers(lambda sig: stop.set())
+    try:
+        try:
+            frontend = await Frontend.start(config)
+        except MeshError as exc:
+            print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
+            return 2 if isinstance(exc, ConfigError) else 1
+        async with frontend:
+            print(f"meshllm frontend: OpenAI HTTP API on {frontend.url}/v1", flush=True)
+            if frontend.grpc_address:
+                print(f"meshllm frontend: Inference gRPC on {frontend.grpc_address}", flush=True)
+            await stop.wait()
+            log.info("signal received: shutting down")
+        return 0
+    finally:
+        uninstall()
+
+
+def main(argv: Sequence[str]) -> int:
+    """`meshllm frontend [flags]`: exit 2 with one line on a bad flag, before anything starts."""
+    ns = frontend_arg_parser().parse_args(list(argv))
+    try:
+        config = FrontendConfig.from_namespace(ns)
+    except ConfigError as exc:
+        print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging()
+    return run_loop(serve(config))

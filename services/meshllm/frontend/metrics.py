@@ -1,0 +1,49 @@
+"""Prometheus metrics of one frontend (its own registry, so a `meshllm run` process can hold several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["FrontendMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class FrontendMetrics:
+    """Requests by route and status, TTFT / ITL / end-to-end latency, in-flight requests, token counts."""
+
+    def __init__(self, *, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "meshllm_frontend_requests", "HTTP and gRPC requests by route and status", ["route", "status"], registry=r
+        )
+        self.inflight = Gauge("meshllm_frontend_inflight_requests", "Requests being served", registry=r)
+        self.ttft = Histogram(
+            "meshllm_frontend_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "meshllm_frontend_inter_token_latency_seconds",
+            "Time between tokens (a coalesced chunk counts once per token)",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "meshllm_frontend_request_duration_seconds", "Arrival to last byte", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.input_tokens = Counter("meshllm_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
+        self.output_tokens = Counter("meshllm_frontend_output_tokens", "Completion tokens", ["model"], registry=r)
+        self.cached_tokens = Counter(
+            "meshllm_frontend_cached_tokens", "Prompt tokens served from a prefix cache", ["model"], registry=r
+        )
+        self.disconnects = Counter("meshllm_frontend_client_disconnects", "Requests whose client went away", registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

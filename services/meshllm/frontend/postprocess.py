@@ -1,0 +1,128 @@
+"""Postprocessing of one choice: token chunks → text deltas, stop strings, finish reason, usage.
+
+Per choice, a `ChoiceStream` detokenizes incrementally (multi-byte UTF-8 split
+across tokens is held until complete), runs the stop-string matcher (a
+possible partial match is held back until resolved, a match is never
+emitted) and maps the finish reason. A matched stop string finishes the
+choice: the caller then drops the upstream stream, which cancels the request
+on the worker. A terminal "error" chunk is raised as its MeshError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.errors import Unavailable, error_from_code
+from meshllm.frontend.detokenize import IncrementalDetokenizer
+from meshllm.frontend.models import Tokenization
+from meshllm.frontend.stop_strings import StopStringMatcher
+from meshllm.protocol.openai import LogprobEntry, finish_reason_openai
+from meshllm.protocol.types import GenerateChunk
+
+__all__ = ["ChoiceStream", "Delta"]
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one choice: text (maybe empty), logprobs when asked, finish reason on the last one."""
+
+    index: int
+    text: str
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    offset: int = 0  # characters of this choice's text before `text` (completion logprobs' text_offset)
+    token_ids: list[int] | None = None  # the upstream chunk's token ids behind `text`
+
+
+class ChoiceStream:
+    """Turns one choice's GenerateChunks into Deltas (see the module docstring)."""
+
+    __slots__ = (
+        "_cached",
+        "_detok",
+        "_logprobs",
+        "_matcher",
+        "_tok",
+        "completion_tokens",
+        "finish_reason",
+        "index",
+        "prompt_index",
+        "prompt_tokens",
+        "text_offset",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        tk: Tokenization,
+        prompt_ids: list[int],
+        *,
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+        logprobs: bool = False,
+        prompt_index: int = 0,
+    ) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self._tok = tk.tokenizer
+        self._detok = IncrementalDetokenizer(tk.tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._matcher = StopStringMatcher(stop) if stop else None
+        self._logprobs = logprobs
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self._cached = 0
+        self.finish_reason: str | None = None
+        self.text_offset = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached
+
+    def feed(self, chunk: GenerateChunk) -> Delta:
+        """Process one upstream chunk; the Delta's finish_reason is set when the choice is done."""
+        ids = chunk.get("token_ids")
+        reason = chunk.get("finish_reason")
+        usage = chunk.get("usage")
+        if usage is not None:
+            self._cached = usage["cached_tokens"]
+        text = ""
+        if ids:
+            self.completion_tokens += len(ids)
+            text = self._detok.push(ids)
+        if reason is not None:
+            if reason == "error":
+                err = chunk.get("error") or {"code": "Unknown", "message": "upstream error"}
+                raise error_from_code(err["code"], err["message"])
+            if reason == "cancelled":
+                raise Unavailable("the request was cancelled upstream (a worker stopped)")
+            text += self._detok.flush()
+            if usage is not None and usage["completion_tokens"]:
+                self.completion_tokens = usage["completion_tokens"]
+        finish: str | None = None
+        if self._matcher is not None:
+            emit, stopped = self._matcher.push(text) if text else ("", False)
+            if stopped:
+                finish = "stop"
+            elif reason is not None:
+                emit += self._matcher.flush()
+            text = emit
+        if finish is None and reason is not None:
+            finish = finish_reason_openai(reason)
+        self.finish_reason = finish
+        entries = self._entries(chunk) if self._logprobs else None
+        offset = self.text_offset
+        self.text_offset += len(text)
+        return Delta(self.index, text, entries, finish, offset, ids)
+
+    def _entries(self, chunk: GenerateChunk) -> list[LogprobEntry]:
+        dec = self._tok.decode
+        out = []
+        for lp in chunk.get("logprobs", ()):
+            top = [(dec([t], skip_special_tokens=False), p) for t, p in lp.get("top", ())]
+            out.append(LogprobEntry(dec([lp["token_id"]], skip_special_tokens=False), lp["logprob"], top))
+        return out
+

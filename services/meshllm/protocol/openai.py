@@ -1,0 +1,549 @@
+"""OpenAI's chat/completions schema: request parsing and validation, response shaping (pure, no I/O).
+
+    parse_chat(body) / parse_completion(body)  JSON object → TextRequest, or InvalidArgument naming the field
+    chat_chunk / completion_chunk / chat_response / completion_response / usage_body / model_list
+                                               internal values → OpenAI-shaped dicts
+
+Validation follows OpenAI's documented ranges (temperature 0..2, penalties
+-2..2, top_logprobs 0..20, ...). Unknown fields are ignored, as OpenAI does;
+a known field with the wrong type or an out-of-range value is a 400 whose
+`param` names it. Engine-level pieces (`SamplingOptions`, `StopConditions`)
+come out ready for `GenerateRequest`; `max_tokens` is settled later, when the
+prompt length and the model's context length are known.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from meshllm.errors import InvalidArgument
+from meshllm.protocol.types import FinishReason, GuidedDecoding, SamplingOptions, StopConditions
+
+__all__ = [
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
+    "ChoiceResult",
+    "LogprobEntry",
+    "RequestKind",
+    "TextRequest",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "finish_reason_openai",
+    "model_list",
+    "parse_chat",
+    "parse_completion",
+    "usage_body",
+    "usage_chunk",
+]
+
+RequestKind = Literal["chat", "completion"]
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_UINT64 = 1 << 64
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextRequest:
+    """A validated chat or completion request, before tokenization."""
+
+    kind: RequestKind
+    model: str
+    messages: tuple[dict[str, Any], ...] = ()  # chat: role + string content (+ name, tool_calls, tool_call_id)
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # completion: text or token ids, one choice set each
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions())
+    stop_conditions: StopConditions = field(default_factory=lambda: StopConditions())
+    logprobs: int | None = None  # alternatives per token; None = no logprobs
+    echo: bool = False
+    tools: tuple[dict[str, Any], ...] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    skip_special_tokens: bool = True
+    request_id: str | None = None
+
+
+# ---------------------------------------------------------------- field readers
+
+
+def _bad(param: str, why: str) -> InvalidArgument:
+    return InvalidArgument(f"'{param}': {why}", param=param)
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _int(body: Mapping[str, Any], key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(key, f"expected an integer, got {_type_name(v)}")
+    if lo is not None and v < lo:
+        raise _bad(key, f"{v} is less than the minimum of {lo}")
+    if hi is not None and v > hi:
+        raise _bad(key, f"{v} is greater than the maximum of {hi}")
+    return v
+
+
+def _float(body: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, f"expected a number, got {_type_name(v)}")
+    v = float(v)
+    if math.isnan(v) or v < lo or v > hi or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise _bad(key, f"{v:g} is outside {bound}")
+    return v
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(key, f"expected a boolean, got {_type_name(v)}")
+    return v
+
+
+def _object(body: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(key, f"expected an object, got {_type_name(v)}")
+    return v
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    v = body.get("model")
+    if not isinstance(v, str) or not v.strip():
+        raise _bad("model", "a model name (non-empty string) is required")
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad("stop", "expected a string or an array of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(not s for s in items):
+        raise _bad("stop", "stop strings must not be empty")
+    return tuple(dict.fromkeys(items))
+
+
+def _token_ids(value: Any, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value):
+        raise _bad(param, "expected an array of non-negative integer token ids")
+    return value
+
+
+def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
+    """response_format (OpenAI) or the guided_* extensions (vLLM) → one GuidedDecoding."""
+    kinds: list[GuidedDecoding] = []
+    rf = _object(body, "response_format")
+    if rf is not None:
+        t = rf.get("type")
+        if t == "json_object":
+            kinds.append({"json_object": True})
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("response_format", "type json_schema needs a 'json_schema' object")
+            schema = js.get("schema", {})
+            if not isinstance(schema, dict):
+                raise _bad("response_format", "'json_schema.schema' must be an object")
+            kinds.append({"json_schema": orjson.dumps(schema).decode()})
+        elif t != "text":
+            raise _bad("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {t!r}")
+    if (gj := body.get("guided_json")) is not None:
+        if isinstance(gj, dict):
+            gj = orjson.dumps(gj).decode()
+        if not isinstance(gj, str):
+            raise _bad("guided_json", "expected a JSON schema object or string")
+        kinds.append({"json_schema": gj})
+    for key, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        if (g := body.get(key)) is not None:
+            if not isinstance(g, str) or not g:
+                raise _bad(key, "expected a non-empty string")
+            kinds.append({kind: g})  # type: ignore[misc]
+    if (gc := body.get("guided_choice")) is not None:
+        if not isinstance(gc, list) or not gc or not all(isinstance(c, str) for c in gc):
+            raise _bad("guided_choice", "expected a non-empty array of strings")
+        kinds.append({"choice": list(gc)})
+    if len(kinds) > 1:
+        raise _bad("response_format", "at most one output constraint (response_format or one guided_* field)")
+    return kinds[0] if kinds else None
+
+
+# ---------------------------------------------------------------- common fields
+
+
+def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
+    """The fields chat and completions share."""
+    sampling = SamplingOptions()
+    for key, lo, hi, lo_open in (
+        ("temperature", 0.0, 2.0, False),
+        ("top_p", 0.0, 1.0, True),
+        ("min_p", 0.0, 1.0, False),
+        ("frequency_penalty", -2.0, 2.0, False),
+        ("presence_penalty", -2.0, 2.0, False),
+        ("repetition_penalty", 0.0, 2.0, True),
+    ):
+        if (f := _float(body, key, lo, hi, lo_open=lo_open)) is not None:
+            sampling[key] = f  # type: ignore[literal-required]
+    if (top_k := _int(body, "top_k", -1)) is not None and top_k > 0:
+        sampling["top_k"] = top_k
+    if (seed := _int(body, "seed", -(1 << 63), _UINT64 - 1)) is not None:
+        sampling["seed"] = seed % _UINT64
+    if (guided := _guided(body)) is not None:
+        sampling["guided"] = guided
+
+    max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, max_key, 1)
+    stop_conditions = StopConditions()
+    if (min_tokens := _int(body, "min_tokens", 0)) is not None:
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise _bad("min_tokens", f"{min_tokens} is greater than {max_key} ({max_tokens})")
+        stop_conditions["min_tokens"] = min_tokens
+    if (sti := body.get("stop_token_ids")) is not None:
+        stop_conditions["stop_token_ids"] = list(dict.fromkeys(_token_ids(sti, "stop_token_ids")))
+    if _bool(body, "ignore_eos"):
+        stop_conditions["ignore_eos"] = True
+
+    stream = bool(_bool(body, "stream"))
+    include_usage = False
+    opts = _object(body, "stream_options")
+    if opts is not None:
+        if not stream:
+            raise _bad("stream_options", "only allowed when 'stream' is true")
+        include_usage = bool(_bool(opts, "include_usage"))
+    n = _int(body, "n", 1, MAX_N)
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
+        raise _bad("request_id", "expected a non-empty string of at most 256 characters")
+    skip = _bool(body, "skip_special_tokens")
+    return {
+        "model": _model(body),
+        "n": 1 if n is None else n,
+        "stream": stream,
+        "include_usage": include_usage,
+        "max_tokens": max_tokens,
+        "stop": _stop(body),
+        "sampling": sampling,
+        "stop_conditions": stop_conditions,
+        "skip_special_tokens": True if skip is None else skip,
+        "request_id": rid,
+    }
+
+
+# ---------------------------------------------------------------- chat
+
+
+def _content(value: Any, i: int, role: str, has_tool_calls: bool) -> str:
+    param = f"messages[{i}].content"
+    if isinstance(value, str):
+        return value
+    if value is None:
+        if role == "assistant" and has_tool_calls:
+            return ""
+        raise _bad(param, f"content is required for role {role!r}")
+    if not isinstance(value, list):
+        raise _bad(param, f"expected a string or an array of content parts, got {_type_name(value)}")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise _bad(f"{param}[{j}]", "expected a content part object")
+        if part.get("type") != "text":
+            raise _bad(f"{param}[{j}].type", f"content part type {part.get('type')!r} is not supported (only 'text')")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"{param}[{j}].text", "expected a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        raise _bad("messages", f"expected an array of messages, got {_type_name(raw)}")
+    if not raw:
+        raise _bad("messages", "must contain at least one message")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"expected an object, got {_type_name(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}, got {role!r}")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, list):
+            raise _bad(f"messages[{i}].tool_calls", "expected an array")
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i, role, bool(tool_calls))}
+        for key in ("name", "tool_call_id"):
+            if (v := m.get(key)) is not None:
+                if not isinstance(v, str):
+                    raise _bad(f"messages[{i}].{key}", "expected a string")
+                msg[key] = v
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        out.append(msg)
+    return tuple(out)
+
+
+def parse_chat(body: Any) -> TextRequest:
+    """Validate a /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"request body must be a JSON object, got {_type_name(body)}")
+    common = _common(body, "chat")
+    logprobs = None
+    if _bool(body, "logprobs"):
+        logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    elif body.get("top_logprobs") is not None:
+        _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if body["top_logprobs"]:
+            raise _bad("top_logprobs", "requires 'logprobs': true")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _bad("tools", "expected an array of tool objects")
+    kwargs = dict(_object(body, "chat_template_kwargs") or {})
+    agp = _bool(body, "add_generation_prompt")
+    return TextRequest(
+        kind="chat",
+        messages=_messages(body),
+        logprobs=logprobs,
+        tools=tuple(tools) if tools else None,
+        template_kwargs=kwargs,
+        add_generation_prompt=True if agp is None else agp,
+        **common,
+    )
+
+
+# ---------------------------------------------------------------- completions
+
+
+def _prompts(body: Mapping[str, Any]) -> tuple[str | tuple[int, ...], ...]:
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return (p,)
+    if not isinstance(p, list) or not p:
+        raise _bad("prompt", "expected a string, an array of strings, or an array of token ids")
+    if all(isinstance(x, str) for x in p):
+        return tuple(p)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return (tuple(_token_ids(p, "prompt")),)
+    if all(isinstance(x, list) for x in p):
+        return tuple(tuple(_token_ids(x, f"prompt[{i}]")) for i, x in enumerate(p))
+    raise _bad("prompt", "expected a string, an array of strings, or an array of token ids")
+
+
+def parse_completion(body: Any) -> TextRequest:
+    """Validate a /v1/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"request body must be a JSON object, got {_type_name(body)}")
+    common = _common(body, "completion")
+    prompts = _prompts(body)
+    if len(prompts) * common["n"] > MAX_N:
+        raise _bad("n", f"prompts x n must be at most {MAX_N}")
+    return TextRequest(
+        kind="completion",
+        prompts=prompts,
+        logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        echo=bool(_bool(body, "echo")),
+        **common,
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "content_filter": "content_filter", "cancelled": "abort"}
+
+
+def finish_reason_openai(reason: FinishReason | None) -> str | None:
+    """Internal finish reason → OpenAI's ("eos" and "stop" both read "stop")."""
+    return None if reason is None else _FINISH.get(reason, reason)
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One generated token's logprob with its text and top alternatives (text, logprob)."""
+
+    token: str
+    logprob: float
+    top: Sequence[tuple[str, float]] = ()
+
+
+def _chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+    def item(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, p) for t, p in e.top]} for e in entries]}
+
+
+def _completion_logprobs(entries: Sequence[LogprobEntry], offset: int) -> dict[str, Any]:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    *,
+    content: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    logprobs: Sequence[LogprobEntry] | None = None,
+    usage: dict[str, Any] | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk` with a single choice."""
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = "assistant"
+    if content is not None:
+        delta["content"] = content
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else _chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+    }
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = usage
+    return out
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    *,
+    finish_reason: str | None = None,
+    logprobs: Sequence[LogprobEntry] | None = None,
+    text_offset: int = 0,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One streamed `text_completion` object with a single choice."""
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": None if logprobs is None else _completion_logprobs(logprobs, text_offset),
+        "finish_reason": finish_reason,
+    }
+    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, created: int, model: str, kind: RequestKind, usage: dict[str, Any]) -> dict[str, Any]:
+    """The last streamed object when `stream_options.include_usage` is set: no choices, the usage."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A finished choice of a non-streaming response."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[LogprobEntry] | None = None
+
+
+def chat_response(rid: str, created: int, model: str, choices: Sequence[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage,
+    }
+
+
+def completion_response(
+    rid: str, created: int, model: str, choices: Sequence[ChoiceResult], usage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage,
+    }
+
+
+def model_list(models: Sequence[tuple[str, int, int]]) -> dict[str, Any]:
+    """/v1/models from (name, created, context_length) triples."""
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "meshllm", "max_model_len": ctx}
+            for name, created, ctx in models
+        ],
+    }
