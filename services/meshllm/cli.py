@@ -15,7 +15,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str | None, str]] = {
     "run": (None, "frontend + router + workers in one process (the embedded default)"),
     "frontend": (None, "OpenAI HTTP API and text gRPC Inference API"),
-    "router": (None, "KV-aware router: routes, disaggregates, migrates"),
+    "router": ("meshllm.router.main:main", "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
     "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),
 }

@@ -1,0 +1,61 @@
+"""Typed async client of the Router service: what frontends and tests import.
+
+`RouterClient.generate` has the same signature as `RouterCore.generate`, so a
+frontend can use either (remote router or embedded core). Chunks and
+requests are the internal TypedDicts; errors are `meshllm.errors` classes
+(the class the router raised). Dropping a `generate` iterator cancels the
+gRPC call, and with it the worker call behind the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from meshllm.errors import StreamIncomplete
+from meshllm.plane.transport import CallInfo, ChannelCache, mesh_error, translate_errors
+from meshllm.protocol.convert import chunk_from_proto, request_to_proto
+from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.v1 import router_pb2, router_pb2_grpc
+
+__all__ = ["RouterClient"]
+
+
+class RouterClient:
+    """Client of one router address over a shared ChannelCache."""
+
+    def __init__(self, channels: ChannelCache, address: str) -> None:
+        self.address = address
+        self._stub = router_pb2_grpc.RouterStub(channels.get(address))
+
+    async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks; raises StreamIncomplete if the stream ends without a terminal chunk."""
+        info = call or CallInfo()
+        rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
+        finished = False
+        try:
+            async for msg in rpc:
+                chunk = chunk_from_proto(msg)
+                yield chunk
+                if "finish_reason" in chunk:
+                    finished = True
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise mesh_error(exc) from None
+        finally:
+            if not finished:
+                rpc.cancel()
+        raise StreamIncomplete(f"router {self.address} ended the stream without a terminal chunk")
+
+    async def route(
+        self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None
+    ) -> router_pb2.RouteDecision:
+        """Which worker would serve this prompt, and why (nothing is sent)."""
+        req = router_pb2.RouteRequest(model=model, token_ids=token_ids, role=role or 0)  # type: ignore[arg-type]
+        if hints:
+            req.routing.CopyFrom(request_to_proto({"request_id": "", "token_ids": [], "routing": hints}).routing)
+        return await translate_errors(self._stub.Route(req))
+
+    async def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:
+        return await translate_errors(self._stub.ListWorkers(router_pb2.ListWorkersRequest(model=model or "")))

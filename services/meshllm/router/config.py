@@ -1,0 +1,181 @@
+"""The router's typed configuration (`RouterConfig`) and the flag parser that builds it.
+
+Flags default to their `MESHLLM_*` variable (`--router-mode` reads
+`MESHLLM_ROUTER_MODE`). Static mode (`--static-workers`) needs neither etcd
+nor NATS: the router is told the worker addresses, their endpoint and the
+model name, and bad values are refused with one line before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from meshllm.config import (
+    ConfigError,
+    DiscoveryKind,
+    EnvArgumentParser,
+    EventsKind,
+    PlaneConfig,
+    ServerConfig,
+    add_plane_args,
+    parse_host_port,
+)
+
+__all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "router_arg_parser"]
+
+
+class RouterMode(enum.StrEnum):
+    """How a worker is chosen (`--router-mode`)."""
+
+    KV = "kv"
+    APPROXIMATE = "approximate"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEndpoint:
+    """`ns.component.endpoint` of the static workers."""
+
+    namespace: str
+    component: str
+    endpoint: str
+
+    @classmethod
+    def parse(cls, value: str) -> StaticEndpoint:
+        parts = value.split(".")
+        if len(parts) != 3 or not all(p and all(c.isalnum() or c in "-_" for c in p) for p in parts):
+            raise ConfigError(f"--static-endpoint {value!r} is not namespace.component.endpoint")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}.{self.component}.{self.endpoint}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterConfig:
+    """Everything a router (process or embedded `RouterCore`) needs, validated when built."""
+
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    mode: RouterMode = RouterMode.KV
+    temperature: float = 0.0
+    overlap_weight: float = 1.0
+    ttl_s: float = 120.0
+    migration_limit: int = 3
+    disagg_min_prompt_tokens: int = 0
+    disagg_max_local_hit: float = 0.9
+    static_endpoint: StaticEndpoint | None = None
+    static_workers: tuple[str, ...] = ()
+    model_name: str | None = None
+    metrics_port: int | None = None
+    router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")
+    component: str = "router"
+    # Resync: how long a snapshot call may take, and the first retry delay.
+    snapshot_timeout_s: float = 10.0
+    resync_backoff_s: float = 0.2
+    # A worker that failed a call is skipped for this long (discovery may lag).
+    failure_cooldown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name, value in (("--router-temperature", self.temperature), ("--kv-overlap-weight", self.overlap_weight)):
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.ttl_s) or self.ttl_s <= 0:
+            raise ConfigError(f"--router-ttl must be > 0 seconds, got {self.ttl_s}")
+        if self.migration_limit < 0:
+            raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.disagg_min_prompt_tokens < 0:
+            raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {self.disagg_min_prompt_tokens}")
+        if not 0.0 <= self.disagg_max_local_hit <= 1.0:
+            raise ConfigError(f"--disagg-max-local-hit must be a fraction in [0, 1], got {self.disagg_max_local_hit}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is out of range 0..65535")
+        if not self.component or not all(c.isalnum() or c in "-_" for c in self.component):
+            raise ConfigError(f"--component {self.component!r} must be letters, digits, '-' or '_'")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("--model-name must not be empty")
+        for address in self.static_workers:
+            parse_host_port(address, what="--static-workers entry")
+        if self.static:
+            if self.static_endpoint is None:
+                raise ConfigError("static mode needs --static-endpoint namespace.component.endpoint")
+            if not self.static_workers:
+                raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
+            if not self.model_name:
+                raise ConfigError("static mode needs --model-name")
+
+    @property
+    def static(self) -> bool:
+        """True when the workers are given (no discovery)."""
+        return bool(self.static_workers) or self.plane.discovery is DiscoveryKind.STATIC
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> RouterConfig:
+        """Build from the flags of `router_arg_parser`."""
+        workers = tuple(w.strip() for w in (ns.static_workers or "").split(",") if w.strip())
+        endpoint = StaticEndpoint.parse(ns.static_endpoint) if ns.static_endpoint else None
+        plane = PlaneConfig.from_namespace(ns)
+        if workers or ns.static_endpoint:
+            # Static mode touches neither etcd nor (unless --events says so) NATS.
+            events = plane.events if ns.events else EventsKind.NONE
+            namespace = endpoint.namespace if endpoint is not None else plane.namespace
+            plane = PlaneConfig(namespace=namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
+        return cls(
+            plane=plane,
+            server=ServerConfig(host=ns.host, port=ns.port),
+            mode=RouterMode(ns.router_mode),
+            temperature=ns.router_temperature,
+            overlap_weight=ns.kv_overlap_weight,
+            ttl_s=ns.router_ttl,
+            migration_limit=ns.migration_limit,
+            disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
+            disagg_max_local_hit=ns.disagg_max_local_hit,
+            static_endpoint=endpoint,
+            static_workers=workers,
+            model_name=ns.model_name,
+            metrics_port=ns.metrics_port,
+            router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}",
+            component=ns.component,
+        )
+
+
+def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentParser:
+    """Every `meshllm router` flag (defaults from `MESHLLM_*`, `os.environ` unless `env` is given)."""
+    parser = EnvArgumentParser(
+        prog="meshllm router",
+        env=os.environ if env is None else env,
+        description="KV-aware router: routes, disaggregates, proxies and migrates generation streams",
+    )
+    g = parser.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
+    g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
+    g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
+    g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
+    g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")
+    g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
+    g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
+    g.add_argument(
+        "--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker"
+    )
+    g.add_argument(
+        "--disagg-max-local-hit",
+        type=float,
+        default=0.9,
+        help="skip remote prefill when the decode worker caches at least this fraction of the prompt",
+    )
+    g.add_argument("--static-endpoint", default="", help="static mode: namespace.component.endpoint of the workers")
+    g.add_argument("--static-workers", default="", help="static mode: comma-separated worker host:port list")
+    g.add_argument("--model-name", default=None, help="static mode: the model the workers serve")
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
+    g.add_argument("--router-id", default="", help="replica id shared with other routers (default: random)")
+    g.add_argument("--component", default="router", help="discovery component / replica-sync subject of this router")
+    add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    return parser

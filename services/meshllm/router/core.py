@@ -1,0 +1,337 @@
+"""`RouterCore`: the routing library — pool, KV index, load, policy — behind `meshllm router` or a frontend.
+
+    core = RouterCore(config, discovery, bus, channels)
+    await core.start()                       # subscribe, then watch workers, resync the index
+    async for chunk in core.generate(request):
+        ...
+    decision = await core.route(model, token_ids)
+    await core.aclose()
+
+A request's path reads as a sentence: `generate → plan (policy.pick per
+pool) → leg(s) → WorkerClient.generate`, with coalescing in front and
+migration around (`meshllm.router.stream`). This module holds the state and
+the decisions; the streaming lives in `stream.py`.
+
+Errors: `generate` raises `NotFound` for a model no worker ever served,
+`Unavailable` when none of its workers is live, and the worker's own error
+class otherwise (before the first chunk; after it, the stream ends with an
+"error" terminal chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from meshllm.errors import NotFound, Unavailable
+from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.discovery import Discovery
+from meshllm.plane.events import EventBus, NullEventBus
+from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.protocol.kv import block_hashes
+from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.router.coalesce import coalesce
+from meshllm.router.config import RouterConfig, RouterMode
+from meshllm.router.feed import EventFeed
+from meshllm.router.kv_index import KvIndex, SlotKey
+from meshllm.router.load import LoadTracker
+from meshllm.router.metrics import RouterMetrics
+from meshllm.router.policy import Candidate, make_policy, score
+from meshllm.router.predicted import PredictedIndex
+from meshllm.router.stream import serve
+from meshllm.router.sync import ReplicaSync
+from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
+from meshllm.v1 import discovery_pb2, router_pb2
+from meshllm.worker.client import WorkerClient
+
+__all__ = ["Decision", "Plan", "RouterCore"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # hashing size for models whose engine does not page its cache
+HOUSEKEEPING_S = 1.0
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision with everything that led to it."""
+
+    chosen: Candidate
+    candidates: list[Candidate]
+    role: int
+    policy: str
+    block_size: int
+    prompt_blocks: int
+
+    def to_proto(self) -> router_pb2.RouteDecision:
+        c = self.chosen
+        return router_pb2.RouteDecision(
+            worker_id=c.worker_id, dp_rank=c.dp_rank, address=c.address, role=self.role,  # type: ignore[arg-type]
+            policy=self.policy, prompt_blocks=self.prompt_blocks,
+            candidates=[
+                router_pb2.CandidateScore(
+                    worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,
+                    prefill_tokens=k.prefill_tokens, decode_blocks=k.decode_blocks, cost=k.cost, address=k.address,
+                )
+                for k in self.candidates
+            ],
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where one attempt runs: `main` (aggregated or decode) and, when disaggregated, `prefill`."""
+
+    main: Decision
+    prefill: Decision | None
+    hashes: list[int]
+
+
+class RouterCore(AsyncCloseable):
+    """Routes, disaggregates, proxies and migrates generation streams (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        discovery: Discovery,
+        bus: EventBus,
+        channels: ChannelCache,
+        *,
+        static_workers: Sequence[str] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.id = config.router_id
+        self.channels = channels
+        self.metrics = RouterMetrics(self.id)
+        self.mode = config.mode
+        if self.mode is RouterMode.KV and isinstance(bus, NullEventBus):
+            log.warning("router mode kv without an event plane: using approximate routing")
+            self.mode = RouterMode.APPROXIMATE
+        self.policy = make_policy(self.mode, temperature=config.temperature, rng=rng or random.Random())
+        self.index = KvIndex()
+        self.load = LoadTracker()
+        self.inflight = PredictedIndex()
+        self.approx = PredictedIndex(ttl_s=config.ttl_s)
+        workers = tuple(static_workers) if static_workers is not None else config.static_workers
+        self.pool = WorkerPool(
+            discovery, channels, static_workers=workers, model_name=config.model_name,
+            failure_cooldown_s=config.failure_cooldown_s,
+        )  # fmt: skip
+        self.feed = EventFeed(
+            bus, config.plane.namespace, index=self.index, load=self.load, pool=self.pool, channels=channels,
+            metrics=self.metrics, use_kv=self.mode is not RouterMode.APPROXIMATE,
+            snapshot_timeout_s=config.snapshot_timeout_s, backoff_s=config.resync_backoff_s,
+        )  # fmt: skip
+        self.sync = ReplicaSync(bus, config.plane.namespace, config.component, self.id, self.load)
+        self._known_models: set[str] = set(filter(None, [config.model_name]))
+        self._clients: dict[str, WorkerClient] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Subscribe to events, then watch workers (each new one is resynced), then housekeeping."""
+        self.pool.on_added = self._worker_added
+        self.pool.on_removed = self._worker_removed
+        await self.feed.start()
+        await self.sync.start()
+        await self.pool.start()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="router-housekeeping"))
+
+    def _worker_added(self, worker: PoolWorker) -> None:
+        self._known_models.add(worker.model)
+        self.feed.worker_added(worker)
+        self.metrics.workers.set(len(self.pool.all()))
+
+    def _worker_removed(self, worker: PoolWorker) -> None:
+        self.feed.worker_removed(worker)
+        self.load.remove_worker(worker.id)
+        self.inflight.remove_worker(worker.id)
+        self.approx.remove_worker(worker.id)
+        self.metrics.workers.set(len(self.pool.all()))
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            self.load.expire(now)
+            self.approx.expire(now)
+
+    async def _aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.aclose()
+        await self.feed.aclose()
+        await self.sync.aclose()
+
+    # ------------------------------------------------------------ public API
+    async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+        """Route and stream one request (coalesced; migrated when a worker breaks)."""
+        model = self.resolve_model(request.get("model", ""))
+        if not self.pool.workers(model, include_cooling=True):
+            raise Unavailable(f"no live worker serves model {model!r}")
+        req: GenerateRequest = {**request, "model": model}  # type: ignore[typeddict-item]
+        if not req.get("request_id"):
+            req["request_id"] = f"{self.id}-{time.monotonic_ns():x}"
+        card = self.pool.card(model)
+        if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
+            req["eos_token_ids"] = list(card.eos_token_ids)
+        self.metrics.requests.inc()
+        async for chunk in coalesce(serve(self, req, call)):
+            yield chunk
+
+    async def route(
+        self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None
+    ) -> router_pb2.RouteDecision:
+        """The decision alone (nothing is sent or charged), with every candidate's score."""
+        model = self.resolve_model(model)
+        plan = self.plan(model, list(token_ids), hints or {}, set())
+        if role in (None, discovery_pb2.WORKER_ROLE_UNSPECIFIED):
+            return (plan.prefill or plan.main).to_proto()
+        bs = self.block_size(model)
+        return self.decide(model, role, list(token_ids), plan.hashes, bs, hints or {}, set()).to_proto()
+
+    def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:
+        """Every known worker with its load and indexed blocks."""
+        out = router_pb2.ListWorkersResponse()
+        for w in self.pool.all():
+            if model and w.model != model:
+                continue
+            load = self.load.worker(w.id)
+            rep = load.reported
+            total = rep.total_blocks if rep is not None and rep.total_blocks else 0
+            if not total and w.card is not None:
+                total = w.card.runtime_limits.total_kv_blocks
+            out.workers.add(
+                worker_id=w.id, role=w.role, address=w.address, model=w.model,  # type: ignore[arg-type]
+                active_blocks=load.active_blocks, total_blocks=total,
+                waiting=rep.waiting if rep is not None else 0, running=rep.running if rep is not None else 0,
+                indexed_blocks=self.index.worker_blocks(w.id), in_flight=load.in_flight,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+            )  # fmt: skip
+        return out
+
+    def models(self) -> list[discovery_pb2.ModelCard]:
+        """One ModelCard per model some live worker serves, by name."""
+        return [card for _, card in sorted(self.pool.models().items())]
+
+    # ------------------------------------------------------------ decisions
+    def resolve_model(self, model: str) -> str:
+        """`model`, or the only known model when empty; NotFound for a model nobody ever served."""
+        if not model:
+            known = sorted(self._known_models | set(self.pool.models()))
+            if len(known) == 1:
+                return known[0]
+            raise NotFound("the request names no model and the router knows " + (", ".join(known) or "none"))
+        if model not in self._known_models and model not in self.pool.models():
+            raise NotFound(f"model {model!r} not found")
+        return model
+
+    def block_size(self, model: str) -> int:
+        card = self.pool.card(model)
+        return card.kv_block_size if card is not None and card.kv_block_size else DEFAULT_BLOCK_SIZE
+
+    def migration_limit(self, model: str) -> int:
+        card = self.pool.card(model)
+        if card is None:
+            return self.config.migration_limit
+        return min(self.config.migration_limit, card.migration_limit)
+
+    def plan(
+        self, model: str, tokens: list[int], hints: RoutingHints, excluded: set[str], *, max_tokens: int | None = None
+    ) -> Plan:
+        """Choose the worker(s) of one attempt: aggregated, or decode + remote prefill."""
+        bs = self.block_size(model)
+        hashes = block_hashes(tokens, bs)
+        pools = {r: self._eligible(model, r, hints, excluded) for r in (AGGREGATED, PREFILL, DECODE)}
+        pinned = hints.get("backend_instance_id")
+        if pinned:
+            w = self.pool.get(pinned)
+            if w is None or w.model != model or pinned in excluded or w.role == PREFILL:
+                raise Unavailable(f"worker {pinned!r} (backend_instance_id) cannot serve model {model!r} now")
+            main_role = w.role
+        elif pools[DECODE] and (pools[PREFILL] or not pools[AGGREGATED]):
+            main_role = DECODE
+        elif pools[AGGREGATED]:
+            main_role = AGGREGATED
+        else:
+            raise Unavailable(f"no live aggregated or decode worker serves model {model!r}")
+        main = self.decide(model, main_role, tokens, hashes, bs, hints, excluded)
+        prefill = None
+        if main_role == DECODE and pools[PREFILL] and self._remote_prefill(main, len(tokens), max_tokens):
+            prefill = self.decide(model, PREFILL, tokens, hashes, bs, hints, excluded)
+        return Plan(main, prefill, hashes)
+
+    def _remote_prefill(self, decode: Decision, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Conditional disaggregation: is a remote prefill worth it for this decode choice?"""
+        cfg = self.config
+        if max_tokens is not None and max_tokens <= 1:
+            return False  # the prefill leg alone would answer: no KV to hand over
+        hit = decode.chosen.overlap_blocks * decode.block_size / max(prompt_tokens, 1)
+        if prompt_tokens < cfg.disagg_min_prompt_tokens:
+            return False
+        return not (decode.chosen.overlap_blocks and hit >= cfg.disagg_max_local_hit)
+
+    def _eligible(self, model: str, role: int, hints: RoutingHints, excluded: set[str]) -> list[PoolWorker]:
+        workers = [w for w in self.pool.workers(model, role) if w.id not in excluded]
+        allowed = hints.get("allowed_worker_ids")
+        if allowed:
+            workers = [w for w in workers if w.id in allowed]
+        pins: dict[int, str | None] = {PREFILL: hints.get("prefill_worker_id"), DECODE: hints.get("decode_worker_id")}
+        pin = pins.get(role)
+        pinned = hints.get("backend_instance_id")
+        if pinned and role != PREFILL:
+            pin = pinned
+        if pin:
+            workers = [w for w in workers if w.id == pin]
+        return workers
+
+    def decide(
+        self, model: str, role: int, tokens: list[int], hashes: list[int], bs: int, hints: RoutingHints, excluded: set[str]
+    ) -> Decision:
+        """Score every eligible (worker, dp rank) of one pool and let the policy pick."""
+        workers = self._eligible(model, role, hints, excluded)
+        if not workers:
+            raise Unavailable(f"no live {role_name(role)} worker for model {model!r} (excluded: {sorted(excluded)})")
+        pin_rank = hints.get("dp_rank")
+        keys: list[tuple[PoolWorker, int]] = [
+            (w, r) for w in workers for r in range(w.dp_size) if pin_rank is None or r == pin_rank
+        ]
+        if not keys:
+            raise Unavailable(f"no {role_name(role)} worker of model {model!r} has dp rank {pin_rank}")
+        overlaps = self._overlaps(hashes, [(w.id, r) for w, r in keys])
+        cands = []
+        for w, r in keys:
+            ov = overlaps.get((w.id, r), 0)
+            load = self.load.get((w.id, r))
+            cands.append(Candidate(
+                worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
+                prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks,
+                queued_prefill_tokens=load.queued_prefill_tokens, in_flight=load.in_flight,
+            ))  # fmt: skip
+        score(cands, block_size=bs, overlap_weight=self.config.overlap_weight)
+        chosen = self.policy.pick(cands, f"{model}/{role}")
+        return Decision(chosen, cands, role, self.policy.name, bs, len(hashes))
+
+    def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> dict[SlotKey, int]:
+        if not hashes:
+            return {}
+        if self.mode is RouterMode.APPROXIMATE:
+            self.approx.expire(time.monotonic())
+            return self.approx.overlaps(hashes, keys)
+        seen = self.index.overlaps(hashes, keys)
+        if self.mode is RouterMode.KV:
+            for k, n in self.inflight.overlaps(hashes, keys).items():
+                if n > seen.get(k, 0):
+                    seen[k] = n
+        return seen
+
+    def client(self, address: str) -> WorkerClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = WorkerClient(self.channels, address)
+        return c

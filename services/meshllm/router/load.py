@@ -1,0 +1,152 @@
+"""Per-worker load as the router sees it: routed work, corrected by the workers' LoadSnapshots.
+
+Each routed request *charges* one (worker, dp rank): the KV blocks it will
+occupy there and the prompt tokens the worker must still compute. Prefill
+tokens are released at the first token (`prefill_done`), blocks when the
+request ends (`complete`, whatever the reason: finish, error, cancel).
+Requests routed by other router replicas arrive as RouterSyncEvents and are
+charged the same way, keyed by (router id, request id), so every replica
+holds the same charges.
+
+Decode load (`active_blocks`) before any snapshot is the sum of charges.
+Once a worker has published a LoadSnapshot it is the snapshot's
+`active_blocks` plus the blocks charged minus the blocks released since that
+snapshot arrived: the worker's own count (which shares prefix blocks between
+requests) corrects the router's estimate every time it reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.router.kv_index import SlotKey
+from meshllm.v1 import events_pb2
+
+__all__ = ["Charge", "LoadTracker", "SlotLoad"]
+
+STALE_CHARGE_S = 600.0  # a charge nobody released after this long is dropped (a lost COMPLETED event)
+
+
+@dataclass(slots=True)
+class Charge:
+    """What one routed request costs its worker."""
+
+    key: SlotKey
+    prefill_tokens: int
+    blocks: int
+    at: float
+    prefill_done: bool = False
+
+
+@dataclass(slots=True)
+class SlotLoad:
+    """The load of one (worker, dp rank)."""
+
+    charged_blocks: int = 0  # sum over in-flight charges
+    queued_prefill_tokens: int = 0  # sum over charges not yet prefilled
+    in_flight: int = 0
+    reported: events_pb2.LoadSnapshot | None = None
+    delta_blocks: int = 0  # charged − released since `reported` arrived
+
+    @property
+    def active_blocks(self) -> int:
+        if self.reported is None:
+            return self.charged_blocks
+        return max(0, self.reported.active_blocks + self.delta_blocks)
+
+
+class LoadTracker:
+    """Charges of in-flight requests per slot, plus the latest LoadSnapshot of each slot."""
+
+    def __init__(self) -> None:
+        self._slots: dict[SlotKey, SlotLoad] = {}
+        self._charges: dict[tuple[str, str], Charge] = {}
+
+    def slot(self, key: SlotKey) -> SlotLoad:
+        load = self._slots.get(key)
+        if load is None:
+            load = self._slots[key] = SlotLoad()
+        return load
+
+    def get(self, key: SlotKey) -> SlotLoad:
+        """The load of `key` (an empty one when nothing is known)."""
+        return self._slots.get(key) or SlotLoad()
+
+    def charges(self) -> int:
+        return len(self._charges)
+
+    # ------------------------------------------------------------ charges
+    def route(self, origin: str, request_id: str, key: SlotKey, *, prefill_tokens: int, blocks: int, now: float) -> None:
+        """Charge `key` for one request (replaces an earlier charge of the same request)."""
+        self.complete(origin, request_id)
+        self._charges[(origin, request_id)] = Charge(key, prefill_tokens, blocks, now)
+        load = self.slot(key)
+        load.charged_blocks += blocks
+        load.delta_blocks += blocks
+        load.queued_prefill_tokens += prefill_tokens
+        load.in_flight += 1
+
+    def prefill_done(self, origin: str, request_id: str) -> None:
+        """The request's prompt is computed: release its queued prefill tokens."""
+        c = self._charges.get((origin, request_id))
+        if c is None or c.prefill_done:
+            return
+        c.prefill_done = True
+        load = self.slot(c.key)
+        load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
+
+    def complete(self, origin: str, request_id: str) -> None:
+        """The request ended: release everything it was charged."""
+        c = self._charges.pop((origin, request_id), None)
+        if c is None:
+            return
+        load = self._slots.get(c.key)
+        if load is None:
+            return
+        if not c.prefill_done:
+            load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
+        load.charged_blocks = max(0, load.charged_blocks - c.blocks)
+        load.delta_blocks -= c.blocks
+        load.in_flight = max(0, load.in_flight - 1)
+
+    def expire(self, now: float, max_age_s: float = STALE_CHARGE_S) -> int:
+        """Release charges older than `max_age_s` (their COMPLETED event was lost); returns how many."""
+        stale = [k for k, c in self._charges.items() if now - c.at > max_age_s]
+        for origin, rid in stale:
+            self.complete(origin, rid)
+        return len(stale)
+
+    # ------------------------------------------------------------ snapshots and workers
+    def apply_snapshot(self, snap: events_pb2.LoadSnapshot) -> None:
+        """A worker reported its load: it becomes the base, the delta restarts at 0."""
+        load = self.slot((snap.worker_id, snap.dp_rank))
+        load.reported = snap
+        load.delta_blocks = 0
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker's load and the charges on it."""
+        for key in [k for k in self._slots if k[0] == worker_id]:
+            del self._slots[key]
+        for ck in [k for k, c in self._charges.items() if c.key[0] == worker_id]:
+            del self._charges[ck]
+
+    def worker(self, worker_id: str) -> SlotLoad:
+        """The sum over a worker's dp ranks (for ListWorkers)."""
+        total = SlotLoad()
+        agg = events_pb2.LoadSnapshot(worker_id=worker_id)
+        seen = False
+        for key, load in self._slots.items():
+            if key[0] != worker_id:
+                continue
+            total.charged_blocks += load.active_blocks
+            total.queued_prefill_tokens += load.queued_prefill_tokens
+            total.in_flight += load.in_flight
+            if load.reported is not None:
+                seen = True
+                agg.total_blocks += load.reported.total_blocks
+                agg.waiting += load.reported.waiting
+                agg.running += load.reported.running
+        if seen:
+            agg.active_blocks = total.charged_blocks
+            total.reported = agg
+        return total

@@ -1,0 +1,161 @@
+"""Entry point of `meshllm router`, and `RouterServer`: planes + RouterCore + gRPC server + shutdown order.
+
+    async with await RouterServer.start(config) as server:   # server.address
+        ...                                                  # close = the ordered shutdown
+
+Shutdown order (each step bounded, each runs even if one before failed):
+unregister → stop serving (health NOT_SERVING, in-flight streams get the
+grace period) → close the core (watches, event feed, replica sync) → close
+channels → close planes → stop the metrics server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from meshllm import __version__
+from meshllm.config import ConfigError
+from meshllm.errors import MeshError
+from meshllm.lifecycle import AsyncCloseable, Shutdown, install_signal_handlers
+from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
+from meshllm.plane.events import EventBus, MemoryBroker, open_events
+from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
+from meshllm.router.config import RouterConfig, router_arg_parser
+from meshllm.router.core import RouterCore
+from meshllm.router.service import RouterServicer
+from meshllm.v1 import discovery_pb2, router_pb2_grpc
+
+__all__ = ["RouterServer", "main"]
+
+log = logging.getLogger("meshllm.router")
+
+
+class RouterServer(AsyncCloseable):
+    """A started router process: planes, core, gRPC server, registration, metrics. Use `start`."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.discovery: Discovery | None = None
+        self.bus: EventBus | None = None
+        self.channels = ChannelCache(max_message_bytes=config.server.max_message_bytes)
+        self.core: RouterCore | None = None
+        self.server: GrpcServer | None = None
+        self.shutdown = Shutdown()
+        self._metrics_server: Any = None
+
+    @classmethod
+    async def start(
+        cls, config: RouterConfig, *, memory_store: MemoryStore | None = None, memory_broker: MemoryBroker | None = None
+    ) -> RouterServer:
+        """Open planes, start the core, serve, register. Cleans up on failure."""
+        self = cls(config)
+        self._plan_shutdown()
+        try:
+            await self._start(memory_store, memory_broker)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _start(self, memory_store: MemoryStore | None, memory_broker: MemoryBroker | None) -> None:
+        cfg = self.config
+        self.discovery = await open_discovery(cfg.plane, memory_store=memory_store)
+        self.bus = await open_events(cfg.plane, memory_broker=memory_broker, name=cfg.router_id)
+        self.core = RouterCore(cfg, self.discovery, self.bus, self.channels)
+        await self.core.start()
+        binding = ServiceBinding("meshllm.v1.Router", RouterServicer(self.core), router_pb2_grpc.add_RouterServicer_to_server)
+        self.server = await start_server(cfg.server, [binding])
+        if not cfg.static:
+            await self.discovery.register_instance(
+                discovery_pb2.Instance(
+                    id=cfg.router_id, namespace=cfg.plane.namespace, component=cfg.component, endpoint="generate",
+                    address=self.address, version=__version__, metadata={"mode": cfg.mode.value},
+                )
+            )  # fmt: skip
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            registry = self.core.metrics.registry
+            self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=cfg.server.host, registry=registry)
+        log.info("router %s (%s) serving on %s", cfg.router_id, cfg.mode.value, self.address)
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return self.server.address
+
+    def _plan_shutdown(self) -> None:
+        sd = self.shutdown
+        sd.add("unregister", self._unregister, timeout_s=5)
+        sd.add("stop server", self._stop_server, timeout_s=15)
+        sd.add("close core", self._close_core, timeout_s=10)
+        sd.add("close channels", self.channels.aclose, timeout_s=5)
+        sd.add("close planes", self._close_planes, timeout_s=10)
+        sd.add("stop metrics", self._stop_metrics, timeout_s=5)
+
+    async def _unregister(self) -> None:
+        if self.discovery is not None and not self.config.static:
+            await self.discovery.unregister()
+
+    async def _stop_server(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+
+    async def _close_core(self) -> None:
+        if self.core is not None:
+            await self.core.aclose()
+
+    async def _close_planes(self) -> None:
+        if self.bus is not None:
+            await self.bus.aclose()
+        if self.discovery is not None:
+            await self.discovery.aclose()
+
+    async def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+
+    async def _aclose(self) -> None:
+        await self.shutdown.run()
+        log.info("router stopped (%s)", ", ".join(f"{k} {v:.2f}s" for k, v in self.shutdown.durations.items()))
+
+
+async def serve(config: RouterConfig) -> int:
+    """Start, serve until SIGTERM/SIGINT, shut down in order."""
+    stop = asyncio.Event()
+    uninstall = install_signal_handlers(lambda sig: stop.set())
+    try:
+        try:
+            server = await RouterServer.start(config)
+        except MeshError as exc:
+            print(f"meshllm router: error: {exc.message}", file=sys.stderr)
+            return 1
+        print(f"meshllm router {config.router_id} ({config.mode.value}) serving on {server.address}", flush=True)
+        await stop.wait()
+        log.info("signal received: shutting down")
+        await server.aclose()
+        return 0
+    finally:
+        uninstall()
+
+
+def main(argv: Sequence[str]) -> int:
+    """`meshllm router [flags]`."""
+    logging.basicConfig(
+        level=os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    parser = router_arg_parser()
+    ns = parser.parse_args(list(argv))
+    try:
+        config = RouterConfig.from_namespace(ns)
+    except ConfigError as exc:
+        print(f"meshllm router: error: {exc.message}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))

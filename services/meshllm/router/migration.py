@@ -1,0 +1,113 @@
+"""Migration bookkeeping of one request: what was streamed, what to resend, how usage reads.
+
+A worker stream that breaks before its terminal chunk (`Unavailable` and its
+subclasses — connection refused, peer gone, worker draining — or
+`StreamIncomplete`) is resent to another worker with the original prompt
+plus every token already streamed to the caller, `max_tokens` and
+`min_tokens` lowered by that many, the failed workers excluded, at most
+`limit` times. The caller sees one stream: usage reports the *original*
+prompt length and the cumulative completion tokens.
+
+Guided decoding is never migrated once a token was streamed (the constraint's
+state cannot be rebuilt from tokens); resending a request that produced
+nothing yet is always safe and allowed.
+"""
+
+from __future__ import annotations
+
+from meshllm.errors import MeshError, StreamIncomplete, Unavailable
+from meshllm.protocol.types import GenerateChunk, GenerateRequest, StopConditions, Usage
+
+__all__ = ["MIGRATABLE", "MigrationState"]
+
+MIGRATABLE: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete)
+
+
+class MigrationState:
+    """Tokens streamed so far, attempts made, workers excluded — for one request."""
+
+    def __init__(self, request: GenerateRequest, *, limit: int) -> None:
+        self.request = request
+        self.prompt_tokens = len(request["token_ids"])
+        self.limit = limit
+        self.generated: list[int] = []
+        self.attempt = 0
+        self.excluded: set[str] = set()
+        self.current_worker: str | None = None  # worker of the leg now running (None while routing)
+        self.cached_tokens: int | None = None  # prompt tokens the prefill leg found cached (disaggregated)
+        self.chunks = 0
+
+    @property
+    def guided(self) -> bool:
+        return bool(self.request.get("sampling", {}).get("guided"))
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.request.get("stop", {}).get("max_tokens")
+
+    def remaining(self) -> int | None:
+        """Completion tokens still allowed (None = no limit)."""
+        m = self.max_tokens
+        return None if m is None else max(0, m - len(self.generated))
+
+    def can_migrate(self) -> bool:
+        if self.attempt >= self.limit:
+            return False
+        return not (self.guided and self.generated)
+
+    def migrate(self, failed_worker: str | None) -> None:
+        """Record a failed attempt; the next `next_request` goes elsewhere."""
+        if failed_worker is not None:
+            self.excluded.add(failed_worker)
+        self.attempt += 1
+        self.current_worker = None
+        self.cached_tokens = None
+
+    def next_request(self) -> GenerateRequest | None:
+        """The request of the next attempt, or None when max_tokens were all streamed already."""
+        if self.attempt == 0:
+            return self.request
+        remaining = self.remaining()
+        if remaining == 0:
+            return None
+        req: GenerateRequest = dict(self.request)  # type: ignore[assignment]
+        req["request_id"] = f"{self.request['request_id']}:m{self.attempt}"
+        req["token_ids"] = [*self.request["token_ids"], *self.generated]
+        stop: StopConditions = dict(self.request.get("stop", {}))  # type: ignore[assignment]
+        if remaining is not None:
+            stop["max_tokens"] = remaining
+        if stop.get("min_tokens"):
+            stop["min_tokens"] = max(0, stop["min_tokens"] - len(self.generated))
+        req["stop"] = stop
+        req.pop("disagg", None)
+        return req
+
+    def usage(self, leg: Usage | None = None) -> Usage:
+        """Usage as the caller must see it."""
+        cached = self.cached_tokens if self.cached_tokens is not None else (leg["cached_tokens"] if leg else 0)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.generated),
+            "cached_tokens": min(cached, self.prompt_tokens),
+        }
+
+    def observe(self, chunk: GenerateChunk) -> GenerateChunk:
+        """Record a chunk about to reach the caller; returns it with usage rewritten."""
+        self.chunks += 1
+        self.generated.extend(chunk.get("token_ids", ()))
+        if "usage" in chunk:
+            chunk = {**chunk, "usage": self.usage(chunk["usage"])}
+        return chunk
+
+    def length_terminal(self) -> GenerateChunk:
+        """The terminal for a stream that broke after its last allowed token."""
+        return {"token_ids": [], "finish_reason": "length", "usage": self.usage()}
+
+    def error_terminal(self, err: MeshError) -> GenerateChunk:
+        """The terminal for a stream that fails after tokens reached the caller."""
+        return {
+            "token_ids": [],
+            "finish_reason": "error",
+            "usage": self.usage(),
+            "error": {"code": err.code, "message": err.message},
+        }

@@ -1,0 +1,145 @@
+"""Routing policies: given scored candidates, pick one.
+
+Every candidate is a (worker, dp rank) scored the same way whatever the
+policy, so `Router.Route` can always explain a decision:
+
+    prefill_blocks = (prompt tokens it must compute + its queued prefill tokens) / block size
+    cost           = overlap_weight × prefill_blocks + decode_blocks
+
+- `kv` / `approximate`: lowest cost. Temperature 0 → argmin, ties broken by
+  fewer decode blocks, then fewer requests in flight, then worker id and dp
+  rank (deterministic). Temperature T > 0 → sample with probability ∝
+  exp(−x / T) where x is the cost normalised to [0, 1] over the candidates
+  (T = 0.1 strongly prefers the cheapest, T = 10 is nearly uniform).
+  The two modes differ only in where the overlap comes from (KV events vs
+  routed prompts), which the core computes.
+- `round-robin`: the next candidate in (worker id, dp rank) order, per pool.
+- `random`: uniformly at random.
+- `least-loaded`: fewest decode blocks, then fewest queued prefill tokens,
+  then fewest in flight, then worker id.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshllm.router.config import RouterMode
+
+__all__ = [
+    "Candidate",
+    "KvPolicy",
+    "LeastLoadedPolicy",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "make_policy",
+    "score",
+]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One (worker, dp rank) that could serve a request, with what its cost is made of."""
+
+    worker_id: str
+    dp_rank: int
+    address: str
+    overlap_blocks: int = 0
+    prefill_tokens: int = 0  # prompt tokens it would compute
+    decode_blocks: int = 0  # KV blocks active on it
+    queued_prefill_tokens: int = 0  # prompt tokens routed to it and not yet computed
+    in_flight: int = 0
+    cost: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.worker_id, self.dp_rank)
+
+
+def score(candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float) -> None:
+    """Fill in each candidate's cost (the formula of the module docstring)."""
+    bs = max(block_size, 1)
+    for c in candidates:
+        prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs
+        c.cost = overlap_weight * prefill_blocks + c.decode_blocks
+
+
+def _tie_key(c: Candidate) -> tuple[float, int, int, str, int]:
+    return (c.cost, c.decode_blocks, c.in_flight, c.worker_id, c.dp_rank)
+
+
+class Policy(abc.ABC):
+    """Picks one of a non-empty list of scored candidates."""
+
+    name: str
+
+    @abc.abstractmethod
+    def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        """Choose; `pool` names the candidate set (model and role) for stateful policies."""
+
+
+class KvPolicy(Policy):
+    """Lowest cost, or softmax sampling over normalised costs when temperature > 0."""
+
+    def __init__(self, name: str, temperature: float, rng: random.Random) -> None:
+        self.name = name
+        self.temperature = temperature
+        self.rng = rng
+
+    def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        if self.temperature <= 0 or len(candidates) == 1:
+            return min(candidates, key=_tie_key)
+        ordered = sorted(candidates, key=_tie_key)
+        lo, hi = ordered[0].cost, ordered[-1].cost
+        spread = hi - lo
+        weights = [math.exp(-((c.cost - lo) / spread if spread > 0 else 0.0) / self.temperature) for c in ordered]
+        return self.rng.choices(ordered, weights=weights, k=1)[0]
+
+
+class RoundRobinPolicy(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+
+    def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: (c.worker_id, c.dp_rank))
+        i = self._next.get(pool, 0)
+        self._next[pool] = i + 1
+        return ordered[i % len(ordered)]
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        return self.rng.choice(sorted(candidates, key=lambda c: (c.worker_id, c.dp_rank)))
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least-loaded"
+
+    def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        return min(
+            candidates, key=lambda c: (c.decode_blocks, c.queued_prefill_tokens, c.in_flight, c.worker_id, c.dp_rank)
+        )
+
+
+def make_policy(mode: RouterMode, *, temperature: float, rng: random.Random) -> Policy:
+    """The policy object of a `--router-mode`."""
+    if mode is RouterMode.KV:
+        return KvPolicy("kv", temperature, rng)
+    if mode is RouterMode.APPROXIMATE:
+        return KvPolicy("approximate", temperature, rng)
+    if mode is RouterMode.ROUND_ROBIN:
+        return RoundRobinPolicy()
+    if mode is RouterMode.RANDOM:
+        return RandomPolicy(rng)
+    return LeastLoadedPolicy()

@@ -1,0 +1,165 @@
+"""One request's stream through the router: attempts, legs, disaggregation and migration.
+
+    serve        → one attempt after another until a terminal chunk (migration)
+      attempt    → plan, then one aggregated leg, or a prefill leg then a decode leg
+        leg      → charge load, WorkerClient.generate, release load (also on cancel)
+
+Disaggregated attempt: the prefill leg is sent as "context_only"; its
+terminal chunk carries the first token(s) and DisaggParams. The first tokens
+go to the caller once, as a plain chunk; the decode leg is sent as
+"generation_only" with those params (plus the prefill worker's id and
+address) and continues after them. A prefill terminal that already ends the
+request (EOS, stop, max_tokens reached, no params) is passed on as the
+stream's terminal.
+
+Cancellation: the caller closing the stream cancels the task running
+`serve` (see `coalesce`), which unwinds through whichever leg is running —
+prefill or decode — and closes its `WorkerClient.generate`, which cancels the
+gRPC call, so that worker's engine frees the request's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from meshllm.errors import MeshError, StreamIncomplete
+from meshllm.plane.transport import CallInfo
+from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest
+from meshllm.router.config import RouterMode
+from meshllm.router.migration import MIGRATABLE, MigrationState
+from meshllm.router.workers import DECODE, role_name
+
+if TYPE_CHECKING:
+    from meshllm.router.core import Decision, RouterCore
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+
+async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncIterator[GenerateChunk]:
+    """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py)."""
+    state = MigrationState(request, limit=core.migration_limit(request["model"]))
+    while True:
+        req = state.next_request()
+        if req is None:
+            yield state.length_terminal()
+            return
+        try:
+            async for chunk in _attempt(core, req, state, call):
+                chunk = state.observe(chunk)
+                yield chunk
+                if "finish_reason" in chunk:
+                    return
+            raise StreamIncomplete("the worker stream ended without a terminal chunk")
+        except MIGRATABLE as exc:
+            failed = state.current_worker
+            if failed is not None:
+                core.pool.mark_failed(failed)
+            if failed is None or not state.can_migrate():
+                core.metrics.errors.inc()
+                if not state.chunks:
+                    raise
+                yield state.error_terminal(exc)
+                return
+            log.warning(
+                "request %s: worker %s failed after %d tokens (%s: %s); migrating (attempt %d of %d)",
+                request["request_id"], failed, len(state.generated), exc.code, exc.message, state.attempt + 1, state.limit,
+            )  # fmt: skip
+            state.migrate(failed)
+            core.metrics.migrations.inc()
+        except MeshError as exc:
+            core.metrics.errors.inc()
+            if not state.chunks:
+                raise
+            yield state.error_terminal(exc)
+            return
+
+
+async def _attempt(
+    core: RouterCore, req: GenerateRequest, state: MigrationState, call: CallInfo | None
+) -> AsyncIterator[GenerateChunk]:
+    state.current_worker = None
+    max_tokens = req.get("stop", {}).get("max_tokens")
+    plan = core.plan(req["model"], req["token_ids"], req.get("routing", {}), state.excluded, max_tokens=max_tokens)
+    if plan.prefill is None:
+        if plan.main.role == DECODE:
+            core.metrics.local_prefills.inc()
+        async for chunk in _leg(core, req, plan.main, plan.hashes, state, call, "agg"):
+            yield chunk
+        return
+
+    prefill_req: GenerateRequest = {**req, "disagg": {"request_type": "context_only"}}  # type: ignore[typeddict-item]
+    first: list[int] = []
+    terminal: GenerateChunk = {}
+    async for chunk in _leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill"):
+        first.extend(chunk.get("token_ids", ()))
+        if "finish_reason" in chunk:
+            terminal = chunk
+    params = terminal.get("disagg")
+    remaining = state.remaining()
+    if terminal.get("finish_reason") != "length" or not params or (remaining is not None and len(first) >= remaining):
+        final: GenerateChunk = {**terminal, "token_ids": first}  # type: ignore[typeddict-item]
+        final.pop("disagg", None)
+        yield final
+        return
+    state.cached_tokens = params.get("cached_tokens", terminal.get("usage", {}).get("cached_tokens", 0))
+    yield {"token_ids": first}
+
+    p = plan.prefill.chosen
+    decode_params: DisaggParams = {
+        **params,  # type: ignore[typeddict-item]
+        "request_type": "generation_only",
+        "first_token_ids": list(params.get("first_token_ids") or first),
+        "prefill_worker_id": p.worker_id,
+        "prefill_address": p.address,
+    }
+    decode_req: GenerateRequest = {**req, "disagg": decode_params}  # type: ignore[typeddict-item]
+    async for chunk in _leg(core, decode_req, plan.main, plan.hashes, state, call, "decode"):
+        yield chunk
+
+
+async def _leg(
+    core: RouterCore,
+    req: GenerateRequest,
+    decision: Decision,
+    hashes: list[int],
+    state: MigrationState,
+    call: CallInfo | None,
+    kind: str,
+) -> AsyncIterator[GenerateChunk]:
+    """One worker call: charge its load (and tell the replicas), stream, release — whatever happens."""
+    cand = decision.chosen
+    key = cand.key
+    leg_id = f"{req['request_id']}/{kind}"
+    prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
+    blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
+    now = time.monotonic()
+    core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=now)
+    core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
+    entry = None
+    if core.mode is RouterMode.KV:
+        entry = core.inflight.add(key, hashes, entry_id=leg_id)
+    elif core.mode is RouterMode.APPROXIMATE:
+        core.approx.add(key, hashes, now=now)
+    core.metrics.decided(decision.policy, role_name(decision.role), cand.overlap_blocks)
+    worker = core.pool.get(cand.worker_id)
+    if worker is not None and worker.dp_size > 1:
+        req = {**req, "routing": {**req.get("routing", {}), "dp_rank": cand.dp_rank}}  # type: ignore[typeddict-item]
+    state.current_worker = cand.worker_id
+    prefilled = prefill_tokens == 0
+    try:
+        async for chunk in core.client(cand.address).generate(req, call=call):
+            if not prefilled:
+                prefilled = True
+                core.load.prefill_done(core.id, leg_id)
+                core.sync.prefill_done(leg_id, key)
+            yield chunk
+    finally:
+        core.load.complete(core.id, leg_id)
+        core.sync.completed(leg_id, key)
+        if entry is not None:
+            core.inflight.remove(entry)
