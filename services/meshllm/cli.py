@@ -13,8 +13,8 @@ __all__ = ["COMMANDS", "main"]
 # subcommand -> ("module:function" taking argv and returning an exit code, or
 # None while not built yet; one-line description)
 COMMANDS: dict[str, tuple[str | None, str]] = {
-    "run": (None, "frontend + router + workers in one process (the embedded default)"),
-    "frontend": (None, "OpenAI HTTP API and text gRPC Inference API"),
+    "run": ("meshllm.run:main", "frontend + router + workers in one process (the embedded default)"),
+    "frontend": ("meshllm.frontend.main:main", "OpenAI HTTP API and text gRPC Inference API"),
     "router": ("meshllm.router.main:main", "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
     "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),

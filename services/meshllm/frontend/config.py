@@ -27,7 +27,7 @@ from meshllm.config import (
     parse_host_port,
 )
 
-__all__ = ["ROUTER_MODES", "FrontendConfig", "frontend_arg_parser", "parse_static_endpoint"]
+__all__ = ["ROUTER_MODES", "FrontendConfig", "check_model_path", "frontend_arg_parser", "parse_static_endpoint"]
 
 ROUTER_MODES = ("kv", "approximate", "round-robin", "random", "least-loaded")
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -41,7 +41,8 @@ def parse_static_endpoint(value: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
-def _check_model_path(path: str) -> None:
+def check_model_path(path: str) -> None:
+    """A one-line ConfigError unless `path` exists (or is builtin:NAME)."""
     if path.startswith("builtin:"):
         return
     if not Path(path).exists():
@@ -87,7 +88,7 @@ class FrontendConfig:
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("--model-name must not be empty")
         if self.model_path is not None:
-            _check_model_path(self.model_path)
+            check_model_path(self.model_path)
         if self.static:
             if self.static_endpoint is None:
                 raise ConfigError("static mode needs --static-endpoint namespace.component.endpoint")

@@ -6,8 +6,9 @@
     stop admitting (503, gRPC NOT_SERVING) → HTTP server stops (waits for open
     responses, bounded) → gRPC server stops → model registry → router → channels → planes.
 
-Upstream: `--router-address` → router replicas over gRPC; otherwise the
-routing core is embedded (`meshllm.router.RouterCore`, `--router-mode`).
+Upstream: `--router-address` → router replicas over gRPC (`RouterClient`s);
+otherwise the routing core is embedded (`meshllm.router.RouterCore`,
+`--router-mode`; in static mode it probes the `--static-workers` itself).
 Static mode builds its discovery from the flags: one Instance per
 `--static-workers` address and a ModelCard for `--model-name` (context
 length, eos ids and tokenizer source taken from the workers' GetInfo when
@@ -32,11 +33,13 @@ from meshllm.frontend.grpc_api import inference_binding
 from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
-from meshllm.frontend.upstream import RouterReplicas, Upstream, WorkerPool
+from meshllm.frontend.upstream import RouterReplicas, Upstream
 from meshllm.lifecycle import AsyncCloseable, Shutdown, install_signal_handlers
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
+from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
+from meshllm.router.config import StaticEndpoint
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -90,7 +93,7 @@ class Frontend(AsyncCloseable):
         self.channels = ChannelCache()
         self.discovery: Discovery | None = None
         self.bus: EventBus | None = None
-        self.router: AsyncCloseable | None = None
+        self.router: RouterCore | None = None
         self.upstream: Upstream | None = None
         self.registry: ModelRegistry | None = None
         self.core: InferenceCore | None = None
@@ -146,17 +149,7 @@ class Frontend(AsyncCloseable):
         cfg = self.config
         assert self.discovery is not None and self.bus is not None
         if cfg.router_addresses:
-            from meshllm.router.client import RouterClient
-
             return RouterReplicas.connect(self.channels, cfg.router_addresses, RouterClient)
-        try:
-            from meshllm.router.config import RouterConfig, RouterMode, StaticEndpoint
-            from meshllm.router.core import RouterCore
-        except ImportError:  # a tree without the router package: plain round-robin over workers
-            log.warning("meshllm.router is not available: routing round-robin over discovered workers")
-            pool = await WorkerPool(self.discovery, self.channels, component=cfg.worker_component).start()
-            self.router = pool
-            return pool
         endpoint = StaticEndpoint(*cfg.static_endpoint) if cfg.static_endpoint else None
         rc = RouterConfig(
             plane=cfg.plane,

@@ -3,9 +3,7 @@
 An upstream is anything with the router's `generate` signature: the embedded
 `meshllm.router.RouterCore`, one `RouterClient`, or `RouterReplicas` (several
 router processes, `--router-address a,b`). The frontend never talks to
-workers directly; the router picks them. `WorkerPool` is a minimal
-round-robin upstream over discovered workers, for tests and for a frontend
-without a router package.
+workers directly; the router picks them.
 
 Contract (the router's): the stream ends with exactly one terminal chunk;
 an unknown model raises `NotFound`, no live worker `Unavailable`; dropping the
@@ -14,22 +12,16 @@ iterator cancels the request all the way to the engine.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from meshllm.errors import CannotConnect, NotFound, Unavailable
-from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.discovery import Discovery
+from meshllm.errors import CannotConnect, Unavailable
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
-from meshllm.v1 import discovery_pb2
-from meshllm.worker.client import WorkerClient
 
-__all__ = ["RouterReplicas", "Upstream", "WorkerPool"]
+__all__ = ["RouterReplicas", "Upstream"]
 
 log = logging.getLogger(__name__)
 
@@ -97,57 +89,3 @@ class RouterReplicas:
         start = next(self._next) % len(self._clients)
         order = self._clients[start:] + self._clients[:start]
         return _first_of(order, request, call)
-
-
-class WorkerPool(AsyncCloseable):
-    """Round-robin over the workers discovery lists for each model (no KV awareness, no migration)."""
-
-    def __init__(self, discovery: Discovery, channels: ChannelCache, *, component: str = "worker") -> None:
-        self._discovery = discovery
-        self._channels = channels
-        self._component = component
-        self._by_model: dict[str, list[WorkerClient]] = {}
-        self._next = itertools.count()
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
-
-    async def start(self) -> WorkerPool:
-        self._task = asyncio.create_task(self._watch(), name="worker-pool-watch")
-        await self._ready.wait()
-        return self
-
-    async def _watch(self) -> None:
-        clients: dict[str, WorkerClient] = {}
-        try:
-            async for snapshot in self._discovery.watch_instances(self._component):
-                by_model: dict[str, list[WorkerClient]] = {}
-                for inst in snapshot.values():
-                    if inst.role == discovery_pb2.WORKER_ROLE_PREFILL:
-                        continue
-                    client = clients.get(inst.address) or WorkerClient(self._channels, inst.address)
-                    clients[inst.address] = client
-                    by_model.setdefault(inst.model, []).append(client)
-                self._by_model = by_model
-                self._ready.set()
-        finally:
-            self._ready.set()
-
-    def models(self) -> list[str]:
-        return sorted(self._by_model)
-
-    async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        model = request.get("model", "")
-        pool = self._by_model.get(model)
-        if not pool:
-            raise NotFound(f"model {model!r} is not served", param="model") if pool is None else Unavailable(
-                f"no live worker serves {model!r}"
-            )
-        start = next(self._next) % len(pool)
-        async for chunk in _first_of(pool[start:] + pool[:start], request, call):
-            yield chunk
-
-    async def _aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -1,0 +1,267 @@
+"""`meshllm run`: frontend + router + N workers in one process — the embedded default.
+
+    meshllm run [--workers 2] [--engine mocker] [--router-mode kv] [--prefill-workers N]
+                [--http-port 8000] [--grpc-port P] [--router-port P] [--model-path PATH] [--model-name NAME]
+                [-- ENGINE FLAGS...]
+
+One in-memory discovery store and one in-memory event broker are shared by
+every service; requests travel over real gRPC on 127.0.0.1. Flags after `--`
+go to every worker's engine. With `--prefill-workers N` the layout is
+disaggregated: N prefill workers and `--workers` decode workers. It prints one
+line per server and a ready-to-paste curl command, and on Ctrl-C / SIGTERM
+stops in order: the frontend stops admitting → the router → the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshllm.config import ConfigError, DiscoveryKind, EnvArgumentParser, EventsKind, PlaneConfig, ServerConfig
+from meshllm.engine import load_engine_class
+from meshllm.engine.base import LLMEngine
+from meshllm.errors import MeshError
+from meshllm.frontend.config import ROUTER_MODES, FrontendConfig, check_model_path
+from meshllm.frontend.main import Frontend, run_loop, setup_logging
+from meshllm.lifecycle import AsyncCloseable, install_signal_handlers
+from meshllm.plane.discovery import MemoryStore
+from meshllm.plane.events import MemoryBroker
+from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
+from meshllm.router import RouterCore
+from meshllm.router.service import RouterServicer
+from meshllm.v1 import router_pb2_grpc
+from meshllm.worker.runtime import Worker
+
+__all__ = ["Mesh", "RunConfig", "main", "run_arg_parser"]
+
+log = logging.getLogger("meshllm.run")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """What `meshllm run` starts, validated when built."""
+
+    workers: int = 2
+    prefill_workers: int = 0
+    engine: str = "mocker"
+    engine_args: tuple[str, ...] = ()
+    router_mode: str = "kv"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 0
+    router_port: int = 0
+    model_path: str | None = None
+    model_name: str | None = None
+    namespace: str = "meshllm"
+    max_inflight: int = 4096
+    frontend_extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.prefill_workers < 0:
+            raise ConfigError(f"--prefill-workers must be >= 0, got {self.prefill_workers}")
+        if self.router_mode not in ROUTER_MODES:
+            raise ConfigError(f"--router-mode {self.router_mode!r}: choose from {', '.join(ROUTER_MODES)}")
+        for name, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--router-port", self.router_port)):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"{name} {port} is out of range 0..65535")
+
+    def frontend_config(self) -> FrontendConfig:
+        return FrontendConfig(
+            plane=self.plane,
+            http_host=self.http_host,
+            http_port=self.http_port,
+            grpc=ServerConfig(host=self.http_host, port=self.grpc_port),
+            router_mode=self.router_mode,
+            max_inflight=self.max_inflight,
+            model_path=self.model_path,
+            model_name=self.model_name,
+            **self.frontend_extra,
+        )
+
+    @property
+    def plane(self) -> PlaneConfig:
+        return PlaneConfig(namespace=self.namespace, discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
+
+    def worker_argv(self, role: str) -> list[str]:
+        """Flags for one worker: the embedded defaults first, so that the user's engine flags win."""
+        argv = ["--discovery", "memory", "--events", "memory", "--namespace", self.namespace]
+        argv += ["--host", "127.0.0.1", "--port", "0", "--grace-period", "0", "--role", role]
+        if self.model_name:
+            argv += ["--model-name", self.model_name]
+        if self.model_path and self.engine not in ("mocker", "sample"):
+            argv += ["--model-path", self.model_path]
+        return argv + list(self.engine_args)
+
+
+def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog="meshllm run",
+        env=os.environ if env is None else env,
+        description="frontend + router + workers in one process (flags after -- go to every worker's engine)",
+    )
+    g = parser.add_argument_group("run")
+    g.add_argument("--workers", type=int, default=2, help="workers (decode workers when --prefill-workers > 0)")
+    g.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (> 0 = disaggregated layout)")
+    g.add_argument("--engine", default="mocker", help="engine of every worker: a built-in name or module:Class")
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="routing policy")
+    g.add_argument("--http-host", default="127.0.0.1", help="HTTP and Inference gRPC listen host")
+    g.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = ephemeral)")
+    g.add_argument("--grpc-port", type=int, default=0, help="Inference gRPC port (0 = ephemeral)")
+    g.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0 = ephemeral)")
+    g.add_argument("--model-path", default=None, help="HF directory or .gguf file: the model's tokenizer and template")
+    g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
+    g.add_argument("--namespace", default="meshllm", help="deployment namespace")
+    g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
+    return parser
+
+
+def parse_run_args(argv: Sequence[str]) -> RunConfig:
+    """`meshllm run` argv (flags before `--`, engine flags after) → RunConfig; ConfigError on a bad value."""
+    args = list(argv)
+    engine_args: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, engine_args = args[:cut], args[cut + 1 :]
+    ns = run_arg_parser().parse_args(args)
+    if ns.model_path is not None:
+        check_model_path(ns.model_path)
+    return RunConfig(
+        workers=ns.workers,
+        prefill_workers=ns.prefill_workers,
+        engine=ns.engine,
+        engine_args=tuple(engine_args),
+        router_mode=ns.router_mode,
+        http_host=ns.http_host,
+        http_port=ns.http_port,
+        grpc_port=ns.grpc_port,
+        router_port=ns.router_port,
+        model_path=ns.model_path,
+        model_name=ns.model_name,
+        namespace=ns.namespace,
+        max_inflight=ns.max_inflight,
+    )
+
+
+class Mesh(AsyncCloseable):
+    """Everything `meshllm run` starts. Use `Mesh.start`; close = frontend stops admitting → router → workers."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.store = MemoryStore()
+        self.broker = MemoryBroker()
+        self.workers: list[Worker] = []
+        self.frontend: Frontend | None = None
+        self.router_server: GrpcServer | None = None
+
+    @classmethod
+    async def start(cls, config: RunConfig, *, ready_timeout_s: float = 120.0) -> Mesh:
+        self = cls(config)
+        try:
+            await self._start(ready_timeout_s)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _start(self, ready_timeout_s: float) -> None:
+        cfg = self.config
+        engine_cls = load_engine_class(cfg.engine)
+        roles = ["prefill"] * cfg.prefill_workers + ["decode" if cfg.prefill_workers else "agg"] * cfg.workers
+        # Construct every engine first: a bad engine flag stops everything before anything starts.
+        built: list[tuple[LLMEngine, Any]] = [await engine_cls.from_args(cfg.worker_argv(role)) for role in roles]
+        for engine, wcfg in built:
+            self.workers.append(await Worker.start(engine, wcfg, memory_store=self.store, memory_broker=self.broker))
+        self.frontend = await Frontend.start(cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker)
+        self.router_server = await _serve_router(self.frontend.router, cfg.router_port)
+        assert self.frontend.registry is not None
+        for name in {w.model_card.name for w in self.workers if w.model_card is not None}:
+            await self.frontend.registry.wait_for(name, timeout_s=ready_timeout_s)
+
+    @property
+    def model(self) -> str:
+        card = self.workers[0].model_card if self.workers else None
+        return card.name if card is not None else "model"
+
+    @property
+    def router_address(self) -> str | None:
+        return self.router_server.address if self.router_server is not None else None
+
+    def lines(self) -> list[str]:
+        """One line per server and a curl command to paste."""
+        assert self.frontend is not None
+        url = self.frontend.url
+        out = [f"OpenAI HTTP API    {url}/v1   (health {url}/health, metrics {url}/metrics)"]
+        if self.frontend.grpc_address:
+            out.append(f"Inference gRPC     {self.frontend.grpc_address}")
+        if self.router_address:
+            out.append(f"Router gRPC        {self.router_address}   (mode {self.config.router_mode})")
+        for w in self.workers:
+            out.append(f"worker {w.config.role.value:<8}   {w.address}   ({w.id}, engine {w.config.engine})")
+        body = f'{{"model": "{self.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+        out.append(
+            f"try: curl {self.frontend.url}/v1/chat/completions -H 'content-type: application/json' -d {shlex.quote(body)}"
+        )
+        return out
+
+    async def _aclose(self) -> None:
+        if self.frontend is not None and self.frontend.core is not None:
+            self.frontend.core.admitting = False
+        if self.router_server is not None:
+            await self.router_server.aclose()
+        if self.frontend is not None:
+            await self.frontend.aclose()
+        results = await asyncio.gather(*(w.aclose() for w in self.workers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.warning("worker shutdown failed: %s", r)
+
+
+async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | None:
+    """Serve the frontend's embedded routing core as the Router gRPC service too (grpcurl's view of routing)."""
+    if router is None:
+        return None
+    binding = ServiceBinding("meshllm.v1.Router", RouterServicer(router), router_pb2_grpc.add_RouterServicer_to_server)
+    return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding])
+
+
+async def serve(config: RunConfig) -> int:
+    stop = asyncio.Event()
+    uninstall = install_signal_handlers(lambda sig: stop.set())
+    try:
+        try:
+            mesh = await Mesh.start(config)
+        except MeshError as exc:
+            print(f"meshllm run: error: {exc.message}", file=sys.stderr)
+            return 2 if isinstance(exc, ConfigError) else 1
+        async with mesh:
+            for line in mesh.lines():
+                print(line, flush=True)
+            await stop.wait()
+            print("meshllm run: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        uninstall()
+
+
+def main(argv: Sequence[str]) -> int:
+    """`meshllm run`: exit 2 with one line on a bad flag, before anything starts."""
+    try:
+        config = parse_run_args(argv)
+        load_engine_class(config.engine)
+    except ConfigError as exc:
+        print(f"meshllm run: error: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging()
+    with contextlib.suppress(KeyboardInterrupt):
+        return run_loop(serve(config))
+    return 130
+
