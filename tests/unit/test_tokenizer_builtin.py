@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from meshllm.config import ConfigError
@@ -84,7 +86,7 @@ def test_builtin_chat_template_is_chatml_with_markers_as_plain_bytes() -> None:
     tok = builtin_tokenizer()
     template = chat_template_for(tok)
     assert template is not None
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": None},

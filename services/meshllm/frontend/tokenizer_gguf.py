@@ -178,7 +178,7 @@ def _read_cache(entry: Path) -> HFTokenizer | None:
         if meta.get("format") != CACHE_FORMAT:
             return None
         return _from_parts((entry / "tokenizer.json").read_text(encoding="utf-8"), meta)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except Exception as exc:  # a damaged entry is rebuilt, never fatal
         log.warning("ignoring damaged tokenizer cache entry %s: %s", entry, exc)
