@@ -1,0 +1,166 @@
+"""The router's KV index: events in, overlaps out; gaps, new workers and removals.
+
+Locks: stored/removed/cleared events change what each (worker, dp rank)
+holds; the overlap of a prompt is its leading cached blocks and stops at the
+first miss; a gap in event ids or a new worker buffers events until a
+snapshot, after which only events newer than the snapshot are replayed; a
+removed worker leaves the index at once.
+"""
+
+from __future__ import annotations
+
+from meshllm.protocol.kv import block_hashes
+from meshllm.router.kv_index import BlockMap, KvIndex
+from meshllm.v1 import events_pb2, worker_pb2
+
+
+def stored(event_id: int, hashes: list[int], parent: int | None = None) -> events_pb2.KvEvent:
+    ev = events_pb2.KvEvent(event_id=event_id)
+    ev.stored.blocks.extend(events_pb2.StoredBlock(block_hash=h, tokens_hash=h) for h in hashes)
+    if parent is not None:
+        ev.stored.parent_hash = parent
+    return ev
+
+
+def removed(event_id: int, hashes: list[int]) -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(event_id=event_id, removed=events_pb2.BlocksRemoved(block_hashes=hashes))
+
+
+def cleared(event_id: int) -> events_pb2.KvEvent:
+    return events_pb2.KvEvent(event_id=event_id, cleared=events_pb2.AllCleared())
+
+
+def batch(worker: str, *events: events_pb2.KvEvent, dp: int = 0) -> events_pb2.KvEventBatch:
+    return events_pb2.KvEventBatch(worker_id=worker, dp_rank=dp, events=events)
+
+
+def snapshot(worker: str, last: int, blocks: dict[int, list[int]]) -> worker_pb2.KvSnapshot:
+    snap = worker_pb2.KvSnapshot(worker_id=worker, last_event_id=last)
+    for dp, hashes in blocks.items():
+        snap.ranks.add(dp_rank=dp, blocks=[events_pb2.StoredBlock(block_hash=h) for h in hashes])
+    return snap
+
+
+def synced_index(*workers: str) -> KvIndex:
+    index = KvIndex()
+    for w in workers:
+        assert index.add_worker(w)
+        assert not index.apply_snapshot(snapshot(w, 0, {}))
+    return index
+
+
+def test_stored_blocks_give_a_prefix_overlap_that_stops_at_the_first_miss() -> None:
+    index = synced_index("a", "b")
+    index.apply_batch(batch("a", stored(1, [1, 2, 3, 4])))
+    index.apply_batch(batch("b", stored(1, [1, 2]), stored(2, [9])))
+    prompt = [1, 2, 3, 4, 5]
+    assert index.overlaps(prompt, [("a", 0), ("b", 0)]) == {("a", 0): 4, ("b", 0): 2}
+    # b holds 9 but not at the prompt's position 2: the walk stopped before it
+    assert index.overlaps([1, 2, 9], [("a", 0)]) == {("a", 0): 2}
+    assert index.overlaps([7, 1, 2], [("a", 0), ("b", 0)]) == {}
+    assert index.applied == 7
+
+
+def test_removed_and_cleared_events_drop_blocks() -> None:
+    index = synced_index("a")
+    index.apply_batch(batch("a", stored(1, [1, 2, 3]), removed(2, [2])))
+    assert index.overlaps([1, 2, 3], [("a", 0)]) == {("a", 0): 1}
+    index.apply_batch(batch("a", cleared(3)))
+    assert index.overlaps([1], [("a", 0)]) == {}
+    assert index.worker_blocks("a") == 0 and index.size == 0
+
+
+def test_dp_ranks_are_separate_slots() -> None:
+    index = synced_index("a")
+    index.apply_batch(batch("a", stored(1, [1, 2]), dp=0))
+    index.apply_batch(batch("a", stored(2, [1]), dp=1))
+    assert index.overlaps([1, 2], [("a", 0), ("a", 1)]) == {("a", 0): 2, ("a", 1): 1}
+    assert index.worker_blocks("a") == 3
+
+
+def test_a_new_worker_buffers_events_until_its_snapshot_then_replays_only_newer_ones() -> None:
+    index = KvIndex()
+    assert index.add_worker("a") is True
+    assert index.add_worker("a") is False
+    assert index.syncing("a")
+    # events 5..7 arrive while the snapshot (taken at event 6) is in flight
+    index.apply_batch(batch("a", stored(5, [10]), stored(6, [11])))
+    index.apply_batch(batch("a", stored(7, [12])))
+    assert index.overlaps([1], [("a", 0)]) == {}
+    again = index.apply_snapshot(snapshot("a", 6, {0: [1, 2, 10, 11]}))
+    assert again is False and not index.syncing("a")
+    assert index.last_event_id("a") == 7
+    assert index.overlaps([1, 2], [("a", 0)]) == {("a", 0): 2}
+    assert index.overlaps([12], [("a", 0)]) == {("a", 0): 1}
+
+
+def test_an_event_id_gap_asks_for_a_resync_and_the_snapshot_repairs_the_index() -> None:
+    index = synced_index("a")
+    assert index.apply_batch(batch("a", stored(1, [1]))) is False
+    assert index.apply_batch(batch("a", stored(3, [3]))) is True  # event 2 was lost
+    assert index.syncing("a")
+    assert index.apply_batch(batch("a", stored(4, [4]))) is False  # buffered, no second request
+    assert index.overlaps([3], [("a", 0)]) == {}
+    assert index.apply_snapshot(snapshot("a", 3, {0: [1, 2, 3]})) is False
+    assert index.overlaps([1, 2, 3], [("a", 0)]) == {("a", 0): 3}
+    assert index.overlaps([4], [("a", 0)]) == {("a", 0): 1}
+    assert index.last_event_id("a") == 4
+
+
+def test_a_gap_inside_the_replayed_buffer_asks_for_another_snapshot() -> None:
+    index = KvIndex()
+    index.add_worker("a")
+    index.apply_batch(batch("a", stored(5, [5])))
+    index.apply_batch(batch("a", stored(8, [8])))
+    assert index.apply_snapshot(snapshot("a", 4, {0: [4]})) is True
+    assert index.syncing("a")
+
+
+def test_a_restarted_worker_whose_ids_start_over_is_resynced() -> None:
+    index = synced_index("a")
+    index.apply_batch(batch("a", stored(1, [1]), stored(2, [2])))
+    assert index.apply_batch(batch("a", stored(1, [7]))) is True
+
+
+def test_removing_a_worker_drops_its_blocks_at_once_and_frees_its_slot() -> None:
+    index = synced_index("a", "b")
+    index.apply_batch(batch("a", stored(1, [1, 2])))
+    index.apply_batch(batch("b", stored(1, [1])))
+    index.remove_worker("a")
+    assert "a" not in index
+    assert index.overlaps([1, 2], [("a", 0), ("b", 0)]) == {("b", 0): 1}
+    assert index.size == 1
+    # a worker that reuses the freed slot starts empty
+    index.add_worker("c")
+    index.apply_snapshot(snapshot("c", 0, {0: [9]}))
+    assert index.overlaps([1, 2], [("c", 0)]) == {}
+    assert index.overlaps([9], [("c", 0), ("b", 0)]) == {("c", 0): 1}
+
+
+def test_events_of_unknown_workers_are_dropped() -> None:
+    index = KvIndex()
+    assert index.apply_batch(batch("ghost", stored(1, [1]))) is False
+    assert index.dropped_unknown == 1 and index.size == 0
+
+
+def test_overlap_with_real_block_hashes_of_shared_prefixes() -> None:
+    bs = 4
+    prefix = list(range(100, 116))  # 4 blocks
+    a_prompt = [*prefix, 1, 2, 3, 4]
+    b_prompt = [*prefix[:8], 9, 9, 9, 9]
+    index = synced_index("a", "b")
+    index.apply_batch(batch("a", stored(1, block_hashes(a_prompt, bs))))
+    index.apply_batch(batch("b", stored(1, block_hashes(b_prompt, bs))))
+    query = block_hashes([*prefix, 5, 5, 5, 5], bs)
+    assert index.overlaps(query, [("a", 0), ("b", 0)]) == {("a", 0): 4, ("b", 0): 2}
+
+
+def test_block_map_counts_and_slot_reuse() -> None:
+    m = BlockMap()
+    s = m.slot(("w", 0))
+    assert m.add(s, [1, 2, 2, 3]) == 3
+    assert m.remove(s, [2, 4]) == 1
+    assert m.count(("w", 0)) == 2
+    m.drop(("w", 0))
+    assert m.masks == {}
+    assert m.slot(("x", 0)) == s

@@ -1,0 +1,73 @@
+"""Load accounting: charges added on route, released on prefill/completion, corrected by LoadSnapshots, shared by replicas."""
+
+from __future__ import annotations
+
+from meshllm.router.load import LoadTracker
+from meshllm.router.sync import ReplicaSync
+from meshllm.v1 import events_pb2
+
+
+def test_route_charges_blocks_and_prefill_tokens_until_released() -> None:
+    t = LoadTracker()
+    t.route("r", "q1", ("a", 0), prefill_tokens=100, blocks=8, now=0)
+    t.route("r", "q2", ("a", 0), prefill_tokens=50, blocks=4, now=0)
+    load = t.get(("a", 0))
+    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight) == (12, 150, 2)
+    t.prefill_done("r", "q1")
+    t.prefill_done("r", "q1")  # idempotent
+    assert t.get(("a", 0)).queued_prefill_tokens == 50
+    t.complete("r", "q1")
+    t.complete("r", "q2")
+    t.complete("r", "q2")  # idempotent
+    load = t.get(("a", 0))
+    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight) == (0, 0, 0)
+
+
+def test_a_cancelled_request_releases_its_prefill_tokens_too() -> None:
+    t = LoadTracker()
+    t.route("r", "q", ("a", 0), prefill_tokens=100, blocks=8, now=0)
+    t.complete("r", "q")
+    assert t.get(("a", 0)).queued_prefill_tokens == 0
+
+
+def test_a_load_snapshot_becomes_the_base_and_later_charges_adjust_it() -> None:
+    t = LoadTracker()
+    t.route("r", "q1", ("a", 0), prefill_tokens=0, blocks=10, now=0)
+    t.route("r", "q2", ("a", 0), prefill_tokens=0, blocks=10, now=0)
+    assert t.get(("a", 0)).active_blocks == 20
+    # the worker shares prefix blocks: it reports 12 where the router guessed 20
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=12, total_blocks=100, waiting=1, running=2))
+    assert t.get(("a", 0)).active_blocks == 12
+    t.route("r", "q3", ("a", 0), prefill_tokens=0, blocks=3, now=0)
+    assert t.get(("a", 0)).active_blocks == 15
+    t.complete("r", "q1")
+    assert t.get(("a", 0)).active_blocks == 5
+    t.complete("r", "q2")
+    assert t.get(("a", 0)).active_blocks == 0  # never negative
+    w = t.worker("a")
+    assert w.reported is not None and (w.reported.total_blocks, w.reported.waiting, w.reported.running) == (100, 1, 2)
+
+
+def test_stale_charges_expire_and_removed_workers_are_forgotten() -> None:
+    t = LoadTracker()
+    t.route("other", "q1", ("a", 0), prefill_tokens=5, blocks=5, now=0)
+    t.route("r", "q2", ("b", 0), prefill_tokens=5, blocks=5, now=500)
+    assert t.expire(now=700, max_age_s=600) == 1
+    assert t.get(("a", 0)).active_blocks == 0
+    t.remove_worker("b")
+    assert t.charges() == 0 and t.get(("b", 0)).in_flight == 0
+
+
+def test_a_replica_applies_another_replicas_events_and_ignores_none() -> None:
+    t = LoadTracker()
+    sync = ReplicaSync.__new__(ReplicaSync)
+    sync.load = t
+    kind = events_pb2.RouterSyncEvent
+    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_ROUTED, worker_id="a", prefill_tokens=64, blocks=6))
+    assert (t.get(("a", 0)).active_blocks, t.get(("a", 0)).queued_prefill_tokens) == (6, 64)
+    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_PREFILL_DONE, worker_id="a"))
+    assert t.get(("a", 0)).queued_prefill_tokens == 0
+    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_COMPLETED, worker_id="a"))
+    assert t.get(("a", 0)).active_blocks == 0
+    sync.apply(kind(router_id="r2", request_id="x", kind=kind.KIND_UNSPECIFIED, worker_id="a"))
+    assert t.charges() == 0

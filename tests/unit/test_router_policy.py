@@ -1,0 +1,91 @@
+"""Routing policies: the kv cost formula, argmin with a deterministic tie-break, softmax, and the simple modes."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from meshllm.router.config import RouterMode
+from meshllm.router.policy import Candidate, KvPolicy, make_policy, score
+
+
+def cands(*specs: tuple[str, int, int, int]) -> list[Candidate]:
+    """(worker, overlap blocks, prefill tokens, decode blocks) each."""
+    return [Candidate(worker_id=w, dp_rank=0, address=f"{w}:1", overlap_blocks=o, prefill_tokens=p, decode_blocks=d)
+            for w, o, p, d in specs]  # fmt: skip
+
+
+def test_cost_is_overlap_weight_times_prefill_blocks_plus_decode_blocks() -> None:
+    cs = cands(("a", 0, 64, 10), ("b", 3, 16, 30))
+    cs[1].queued_prefill_tokens = 32
+    score(cs, block_size=16, overlap_weight=2.0)
+    assert cs[0].cost == pytest.approx(2.0 * 4 + 10)
+    assert cs[1].cost == pytest.approx(2.0 * (16 + 32) / 16 + 30)
+
+
+def test_kv_at_temperature_zero_picks_the_lowest_cost() -> None:
+    cs = cands(("a", 0, 64, 0), ("b", 4, 0, 1), ("c", 2, 32, 0))
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick(cs, "m").worker_id == "b"
+
+
+def test_ties_break_by_decode_blocks_then_in_flight_then_worker_id_deterministically() -> None:
+    policy = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0))
+    cs = cands(("c", 0, 16, 0), ("a", 0, 16, 0), ("b", 0, 16, 0))
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert {policy.pick(cs, "m").worker_id for _ in range(10)} == {"a"}
+    cs[1].in_flight = 1
+    assert policy.pick(cs, "m").worker_id == "b"
+    # equal cost, fewer decode blocks wins
+    cs = cands(("a", 0, 32, 1), ("b", 1, 16, 2))
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert cs[0].cost == cs[1].cost
+    assert policy.pick(cs, "m").worker_id == "a"
+
+
+def test_softmax_sampling_prefers_cheap_workers_but_visits_all() -> None:
+    policy = KvPolicy("kv", temperature=0.5, rng=random.Random(7))
+    cs = cands(("a", 0, 0, 0), ("b", 0, 0, 50), ("c", 0, 0, 100))
+    score(cs, block_size=16, overlap_weight=1.0)
+    counts = collections.Counter(policy.pick(cs, "m").worker_id for _ in range(3000))
+    assert counts["a"] > counts["b"] > counts["c"] > 0
+    # normalised costs 0, 0.5, 1 at T=0.5: weights 1, e^-1, e^-2
+    assert counts["a"] / 3000 == pytest.approx(1 / (1 + 0.3679 + 0.1353), abs=0.04)
+
+
+def test_softmax_with_equal_costs_is_uniform() -> None:
+    policy = KvPolicy("kv", temperature=1.0, rng=random.Random(1))
+    cs = cands(("a", 0, 0, 5), ("b", 0, 0, 5))
+    score(cs, block_size=16, overlap_weight=1.0)
+    counts = collections.Counter(policy.pick(cs, "m").worker_id for _ in range(2000))
+    assert 800 < counts["a"] < 1200
+
+
+def test_round_robin_cycles_per_pool_in_worker_order() -> None:
+    policy = make_policy(RouterMode.ROUND_ROBIN, temperature=0, rng=random.Random(0))
+    cs = cands(("b", 0, 0, 0), ("a", 0, 0, 0), ("c", 0, 0, 0))
+    assert [policy.pick(cs, "m1").worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert policy.pick(cs, "m2").worker_id == "a"
+
+
+def test_random_visits_every_worker() -> None:
+    policy = make_policy(RouterMode.RANDOM, temperature=0, rng=random.Random(3))
+    cs = cands(("a", 0, 0, 0), ("b", 0, 0, 0), ("c", 0, 0, 0))
+    assert {policy.pick(cs, "m").worker_id for _ in range(100)} == {"a", "b", "c"}
+
+
+def test_least_loaded_ignores_cache_and_picks_fewest_decode_blocks() -> None:
+    policy = make_policy(RouterMode.LEAST_LOADED, temperature=0, rng=random.Random(0))
+    cs = cands(("a", 10, 0, 5), ("b", 0, 640, 1))
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert policy.pick(cs, "m").worker_id == "b"
+    assert policy.name == "least-loaded"
+
+
+def test_approximate_uses_the_kv_formula_under_its_own_name() -> None:
+    policy = make_policy(RouterMode.APPROXIMATE, temperature=0, rng=random.Random(0))
+    cs = cands(("a", 0, 64, 0), ("b", 4, 0, 0))
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert policy.pick(cs, "m").worker_id == "b" and policy.name == "approximate"
