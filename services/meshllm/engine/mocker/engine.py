@@ -1,0 +1,386 @@
+"""`MockerEngine`: the simulated vLLM-like engine behind the `LLMEngine` contract.
+
+One asyncio task runs the step loop: `schedule()` picks the batch and
+allocates KV, the step's simulated duration passes (`timing`, divided by
+`--speedup-ratio`; at 0 the loop only yields), and `postprocess()` appends
+one token to every sequence that finished computing and wakes its stream.
+A stream (`generate`) only reads its sequence: tokens that piled up while the
+consumer was busy leave as one chunk.
+
+Roles. A "context_only" request computes its prompt, samples the first token
+and ends with one terminal chunk whose `disagg.kv_handle` names the prompt's
+blocks; those blocks stay referenced until `--kv-hold-timeout` passes (the
+mocker has no `pull_kv`, so nobody fetches them), the request is cancelled,
+or a decode leg on this same engine presents the handle. A
+"generation_only" request allocates the prompt's blocks as if transferred
+(reported with BlocksStored like computed ones), waits the simulated
+transfer of the tokens it does not already cache, then continues after
+`disagg.first_token_ids`; its usage counts those first tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Self
+
+from meshllm.engine.base import (
+    Context,
+    EngineConfig,
+    LLMEngine,
+    LoadMetrics,
+    WorkerConfig,
+    terminal,
+    worker_arg_parser,
+)
+from meshllm.engine.mocker.block_manager import BlockManager
+from meshllm.engine.mocker.config import MockerConfig, add_mocker_args
+from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
+from meshllm.engine.mocker.scheduler import Scheduler
+from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
+from meshllm.engine.mocker.timing import step_ms, transfer_seconds
+from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
+from meshllm.protocol.kv import block_hashes, tokens_hash
+from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, Usage
+
+__all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUT = "mocker-v1"
+LOAD_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One finished step, for `MockerEngine.on_step` observers (tests, benchmarks)."""
+
+    prefill_tokens: int
+    decode_seqs: int
+    num_seqs: int
+    kv_usage: float
+    model_ms: float  # the timing model's step time, before --speedup-ratio
+    waiting: int
+    running: int
+
+
+class MockerEngine(LLMEngine):
+    """A vLLM-like engine with no model: real scheduling, paged KV and KV events; simulated time."""
+
+    def __init__(self, config: MockerConfig | None = None) -> None:
+        self.config = cfg = config or MockerConfig()
+        self.blocks = BlockManager(
+            cfg.num_gpu_blocks,
+            cfg.block_size,
+            self.sink,
+            prefix_caching=cfg.enable_prefix_caching,
+            watermark_blocks=cfg.watermark_blocks,
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            transfer_time=self._transfer_time,
+        )
+        #: Called after every step with what it did (tests and benchmarks observe through it).
+        self.on_step: Callable[[StepReport], None] | None = None
+        self.worker_id = ""
+        self._nonce = secrets.randbits(64)
+        self._hold_ids = itertools.count(1)
+        self._holds: dict[int, tuple[Sequence, asyncio.TimerHandle]] = {}
+        self._by_ctx: dict[Context, Sequence] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
+        self._failure = ""
+        self._load_key: tuple[int, int, int] | None = None
+        self._load_at = -LOAD_INTERVAL_S
+        self._load_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    async def from_args(cls, argv: Seq[str]) -> tuple[Self, WorkerConfig]:
+        parser = worker_arg_parser("mocker")
+        add_mocker_args(parser)
+        ns = parser.parse_args(list(argv))
+        return cls(MockerConfig.from_namespace(ns)), WorkerConfig.from_namespace(ns, engine="mocker")
+
+    async def start(self, worker_id: str) -> EngineConfig:
+        if self._closing is not None:
+            raise EngineShutdown("the mocker engine was cleaned up")
+        self.worker_id = worker_id
+        self.blocks.sink = self.sink
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"mocker-steps-{worker_id}")
+        cfg = self.config
+        return EngineConfig(
+            model=cfg.model_name,
+            kv_block_size=cfg.block_size,
+            total_kv_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            context_length=cfg.context_length,
+            eos_token_ids=(cfg.eos_token_id,),
+            tokenizer_source="builtin:mocker",
+            kv_layout=KV_LAYOUT,
+        )
+
+    async def cleanup(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._cleanup())
+        await asyncio.shield(self._closing)
+
+    async def _cleanup(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for hold_id in list(self._holds):
+            self._release_hold(hold_id)
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.waiting]:
+            sched.abort(seq)
+        if self._load_timer is not None:
+            self._load_timer.cancel()
+
+    async def abort(self, context: Context) -> None:
+        seq = self._by_ctx.get(context)
+        if seq is not None:
+            self._drop(seq)
+
+    async def clear_kv_blocks(self) -> int:
+        return self.blocks.clear()
+
+    @property
+    def num_holds(self) -> int:
+        """Finished prefill legs whose KV is still held for a decode leg."""
+        return len(self._holds)
+
+    # ------------------------------------------------------------ streams
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        if self._task is None or self._task.done():
+            raise EngineShutdown(self._failure or "the mocker engine is not running")
+        seq = self._sequence(request)
+        if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
+            yield terminal("length", self._usage(seq))
+            return
+        loop = asyncio.get_running_loop()
+        self._by_ctx[context] = seq
+        self.scheduler.add(seq)
+        self._wake.set()
+        watcher = asyncio.ensure_future(context.stopped())
+        watcher.add_done_callback(lambda _: seq.notify())
+        sent = seq.delivered_from
+        delivered = False
+        try:
+            while True:
+                if context.is_stopped():
+                    self._drop(seq)
+                    delivered = True
+                    yield terminal("cancelled", self._usage(seq))
+                    return
+                n_out = len(seq.tokens) - seq.num_prompt
+                reason = seq.finish_reason
+                if reason is not None and seq.status is SequenceStatus.FINISHED:
+                    if reason == "error":
+                        raise Unknown(self._failure)
+                    fresh = seq.tokens[seq.num_prompt + sent :] if n_out > sent else ()
+                    disagg = self._disagg(seq) if seq.context_only and reason == "length" else None
+                    delivered = True
+                    yield terminal(reason, self._usage(seq), token_ids=fresh, disagg=disagg)
+                    return
+                if n_out > sent:
+                    chunk: GenerateChunk = {"token_ids": seq.tokens[seq.num_prompt + sent :]}
+                    sent = n_out
+                    yield chunk
+                    continue
+                waiter = seq.waiter = loop.create_future()
+                await waiter
+        finally:
+            watcher.cancel()
+            self._by_ctx.pop(context, None)
+            if not delivered or seq.status is not SequenceStatus.FINISHED:
+                self._drop(seq)  # the consumer went away: free the KV now, held or not
+
+    def _sequence(self, request: GenerateRequest) -> Sequence:
+        cfg = self.config
+        prompt = request.get("token_ids") or []
+        if not prompt:
+            raise InvalidArgument("token_ids must not be empty", param="token_ids")
+        stop = request.get("stop") or {}
+        max_tokens = stop.get("max_tokens")
+        room = cfg.context_length - len(prompt)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = len(prompt) + (max_tokens or 1)
+            raise ContextLengthExceeded(
+                f"prompt ({len(prompt)} tokens) + max_tokens needs {asked} tokens; context length is {cfg.context_length}",
+                param="max_tokens",
+            )
+        min_tokens = stop.get("min_tokens") or 0
+        if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
+        disagg = request.get("disagg") or {}
+        role = disagg.get("request_type")
+        first: list[int] = []
+        if role == "generation_only":
+            first = list(disagg.get("first_token_ids") or ())
+            if not first:
+                raise InvalidArgument("a generation_only request needs disagg.first_token_ids", param="disagg")
+            self._accept_handle(disagg.get("kv_handle") or b"", prompt)
+        eos = () if stop.get("ignore_eos") else (request.get("eos_token_ids") or (cfg.eos_token_id,))
+        seed = request.get("sampling", {}).get("seed")
+        return Sequence(
+            request["request_id"],
+            prompt,
+            seed=tokens_hash(prompt) if seed is None else seed,
+            vocab_size=cfg.vocab_size,
+            block_size=cfg.block_size,
+            max_tokens=1 if role == "context_only" else (max_tokens or room),
+            min_tokens=min_tokens,
+            stop_token_ids=stop.get("stop_token_ids") or (),
+            eos_token_ids=eos,
+            first_token_ids=first,
+            context_only=role == "context_only",
+            hashing=cfg.enable_prefix_caching,
+        )
+
+    def _accept_handle(self, data: bytes, prompt: list[int]) -> None:
+        handle = decode_kv_handle(data)
+        if handle.block_size != self.config.block_size:
+            raise FailedPrecondition(
+                f"kv_handle has block size {handle.block_size}, this mocker uses {self.config.block_size}"
+            )
+        if handle.prompt_tokens != len(prompt):
+            raise InvalidArgument(
+                f"kv_handle covers {handle.prompt_tokens} prompt tokens, the request has {len(prompt)}", param="disagg"
+            )
+        if handle.engine_nonce == self._nonce and handle.hold_id in self._holds:
+            self._release_hold(handle.hold_id)  # the decode leg runs here: its prefix is now plain cache
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return {
+            "prompt_tokens": seq.num_prompt,
+            "completion_tokens": seq.num_output,
+            "cached_tokens": max(seq.num_cached_tokens, 0),
+        }
+
+    def _disagg(self, seq: Sequence) -> DisaggParams:
+        """Hold `seq`'s blocks for its decode leg and name them in a handle."""
+        cfg = self.config
+        hold_id = next(self._hold_ids)
+        loop = asyncio.get_running_loop()
+        self._holds[hold_id] = (seq, loop.call_later(cfg.kv_hold_timeout_s, self._release_hold, hold_id))
+        seq.hold_id = hold_id
+        full = seq.num_prompt // cfg.block_size
+        if seq.hashing:
+            hashes = [bh for bh, _ in seq.block_hashes[:full]]
+        else:
+            hashes = block_hashes(seq.tokens[: seq.num_prompt], cfg.block_size)
+        handle = KvHandle(cfg.block_size, seq.num_prompt, self._nonce, hold_id, tuple(hashes))
+        return {
+            "kv_handle": encode_kv_handle(handle),
+            "prefill_worker_id": self.worker_id,
+            "first_token_ids": seq.tokens[seq.num_prompt :],
+            "cached_tokens": max(seq.num_cached_tokens, 0),
+            "kv_bytes": seq.num_prompt * cfg.kv_bytes_per_token,
+        }
+
+    def _drop(self, seq: Sequence) -> None:
+        """Free `seq` now, wherever it is (waiting, running, finished holding KV)."""
+        if seq.hold_id:
+            self._release_hold(seq.hold_id)
+        self.scheduler.abort(seq)
+        self._wake.set()
+
+    def _release_hold(self, hold_id: int) -> None:
+        entry = self._holds.pop(hold_id, None)
+        if entry is None:
+            return
+        seq, timer = entry
+        timer.cancel()
+        seq.hold_id = 0
+        if seq.block_table:
+            self.blocks.deallocate(seq)
+        self._wake.set()
+        self._report_load()
+
+    def _transfer_time(self, tokens: int) -> float:
+        cfg = self.config
+        return transfer_seconds(tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
+
+    # ------------------------------------------------------------ step loop
+    async def _run(self) -> None:
+        try:
+            await self._steps()
+        except Exception as exc:  # a simulator bug must fail the streams, not leave them hanging
+            log.exception("mocker step loop failed")
+            self._failure = f"mocker step loop failed: {exc!r}"
+            sched = self.scheduler
+            for seq in [*sched.running, *sched.waiting]:
+                seq.finish_reason = "error"
+                sched.abort(seq)
+
+    async def _steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched, blocks, speedup = self.scheduler, self.blocks, self.config.speedup_ratio
+        while True:
+            if not sched.has_work():
+                self._report_load()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = loop.time()
+            plan = sched.schedule(t0)
+            if not plan.seqs:  # only transfers in flight, or nothing fits until KV is released
+                self._report_load()
+                self._wake.clear()
+                ready = sched.next_ready_at()
+                timeout = None if ready is None else max(0.0, ready - loop.time())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                continue
+            usage = blocks.usage
+            model_ms = step_ms(plan.prefill_tokens, plan.decode_seqs > 0, usage)
+            if speedup > 0:  # the step's own compute counts towards its simulated duration
+                await asyncio.sleep(max(0.0, t0 + model_ms / 1000.0 / speedup - loop.time()))
+            else:
+                await asyncio.sleep(0)
+            sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
+            if self.on_step is not None:
+                n_wait, n_run = len(sched.waiting), len(sched.running)
+                self.on_step(StepReport(plan.prefill_tokens, plan.decode_seqs, len(plan.seqs), usage, model_ms, n_wait, n_run))
+            self._report_load()
+
+    # ------------------------------------------------------------ load
+    def _report_load(self) -> None:
+        key = (self.blocks.num_used, len(self.scheduler.waiting), len(self.scheduler.running))
+        if key == self._load_key or self._load_timer is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._load_at + LOAD_INTERVAL_S - loop.time()
+        if wait > 0:
+            self._load_timer = loop.call_later(wait, self._flush_load)
+            return
+        self._emit_load(key, loop.time())
+
+    def _flush_load(self) -> None:
+        self._load_timer = None
+        key = (self.blocks.num_used, len(self.scheduler.waiting), len(self.scheduler.running))
+        if key != self._load_key:
+            self._emit_load(key, asyncio.get_running_loop().time())
+
+    def _emit_load(self, key: tuple[int, int, int], now: float) -> None:
+        sched = self.scheduler
+        queued = sum(s.num_tokens for s in sched.waiting if not s.remote_kv)
+        queued += sum(s.num_tokens - s.num_computed for s in sched.running if not s.prefilled and s.ready_at < 0)
+        self._load_key, self._load_at = key, now
+        self.sink.load(LoadMetrics(key[0], self.blocks.num_blocks, key[1], key[2], queued_prefill_tokens=queued))

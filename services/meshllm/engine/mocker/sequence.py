@@ -1,0 +1,177 @@
+"""One request inside the mocker: its tokens, KV progress, sampler and stop rules."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Sequence as Seq
+
+from meshllm.protocol.kv import chain_hash, stored_blocks, tokens_hash
+from meshllm.protocol.types import FinishReason
+
+__all__ = ["Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request as the scheduler and block manager see it.
+
+    `tokens` is prompt + output; `num_computed` of them have KV in the
+    sequence's blocks (`block_table`). Output token *i* is always the *i*-th
+    draw of a `random.Random(seed)`, so a decode leg that starts after the
+    prefill leg's first tokens (`delivered_from`) continues exactly where an
+    aggregated run would be. `block_hashes` holds the chained hash of every
+    full block of `tokens` (only when prefix caching is on); it grows by one
+    hash each time a block fills, never per token.
+    """
+
+    __slots__ = (
+        "_block_size",
+        "_random",
+        "_vocab",
+        "banned",
+        "block_hashes",
+        "block_table",
+        "context_only",
+        "delivered_from",
+        "eos_ids",
+        "finish_reason",
+        "hashing",
+        "hold_id",
+        "max_tokens",
+        "min_tokens",
+        "num_cached_tokens",
+        "num_computed",
+        "num_prompt",
+        "num_registered",
+        "prefilled",
+        "ready_at",
+        "remote_kv",
+        "request_id",
+        "status",
+        "stop_ids",
+        "tokens",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Seq[int],
+        *,
+        seed: int,
+        vocab_size: int,
+        block_size: int,
+        max_tokens: int,
+        min_tokens: int = 0,
+        stop_token_ids: Seq[int] = (),
+        eos_token_ids: Seq[int] = (),
+        first_token_ids: Seq[int] = (),
+        context_only: bool = False,
+        hashing: bool = True,
+    ) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = [*prompt, *first_token_ids]
+        self.num_prompt = len(prompt)
+        self.delivered_from = len(first_token_ids)  # output tokens another worker already streamed
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop_ids = frozenset(stop_token_ids)
+        self.eos_ids = frozenset(eos_token_ids)
+        self.banned = self.stop_ids | self.eos_ids
+        self.context_only = context_only
+        self.remote_kv = bool(first_token_ids)  # the prompt's KV arrives by transfer, not prefill
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed = 0
+        self.num_registered = 0  # leading full blocks already offered to the prefix cache
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+        self.prefilled = False  # this admission's prefill (or transfer) is done: steps are decode
+        self.ready_at = -1.0  # loop time when an in-flight KV transfer lands (-1: none)
+        self.block_table: list[int] = []
+        self.hashing = hashing
+        self._block_size = block_size
+        self.block_hashes: list[tuple[int, int]] = stored_blocks(self.tokens, block_size) if hashing else []
+        self._vocab = vocab_size
+        self._random = random.Random(seed).random
+        for _ in first_token_ids:  # keep draw i == output token i across prefill/decode legs
+            self._random()
+        self.waiter: asyncio.Future[None] | None = None
+        self.hold_id = 0  # the engine's hold on a finished prefill leg's KV (0: none)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def generate_token(self) -> None:
+        """Sample the next output token and apply the stop rules (sets `finish_reason` when done)."""
+        tok = int(self._random() * self._vocab)
+        n_out = len(self.tokens) - self.num_prompt + 1
+        if tok in self.banned:
+            if n_out < self.min_tokens:
+                tok = self._unbanned(tok)
+            elif tok in self.stop_ids:
+                self.finish_reason = "stop"  # a stop token is not emitted
+                return
+            else:
+                self._append(tok)
+                self.finish_reason = "eos"
+                return
+        self._append(tok)
+        if n_out >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def finish(self, reason: FinishReason) -> None:
+        """Mark the sequence finished (keeps an earlier reason) and wake its consumer."""
+        self.status = SequenceStatus.FINISHED
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the consumer waiting for new output, if any."""
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def reset_progress(self) -> None:
+        """Forget computed KV (the blocks were freed): the next admission recomputes."""
+        self.num_computed = 0
+        self.num_registered = 0
+        self.prefilled = False
+        self.ready_at = -1.0
+        self.remote_kv = False
+
+    def _unbanned(self, tok: int) -> int:
+        # Below min_tokens stop/EOS tokens are masked, as vLLM's min-tokens
+        # logits processor does; a deterministic shift keeps one draw per token.
+        for _ in range(len(self.banned) + 1):
+            tok = (tok + 1) % self._vocab
+            if tok not in self.banned:
+                break
+        return tok
+
+    def _append(self, tok: int) -> None:
+        tokens = self.tokens
+        tokens.append(tok)
+        bs = self._block_size
+        if self.hashing and len(tokens) % bs == 0:
+            parent = self.block_hashes[-1][0] if self.block_hashes else None
+            th = tokens_hash(tokens[-bs:])
+            self.block_hashes.append((chain_hash(parent, th), th))

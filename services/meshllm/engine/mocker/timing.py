@@ -1,0 +1,48 @@
+"""The mocker's timing model: how long a simulated engine step and a KV transfer take.
+
+The curves are polynomial fits of a vLLM-served ~8B model on one datacenter
+GPU (the baseline of the usual LLM serving simulators):
+
+    prefill ms = 4.209989e-7·T² + 1.518344e-2·T + 16.50142    T = the step's new (uncached) prompt tokens
+    decode ms  = −25.74·p² + 54.01·p + 5.74                     p = fraction of KV blocks in use
+
+A step that carries both prefill chunks and decoding sequences costs the
+*sum*: the decode tokens ride in the same forward pass, but the pass is as
+long as its prefill part plus the attention over the decoding sequences' KV.
+Summing keeps mixed steps at least as slow as either part alone, so a burst
+of new prompts visibly slows running streams (inter-token latency spikes), as
+it does on a real chunked-prefill engine. Every duration is divided by the
+speedup ratio; a ratio of 0 means "no delay at all".
+"""
+
+from __future__ import annotations
+
+__all__ = ["decode_ms", "prefill_ms", "step_ms", "transfer_seconds"]
+
+
+def prefill_ms(tokens: int) -> float:
+    """Milliseconds to prefill `tokens` new prompt tokens in one step (0 tokens cost nothing)."""
+    if tokens <= 0:
+        return 0.0
+    return 4.209989e-7 * tokens * tokens + 1.518344e-2 * tokens + 16.50142
+
+
+def decode_ms(kv_usage: float) -> float:
+    """Milliseconds of one decode step when a fraction `kv_usage` (0..1) of KV blocks is in use."""
+    p = min(max(kv_usage, 0.0), 1.0)
+    return -25.74 * p * p + 54.01 * p + 5.74
+
+
+def step_ms(prefill_tokens: int, decoding: bool, kv_usage: float) -> float:
+    """Model milliseconds of one step (before the speedup ratio): prefill part plus decode part."""
+    ms = prefill_ms(prefill_tokens)
+    if decoding:
+        ms += decode_ms(kv_usage)
+    return ms
+
+
+def transfer_seconds(tokens: int, bytes_per_token: int, bandwidth_gbps: float, speedup: float) -> float:
+    """Simulated time to move `tokens` tokens of KV at `bandwidth_gbps` GB/s (0 bandwidth = instant)."""
+    if bandwidth_gbps <= 0 or speedup <= 0 or tokens <= 0:
+        return 0.0
+    return tokens * bytes_per_token / (bandwidth_gbps * 1e9) / speedup
