@@ -74,12 +74,15 @@ async def coalesce(source: AsyncIterator[GenerateChunk]) -> AsyncIterator[Genera
     """Yield `source`'s chunks, merging those the caller was too slow to take one by one."""
     pipe = _Pipe()
     reader = asyncio.create_task(_pump(source, pipe), name="router-stream-reader")
+    finished = False
     try:
         while True:
             if pipe.queue:
                 chunk = pipe.queue.popleft()
-                yield chunk
                 if "finish_reason" in chunk:
+                    finished = True  # the reader is closing its source: let it finish, do not cancel
+                yield chunk
+                if finished:
                     return
                 continue
             if pipe.done:
@@ -89,6 +92,6 @@ async def coalesce(source: AsyncIterator[GenerateChunk]) -> AsyncIterator[Genera
             pipe.ready.clear()
             await pipe.ready.wait()
     finally:
-        if not reader.done():
+        if not finished and not reader.done():
             reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)

@@ -12,7 +12,8 @@ Decode load (`active_blocks`) before any snapshot is the sum of charges.
 Once a worker has published a LoadSnapshot it is the snapshot's
 `active_blocks` plus the blocks charged minus the blocks released since that
 snapshot arrived: the worker's own count (which shares prefix blocks between
-requests) corrects the router's estimate every time it reports.
+requests) corrects the router's estimate every time it reports. Snapshots of
+engines that do not page their cache (`total_blocks` 0) correct nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SlotLoad:
 
     @property
     def active_blocks(self) -> int:
-        if self.reported is None:
+        if self.reported is None or not self.reported.total_blocks:  # the engine does not page its cache
             return self.charged_blocks
         return max(0, self.reported.active_blocks + self.delta_blocks)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshError, StreamIncomplete
@@ -49,11 +50,12 @@ async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | Non
             yield state.length_terminal()
             return
         try:
-            async for chunk in _attempt(core, req, state, call):
-                chunk = state.observe(chunk)
-                yield chunk
-                if "finish_reason" in chunk:
-                    return
+            async with aclosing(_attempt(core, req, state, call)) as attempt:
+                async for chunk in attempt:
+                    chunk = state.observe(chunk)
+                    yield chunk
+                    if "finish_reason" in chunk:
+                        return
             raise StreamIncomplete("the worker stream ended without a terminal chunk")
         except MIGRATABLE as exc:
             failed = state.current_worker
@@ -88,17 +90,19 @@ async def _attempt(
     if plan.prefill is None:
         if plan.main.role == DECODE:
             core.metrics.local_prefills.inc()
-        async for chunk in _leg(core, req, plan.main, plan.hashes, state, call, "agg"):
-            yield chunk
+        async with aclosing(_leg(core, req, plan.main, plan.hashes, state, call, "agg")) as leg:
+            async for chunk in leg:
+                yield chunk
         return
 
     prefill_req: GenerateRequest = {**req, "disagg": {"request_type": "context_only"}}  # type: ignore[typeddict-item]
     first: list[int] = []
     terminal: GenerateChunk = {}
-    async for chunk in _leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill"):
-        first.extend(chunk.get("token_ids", ()))
-        if "finish_reason" in chunk:
-            terminal = chunk
+    async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill")) as leg:
+        async for chunk in leg:
+            first.extend(chunk.get("token_ids", ()))
+            if "finish_reason" in chunk:
+                terminal = chunk
     params = terminal.get("disagg")
     remaining = state.remaining()
     if terminal.get("finish_reason") != "length" or not params or (remaining is not None and len(first) >= remaining):
@@ -118,8 +122,9 @@ async def _attempt(
         "prefill_address": p.address,
     }
     decode_req: GenerateRequest = {**req, "disagg": decode_params}  # type: ignore[typeddict-item]
-    async for chunk in _leg(core, decode_req, plan.main, plan.hashes, state, call, "decode"):
-        yield chunk
+    async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode")) as leg:
+        async for chunk in leg:
+            yield chunk
 
 
 async def _leg(
@@ -152,12 +157,13 @@ async def _leg(
     state.current_worker = cand.worker_id
     prefilled = prefill_tokens == 0
     try:
-        async for chunk in core.client(cand.address).generate(req, call=call):
-            if not prefilled:
-                prefilled = True
-                core.load.prefill_done(core.id, leg_id)
-                core.sync.prefill_done(leg_id, key)
-            yield chunk
+        async with aclosing(core.client(cand.address).generate(req, call=call)) as stream:  # type: ignore[type-var]
+            async for chunk in stream:
+                if not prefilled:
+                    prefilled = True
+                    core.load.prefill_done(core.id, leg_id)
+                    core.sync.prefill_done(leg_id, key)
+                yield chunk
     finally:
         core.load.complete(core.id, leg_id)
         core.sync.completed(leg_id, key)
