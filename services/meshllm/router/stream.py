@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
-async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncIterator[GenerateChunk]:
+async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncGenerator[GenerateChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py)."""
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
     while True:
@@ -83,7 +83,7 @@ async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | Non
 
 async def _attempt(
     core: RouterCore, req: GenerateRequest, state: MigrationState, call: CallInfo | None
-) -> AsyncIterator[GenerateChunk]:
+) -> AsyncGenerator[GenerateChunk, None]:
     state.current_worker = None
     max_tokens = req.get("stop", {}).get("max_tokens")
     plan = core.plan(req["model"], req["token_ids"], req.get("routing", {}), state.excluded, max_tokens=max_tokens)
@@ -135,7 +135,7 @@ async def _leg(
     state: MigrationState,
     call: CallInfo | None,
     kind: str,
-) -> AsyncIterator[GenerateChunk]:
+) -> AsyncGenerator[GenerateChunk, None]:
     """One worker call: charge its load (and tell the replicas), stream, release — whatever happens."""
     cand = decision.chosen
     key = cand.key
