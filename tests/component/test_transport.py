@@ -121,7 +121,7 @@ async def test_traceparent_and_deadline_propagate(server: tuple[GrpcServer, _Wor
     assert seen.traceparent == tp
     assert seen.deadline is not None
     left = seen.timeout()
-    assert left is not None and 0 < left <= 30
+    assert left is not None and 0 < left <= 31  # gRPC rounds deadlines up slightly
 
 
 async def test_unreachable_address_is_unavailable() -> None:

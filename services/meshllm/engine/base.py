@@ -302,6 +302,7 @@ class WorkerConfig:
     grace_period_s: float = 1.0
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
+    otlp_endpoint: str | None = None
     validate_streams: bool = False
 
     def __post_init__(self) -> None:
@@ -352,6 +353,7 @@ class WorkerConfig:
             grace_period_s=ns.grace_period,
             drain_timeout_s=ns.drain_timeout,
             metrics_port=ns.metrics_port,
+            otlp_endpoint=ns.otlp_endpoint or None,
             validate_streams=ns.validate_streams,
         )
 
@@ -382,6 +384,11 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--grace-period", type=float, default=1.0, help="seconds between unregistering and refusing requests")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="max seconds to wait for in-flight requests")
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
+    g.add_argument(
+        "--otlp-endpoint",
+        default=(os.environ if env is None else env).get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = tracing off)",
+    )
     g.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
     return parser

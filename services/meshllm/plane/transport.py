@@ -33,6 +33,7 @@ from meshllm.errors import (
     spec_of,
 )
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.tracing import otel_active
 
 __all__ = [
     "ERROR_TRAILER",
@@ -187,8 +188,14 @@ class CallInfo:
         return left
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Outgoing metadata carrying the traceparent."""
-        return ((TRACEPARENT, self.traceparent),) if self.traceparent else ()
+        """Outgoing metadata carrying the traceparent.
+
+        When OpenTelemetry is on, its gRPC instrumentation injects the current
+        span's traceparent itself, so this adds none (no duplicate headers).
+        """
+        if not self.traceparent or otel_active():
+            return ()
+        return ((TRACEPARENT, self.traceparent),)
 
 
 # ---------------------------------------------------------------- server

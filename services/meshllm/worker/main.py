@@ -14,6 +14,7 @@ from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
 from meshllm.errors import MeshError
 from meshllm.lifecycle import install_signal_handlers
+from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.worker.runtime import Worker
 
 __all__ = ["main", "run"]
@@ -29,6 +30,7 @@ def setup_logging() -> None:
 async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
     """Construct, start, serve until SIGTERM/SIGINT, shut down in order."""
     engine, config = await engine_cls.from_args(list(argv))
+    setup_tracing(f"meshllm-worker-{config.engine}", otlp_endpoint=config.otlp_endpoint)
     stop = asyncio.Event()
     uninstall = install_signal_handlers(lambda sig: stop.set())
     try:
@@ -44,6 +46,7 @@ async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
         return 0
     finally:
         uninstall()
+        shutdown_tracing()
 
 
 def run(engine_cls: type[LLMEngine], argv: Sequence[str] | None = None) -> int:

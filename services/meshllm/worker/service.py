@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamInco
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.tracing import tracer
 from meshllm.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from meshllm.worker.metrics import WorkerMetrics
 from meshllm.worker.sink import WorkerSink
@@ -83,12 +85,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.inflight[rid] = ctx
         self._idle.clear()
         self.metrics.inflight.inc()
+        self.metrics.requests.inc()
+        span = tracer().start_span(
+            "engine.generate",
+            attributes={
+                "model": req.get("model", ""),
+                "input_tokens": len(req["token_ids"]),
+                "disagg_role": req.get("disagg", {}).get("request_type", "aggregated"),
+                "request_id": rid,
+            },
+        )
+        t0 = time.monotonic()
+        output_tokens = 0
         stream = self.engine.generate(req, ctx)
         if self.validate_streams:
             stream = validate_stream(stream, req, ctx)
         finished = False
         try:
             async for chunk in stream:
+                n = len(chunk.get("token_ids", ()))
+                if n and not output_tokens:
+                    span.set_attribute("ttft_ms", (time.monotonic() - t0) * 1000.0)
+                output_tokens += n
+                if "finish_reason" in chunk:
+                    span.set_attribute("finish_reason", chunk["finish_reason"])
                 yield chunk
                 if "finish_reason" in chunk:
                     finished = True
@@ -100,8 +120,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:
                 ctx.stop()
                 self._schedule_abort(ctx)
+                span.set_attribute("finish_reason", "cancelled")
+            raise
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_attribute("finish_reason", "error")
             raise
         finally:
+            span.set_attribute("output_tokens", output_tokens)
+            span.end()
             with contextlib.suppress(Exception):
                 await _aclose(stream)
             self.inflight.pop(rid, None)
