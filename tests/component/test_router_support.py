@@ -78,7 +78,7 @@ class Mesh:
         self.workers.append(w)
         return w
 
-    async def router(self, *, wait_workers: int | None = None, **cfg: Any) -> RouterCore:
+    async def router(self, *, wait_workers: int | None = None, wait_synced: bool = True, **cfg: Any) -> RouterCore:
         config = RouterConfig(plane=PLANE, **cfg)
         discovery = MemoryDiscovery(self.store)
         bus = MemoryEventBus(self.broker)
@@ -92,9 +92,10 @@ class Mesh:
             await discovery.aclose()
 
         self._closers.append(close)
-        n = len(self.workers) if wait_workers is None else wait_workers
-        await core.pool.wait_until(lambda: len(core.pool.all()) >= n, 10.0)
-        await core.feed.wait_synced(10.0)
+        if wait_synced:
+            n = len(self.workers) if wait_workers is None else wait_workers
+            await core.pool.wait_until(lambda: len(core.pool.all()) >= n, 10.0)
+            await core.feed.wait_synced(10.0)
         return core
 
     async def close_router(self, core: RouterCore) -> None:
