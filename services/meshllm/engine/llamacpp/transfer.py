@@ -1,0 +1,128 @@
+"""Disaggregated KV transfer: kv handles, the prefill side's holds, and ~1 MiB pieces.
+
+A prefill leg ends with its prompt's sequence state (`llama_state_seq_get_data`)
+held under a *kv handle* for `--kv-hold-timeout` seconds. The decode worker
+pulls it once through `Worker.PullKv` (`LlamaCppEngine.pull_kv` streams the
+pieces) and loads it with `llama_state_seq_set_data`. The handle names the
+holding engine (a random nonce), the hold, and the prompt (token count and
+hash), so a decode leg cannot load the KV of a different prompt; the KV
+*layout* (model, KV types, attention kind, llama.cpp version — never the
+context size) must match on both sides or the transfer is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from meshllm.engine.base import KvTransfer
+from meshllm.errors import FailedPrecondition, InvalidArgument
+from meshllm.protocol.kv import tokens_hash
+
+__all__ = ["PIECE_BYTES", "KvHandle", "KvHolds", "check_layout", "pieces"]
+
+PIECE_BYTES = 1 << 20
+_MAGIC = b"LCKV"
+_HANDLE = struct.Struct("<4sBQQIQ")  # magic, version, engine nonce, hold id, prompt tokens, prompt hash
+_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandle:
+    """What a prefill leg's `disagg.kv_handle` names."""
+
+    nonce: int
+    hold_id: int
+    n_tokens: int
+    prompt_hash: int
+
+    def encode(self) -> bytes:
+        return _HANDLE.pack(_MAGIC, _VERSION, self.nonce, self.hold_id, self.n_tokens, self.prompt_hash)
+
+    @classmethod
+    def decode(cls, data: bytes) -> KvHandle:
+        if len(data) != _HANDLE.size or data[:4] != _MAGIC:
+            raise InvalidArgument("disagg.kv_handle is not a llamacpp kv handle", param="disagg")
+        _, version, nonce, hold_id, n_tokens, prompt_hash = _HANDLE.unpack(data)
+        if version != _VERSION:
+            raise FailedPrecondition(f"kv handle version {version} is not supported (this engine speaks {_VERSION})")
+        return cls(nonce, hold_id, n_tokens, prompt_hash)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """The handle must describe exactly this prompt."""
+        if self.n_tokens != len(prompt) or self.prompt_hash != tokens_hash(prompt):
+            raise InvalidArgument(
+                f"kv_handle covers a different prompt ({self.n_tokens} tokens) than the request ({len(prompt)} tokens)",
+                param="disagg",
+            )
+
+
+def check_layout(theirs: str, ours: str, *, who: str) -> None:
+    """Refuse KV whose layout differs from ours (FailedPrecondition, naming both)."""
+    if theirs != ours:
+        raise FailedPrecondition(f"KV layout mismatch: {who} has {theirs!r}, this worker {ours!r}; KV cannot move between them")
+
+
+def pieces(data: bytes, *, layout: str, n_tokens: int, size: int = PIECE_BYTES) -> Iterator[KvTransfer]:
+    """`data` as KvTransfer pieces of at most `size` bytes (one empty piece when `data` is empty)."""
+    view = memoryview(data)
+    for off in range(0, max(len(data), 1), size):
+        yield KvTransfer(bytes(view[off : off + size]), len(data), layout, n_tokens)
+
+
+@dataclass(slots=True)
+class _Held:
+    handle: KvHandle
+    data: bytes
+    timer: asyncio.TimerHandle
+
+
+class KvHolds:
+    """Prefill results waiting to be pulled once; released after `timeout_s` (event-loop side)."""
+
+    def __init__(self, nonce: int, timeout_s: float) -> None:
+        self.nonce = nonce
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        self._held: dict[int, _Held] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(len(h.data) for h in self._held.values())
+
+    def hold(self, data: bytes, prompt: list[int]) -> KvHandle:
+        hold_id = next(self._ids)
+        handle = KvHandle(self.nonce, hold_id, len(prompt), tokens_hash(prompt))
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, hold_id)
+        self._held[hold_id] = _Held(handle, data, timer)
+        return handle
+
+    def take(self, handle: KvHandle) -> bytes | None:
+        """The held bytes, once; None if unknown, expired or already taken."""
+        if handle.nonce != self.nonce:
+            return None
+        held = self._held.get(handle.hold_id)
+        if held is None or held.handle != handle:
+            return None
+        del self._held[handle.hold_id]
+        held.timer.cancel()
+        return held.data
+
+    def release(self, handle: KvHandle) -> None:
+        self.take(handle)
+
+    def _expire(self, hold_id: int) -> None:
+        if self._held.pop(hold_id, None) is not None:
+            self.expired += 1
+
+    def clear(self) -> None:
+        for held in self._held.values():
+            held.timer.cancel()
+        self._held.clear()
