@@ -57,6 +57,7 @@ class MeshRun:
     inference_address: str = ""
     router_address: str = ""
     workers: list[RunWorker] = field(default_factory=list)
+    _pump: threading.Thread | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -90,7 +91,8 @@ class MeshRun:
                 lines.put(line)
             lines.put(None)
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -129,4 +131,9 @@ class MeshRun:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        return self.proc.wait()
+        code = self.proc.wait()
+        if self._pump is not None:
+            self._pump.join(5.0)  # the pipe reaches EOF once the process is gone
+        if self.proc.stdout is not None and (self._pump is None or not self._pump.is_alive()):
+            self.proc.stdout.close()
+        return code
