@@ -10,7 +10,7 @@ the shutdown order.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Self
 
 import grpc
@@ -25,6 +25,7 @@ from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import kv_subject
+from meshllm.testing.waiting import wait_until
 from meshllm.v1 import events_pb2
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker
@@ -100,7 +101,9 @@ async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
 async def test_generate_streams_tokens_then_exactly_one_terminal(planes: tuple[MemoryStore, MemoryBroker]) -> None:
     engine = RecordingEngine()
     async with await start(engine, planes) as w, ChannelCache() as ch:
-        chunks = await collect(WorkerClient(ch, w.address).generate({"request_id": "r1", "token_ids": [5], "stop": {"max_tokens": 4}}))
+        chunks = await collect(
+            WorkerClient(ch, w.address).generate({"request_id": "r1", "token_ids": [5], "stop": {"max_tokens": 4}})
+        )
     tokens = [t for c in chunks for t in c.get("token_ids", [])]
     assert tokens == [6, 7, 8, 9]
     assert [c.get("finish_reason") for c in chunks].count("length") == 1 and "finish_reason" in chunks[-1]
@@ -157,7 +160,9 @@ async def test_engine_errors_cross_the_wire(planes: tuple[MemoryStore, MemoryBro
         with pytest.raises(errors.InvalidArgument):
             await collect(client.generate({"request_id": "e", "token_ids": []}))
         # the server is still serving after each failure
-        assert (await collect(client.generate({"request_id": "ok", "token_ids": [1], "stop": {"max_tokens": 1}})))[-1]["finish_reason"]
+        assert (await collect(client.generate({"request_id": "ok", "token_ids": [1], "stop": {"max_tokens": 1}})))[-1][
+            "finish_reason"
+        ]
 
 
 async def test_optional_rpcs_answer_unimplemented(planes: tuple[MemoryStore, MemoryBroker]) -> None:
@@ -204,13 +209,13 @@ async def test_draining_worker_refuses_new_requests_and_finishes_inflight(planes
         stream = client.generate({"request_id": "inflight", "token_ids": [1], "stop": {"max_tokens": 60}})
         await anext(stream)
         closing = asyncio.create_task(w.aclose())
-        async with asyncio.timeout(5):
-            while await watcher.list_instances("worker"):
-                await asyncio.sleep(0.01)  # polling a condition with a deadline
+
+        async def unregistered() -> bool:
+            return not await watcher.list_instances("worker")
+
+        await wait_until(unregistered, timeout_s=5, what="the instance to leave discovery")
         assert not closing.done()
-        async with asyncio.timeout(5):
-            while w.servicer.admitting:  # type: ignore[union-attr]
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: not w.servicer.admitting, timeout_s=5, what="admission to stop")  # type: ignore[union-attr]
         with pytest.raises(errors.EngineShutdown):
             await collect(client.generate({"request_id": "late", "token_ids": [1]}))
         health = await health_pb2_grpc.HealthStub(ch.get(w.address)).Check(health_pb2.HealthCheckRequest(service=""))
@@ -256,11 +261,15 @@ async def test_failing_canary_turns_health_not_serving(planes: tuple[MemoryStore
     async with await start(engine, planes, health_check_interval_s=0.05) as w:
         stub = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(w.address))
         assert (await stub.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
+        async def serving() -> bool:
+            return (await stub.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
         engine.healthy = False
-        async with asyncio.timeout(5):
-            while (await stub.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING:
-                await asyncio.sleep(0.02)  # polling a condition with a deadline
+        await wait_until(lambda: _not(serving()), timeout_s=5, what="NOT_SERVING after failed canaries")
         engine.healthy = True
-        async with asyncio.timeout(5):
-            while (await stub.Check(health_pb2.HealthCheckRequest())).status != health_pb2.HealthCheckResponse.SERVING:
-                await asyncio.sleep(0.02)
+        await wait_until(serving, timeout_s=5, what="SERVING after a good canary")
+
+
+async def _not(value: Awaitable[bool]) -> bool:
+    return not await value

@@ -26,6 +26,7 @@ from meshllm.plane.events import open_events
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import load_subject
 from meshllm.testing.servers import EtcdServer, NatsServer
+from meshllm.testing.waiting import wait_until
 from meshllm.v1 import discovery_pb2, events_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -78,7 +79,9 @@ def plane_args(etcd: EtcdServer, nats: NatsServer) -> list[str]:
     return ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url, "--lease-ttl", "3"]
 
 
-async def wait_instances(watch: AsyncIterator[dict[str, discovery_pb2.Instance]], pred: object, timeout_s: float) -> dict[str, discovery_pb2.Instance]:
+async def wait_instances(
+    watch: AsyncIterator[dict[str, discovery_pb2.Instance]], pred: object, timeout_s: float
+) -> dict[str, discovery_pb2.Instance]:
     async with asyncio.timeout(timeout_s):
         async for snap in watch:
             if pred(snap):  # type: ignore[operator]
@@ -90,7 +93,9 @@ async def etcd_discovery(etcd: EtcdServer) -> Discovery:
     return await open_discovery(PlaneConfig(discovery=DiscoveryKind.ETCD, etcd_endpoints=(etcd.endpoint,), lease_ttl_s=3))
 
 
-async def test_worker_registers_streams_and_cancel_reaches_engine_abort(mesh: tuple[EtcdServer, NatsServer], tmp_path: Path) -> None:
+async def test_worker_registers_streams_and_cancel_reaches_engine_abort(
+    mesh: tuple[EtcdServer, NatsServer], tmp_path: Path
+) -> None:
     etcd, nats = mesh
     probe = tmp_path / "aborts.txt"
     w = WorkerProcess(
@@ -100,7 +105,9 @@ async def test_worker_registers_streams_and_cancel_reaches_engine_abort(mesh: tu
     try:
         address = await w.ready()
         async with await etcd_discovery(etcd) as disc, ChannelCache() as ch:
-            snap = await wait_instances(disc.watch_instances("worker"), lambda s: any(i.address == address for i in s.values()), 10)
+            snap = await wait_instances(
+                disc.watch_instances("worker"), lambda s: any(i.address == address for i in s.values()), 10
+            )
             (inst,) = snap.values()
             assert inst.role == discovery_pb2.WORKER_ROLE_AGGREGATED
             models = await disc.list_models()
@@ -117,9 +124,8 @@ async def test_worker_registers_streams_and_cancel_reaches_engine_abort(mesh: tu
                 stream = client.generate({"request_id": "to-cancel", "token_ids": [1], "stop": {"max_tokens": 100_000}})
                 await anext(stream)
                 await stream.aclose()  # cancel mid-stream
+                await wait_until(lambda: probe.exists() and "to-cancel" in probe.read_text(), what="the engine's abort")
                 async with asyncio.timeout(10):
-                    while not (probe.exists() and "to-cancel" in probe.read_text()):
-                        await asyncio.sleep(0.02)  # polling the engine's side effect with a deadline
                     async for load in sub:
                         if load.worker_id == inst.id and load.running == 0:
                             break
@@ -158,7 +164,12 @@ async def test_sigterm_leaves_etcd_first_finishes_inflight_refuses_new_and_exits
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     try:
-                        [c async for c in client.generate({"request_id": f"new-{time.monotonic()}", "token_ids": [1], "stop": {"max_tokens": 1}})]
+                        [
+                            c
+                            async for c in client.generate(
+                                {"request_id": f"new-{time.monotonic()}", "token_ids": [1], "stop": {"max_tokens": 1}}
+                            )
+                        ]
                     except errors.Unavailable:
                         events.append("refused")
                         return
@@ -178,7 +189,12 @@ async def test_static_worker_serves_with_no_etcd_running() -> None:
     try:
         address = await w.ready()
         async with ChannelCache() as ch:
-            chunks = [c async for c in WorkerClient(ch, address).generate({"request_id": "s", "token_ids": [3], "stop": {"max_tokens": 2}})]
+            chunks = [
+                c
+                async for c in WorkerClient(ch, address).generate(
+                    {"request_id": "s", "token_ids": [3], "stop": {"max_tokens": 2}}
+                )
+            ]
         assert [t for c in chunks for t in c.get("token_ids", [])] == [4, 5]
         w.proc.send_signal(signal.SIGTERM)
         assert await w.wait() == 0
@@ -202,3 +218,15 @@ async def test_bad_flags_stop_startup_with_one_line(args: list[str], message: st
     )
     assert proc.returncode == 2
     assert message in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+async def test_drain_rpc_shuts_the_worker_process_down_with_exit_0() -> None:
+    """Locks: Worker.Drain starts the ordered shutdown and the process exits by itself."""
+    w = WorkerProcess("--engine", "sample", "--static", "--grace-period", "0")
+    try:
+        address = await w.ready()
+        async with ChannelCache() as ch:
+            assert await WorkerClient(ch, address).drain() == 0
+        assert await w.wait() == 0
+    finally:
+        w.kill()

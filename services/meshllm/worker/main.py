@@ -40,8 +40,13 @@ async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
             print(f"meshllm worker: error: {exc.message}", file=sys.stderr)
             return 1
         print(f"meshllm worker {worker.id} ({config.engine}, {config.role.value}) serving on {worker.address}", flush=True)
-        await stop.wait()
-        log.info("signal received: shutting down")
+        # A signal, or a Drain RPC (which starts the worker's own shutdown), ends the process.
+        signalled = asyncio.ensure_future(stop.wait())
+        drained = asyncio.ensure_future(worker.wait_closing())
+        await asyncio.wait([signalled, drained], return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        drained.cancel()
+        log.info("shutting down (%s)", "signal" if stop.is_set() else "Drain RPC")
         await worker.aclose()
         return 0
     finally:

@@ -64,6 +64,7 @@ class Worker(AsyncCloseable):
         self._tasks: list[asyncio.Task[Any]] = []
         self._metrics_server: Any = None
         self._planned = False
+        self._closing = asyncio.Event()
 
     # ------------------------------------------------------------ start
     @classmethod
@@ -284,7 +285,12 @@ class Worker(AsyncCloseable):
         if self.discovery is not None:
             await self.discovery.aclose()
 
+    async def wait_closing(self) -> None:
+        """Return once shutdown has begun (signal, Drain RPC or aclose)."""
+        await self._closing.wait()
+
     async def _aclose(self) -> None:
+        self._closing.set()
         if not self._planned:
             # start() failed before the shutdown was planned: release what exists.
             with contextlib.suppress(Exception):

@@ -7,6 +7,7 @@ process can see that the engine observed a cancellation.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from meshllm.engine.base import Context
@@ -17,5 +18,9 @@ class AbortProbeEngine(SampleEngine):
     async def abort(self, context: Context) -> None:
         path = os.environ.get("ABORT_PROBE_FILE")
         if path:
-            with open(path, "a") as f:
-                f.write(context.id + "\n")
+            await asyncio.to_thread(_append, path, context.id + "\n")
+
+
+def _append(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line)
