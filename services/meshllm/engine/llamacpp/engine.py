@@ -102,7 +102,8 @@ class LlamaCppEngine(LLMEngine):
         self.worker_id = ""
         self.layout = ""
         self._nonce = secrets.randbits(64)
-        self._holds = KvHolds(self._nonce, config.kv_hold_timeout_s)
+        #: Prefill results waiting for their decode leg (served once by `pull_kv`).
+        self.holds = KvHolds(self._nonce, config.kv_hold_timeout_s)
         self._runner: Runner | None = None
         self._info: Any = None
         self._live: dict[Context, tuple[Sequence, _Stream]] = {}
@@ -163,7 +164,7 @@ class LlamaCppEngine(LLMEngine):
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.stop()
-        self._holds.clear()
+        self.holds.clear()
         if self._channels is not None:
             await self._channels.aclose()
         if self._files_dir is not None:
@@ -301,7 +302,7 @@ class LlamaCppEngine(LLMEngine):
     def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggParams:
         """Hold a prefill leg's KV for its decode leg; the DisaggParams naming it."""
         assert finish.kv_state is not None
-        handle = self._holds.hold(finish.kv_state, prompt)
+        handle = self.holds.hold(finish.kv_state, prompt)
         return {
             "kv_handle": handle.encode(),
             "prefill_worker_id": self.worker_id,
@@ -314,7 +315,7 @@ class LlamaCppEngine(LLMEngine):
         handle = KvHandle.decode(kv_handle)
         if layout:
             check_layout(layout, self.layout, who="the pulling worker")
-        data = self._holds.take(handle)
+        data = self.holds.take(handle)
         if data is None:
             raise NotFound("the kv handle is unknown, expired or already pulled")
         for piece in pieces(data, layout=self.layout, n_tokens=handle.n_tokens):
@@ -339,7 +340,7 @@ class LlamaCppEngine(LLMEngine):
         handle = KvHandle.decode(raw)
         handle.check_prompt(prompt)
         if handle.nonce == self._nonce:  # the prefill leg ran on this engine
-            local = self._holds.take(handle)
+            local = self.holds.take(handle)
             if local is None:
                 raise NotFound("the kv handle is unknown, expired or already pulled")
             return local

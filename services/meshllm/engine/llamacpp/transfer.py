@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from meshllm.engine.base import KvTransfer
@@ -23,6 +24,8 @@ from meshllm.errors import FailedPrecondition, InvalidArgument
 from meshllm.protocol.kv import tokens_hash
 
 __all__ = ["PIECE_BYTES", "KvHandle", "KvHolds", "check_layout", "pieces"]
+
+log = logging.getLogger("meshllm.engine.llamacpp")
 
 PIECE_BYTES = 1 << 20
 _MAGIC = b"LCKV"
@@ -89,6 +92,8 @@ class KvHolds:
         self._ids = itertools.count(1)
         self._held: dict[int, _Held] = {}
         self.expired = 0
+        #: Called (on the event loop) with each handle released unpulled after the timeout.
+        self.on_expire: Callable[[KvHandle], None] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -119,8 +124,13 @@ class KvHolds:
         self.take(handle)
 
     def _expire(self, hold_id: int) -> None:
-        if self._held.pop(hold_id, None) is not None:
-            self.expired += 1
+        held = self._held.pop(hold_id, None)
+        if held is None:
+            return
+        self.expired += 1
+        log.info("released %d bytes of prefill KV nobody pulled within %.1f s", len(held.data), self.timeout_s)
+        if self.on_expire is not None:
+            self.on_expire(held.handle)
 
     def clear(self) -> None:
         for held in self._held.values():

@@ -1,0 +1,156 @@
+"""The llamacpp engine on the real SmolLM2-135M GGUF: batching, prefix reuse, cancellation, KV transfer, model files.
+
+No fakes: every test loads the model through llama.cpp. Prompts and outputs
+are short because the machine running them has two shared cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from test_llamacpp_support import MODEL, SYSTEM, chat_tokens, greedy, question, require_model, run
+
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
+from meshllm.engine.llamacpp.engine import LlamaCppEngine
+from meshllm.errors import FailedPrecondition, NotFound
+from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.plane.transport import ChannelCache
+from meshllm.protocol.kv import stored_blocks
+from meshllm.testing.conformance import RecordingSink
+from meshllm.worker.client import WorkerClient
+from meshllm.worker.runtime import Worker
+
+require_model()
+pytestmark = pytest.mark.slow
+
+
+async def engine(*argv: str) -> LlamaCppEngine:
+    eng, _ = await LlamaCppEngine.from_args(["--n-ctx", "1024", *argv])
+    eng.sink = RecordingSink()
+    await eng.start("test")
+    return eng
+
+
+@pytest.fixture
+async def eng() -> AsyncIterator[LlamaCppEngine]:
+    e = await engine("--n-seq-max", "8")
+    try:
+        yield e
+    finally:
+        await e.cleanup()
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name a primary color.",
+    "What do bees make?",
+    "What is the opposite of hot?",
+    "How many days are in a week?",
+    "What color is the sky?",
+    "What animal says moo?",
+]
+
+
+async def test_eight_concurrent_requests_complete_with_the_tokens_they_get_alone(eng: LlamaCppEngine) -> None:
+    """Locks: 8 sequences batched together all finish, each with exactly its solo greedy tokens."""
+    prompts = [question(q) for q in QUESTIONS]
+    alone = [await run(eng, greedy(f"solo-{i}", p, 8)) for i, p in enumerate(prompts)]
+    await eng.clear_kv_blocks()  # the batched run computes every prompt afresh
+    together = await asyncio.gather(*(run(eng, greedy(f"batch-{i}", p, 8)) for i, p in enumerate(prompts)))
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert all(term["finish_reason"] in ("eos", "length") for _, term in together)
+
+
+async def test_a_shared_system_prompt_is_reused_and_its_blocks_are_not_stored_again(eng: LlamaCppEngine) -> None:
+    """Locks: prefix caching: the second request reports cached tokens; no BlocksStored repeats a shared block."""
+    system = SYSTEM + " " + " ".join(f"Rule {i}: be brief, be kind, be correct." for i in range(8))
+    first = chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": "What is 2 + 2?"}])
+    second = chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": "What is 3 + 3?"}])
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    sink = eng.sink
+    assert isinstance(sink, RecordingSink)
+    _, t1 = await run(eng, greedy("sys-1", first, 4))
+    shared_blocks = {bh for bh, _ in stored_blocks(first[:shared], 16)}
+    stored_first = {bh for blocks, _, _ in sink.stored for bh, _ in blocks}
+    assert shared_blocks and shared_blocks <= stored_first
+    mark = len(sink.stored)
+    _, t2 = await run(eng, greedy("sys-2", second, 4))
+    assert t2["usage"]["cached_tokens"] >= shared > 100
+    assert t1["usage"]["cached_tokens"] < 16
+    assert not {bh for blocks, _, _ in sink.stored[mark:] for bh, _ in blocks} & shared_blocks
+
+
+async def test_cancellation_frees_the_slot() -> None:
+    """Locks: a stopped request ends "cancelled"; its only slot then serves the next request."""
+    e = await engine("--n-seq-max", "1")
+    try:
+        req = greedy("long", question("Tell me a long story."), 500, stop={"max_tokens": 500, "ignore_eos": True})
+        ctx = Context("long")
+        it = e.generate(req, ctx)
+        first = await anext(aiter(it))
+        assert "finish_reason" not in first
+        ctx.stop()
+        rest = [c async for c in it]
+        assert rest[-1]["finish_reason"] == "cancelled"
+        sink = e.sink
+        assert isinstance(sink, RecordingSink) and sink.loads[-1].running == 0
+        tokens, term = await asyncio.wait_for(run(e, greedy("next", question("What is 2 + 2?"), 4)), 60)
+        assert tokens and term["finish_reason"] in ("eos", "length")
+    finally:
+        await e.cleanup()
+
+
+async def test_prefill_kv_moves_over_grpc_once_and_a_mismatched_layout_is_refused() -> None:
+    """Locks: PullKv serves a prefill's KV once; the decode leg continues exactly like aggregated greedy;
+    a worker with another KV layout (no flash attention) is refused with FailedPrecondition;
+    unpulled KV is released after --kv-hold-timeout."""
+    prefill = await engine("--n-seq-max", "2", "--kv-hold-timeout", "3")
+    plane = PlaneConfig(discovery=DiscoveryKind.STATIC, events=EventsKind.NONE)
+    config = WorkerConfig(engine="llamacpp", role=DisaggregationMode.PREFILL, plane=plane, static=True)
+    worker = await Worker.start(prefill, config)
+    decode = await engine("--n-seq-max", "2")
+    other = await engine("--n-seq-max", "2", "--no-flash-attn")
+    channels = ChannelCache()
+    try:
+        prompt = question("What is the capital of France?")
+        client = WorkerClient(channels, worker.address)
+        chunks = [c async for c in client.generate(greedy("p1", prompt, 12, disagg={"request_type": "context_only"}))]
+        params = chunks[-1]["disagg"]
+        assert chunks[-1]["finish_reason"] == "length" and params["kv_bytes"] > 100_000
+        leg = {**params, "request_type": "generation_only", "prefill_address": worker.address}
+        with pytest.raises(FailedPrecondition, match="KV layout mismatch"):
+            await run(other, greedy("d0", prompt, 12, disagg=leg))
+        tokens, term = await run(decode, greedy("d1", prompt, 12, disagg=leg))
+        assert term["usage"]["completion_tokens"] == len(params["first_token_ids"]) + len(tokens)
+        await decode.clear_kv_blocks()
+        aggregated, _ = await run(decode, greedy("agg", prompt, 12))
+        assert params["first_token_ids"] + tokens == aggregated
+        with pytest.raises(NotFound):
+            await run(decode, greedy("d2", prompt, 12, disagg=leg))  # served once
+        expired = asyncio.Event()
+        prefill.holds.on_expire = lambda handle: expired.set()
+        [c async for c in client.generate(greedy("p2", prompt, 12, disagg={"request_type": "context_only"}))]
+        assert len(prefill.holds) == 1
+        await asyncio.wait_for(expired.wait(), 30)
+        assert len(prefill.holds) == 0
+    finally:
+        await channels.aclose()
+        await worker.aclose()
+        await decode.cleanup()
+        await other.cleanup()
+
+
+async def test_model_files_rebuild_the_gguf_tokenizer_and_template(eng: LlamaCppEngine) -> None:
+    """Locks: GetModelFiles' files load as the same tokenizer, chat template and eos ids as the GGUF."""
+    files = eng.model_files()
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    served = load_tokenizer(str(files["tokenizer.json"].parent))
+    original = load_tokenizer(str(MODEL))
+    text = "<|im_start|>user\nHéllo, wörld! 123<|im_end|>\n"
+    assert served.encode(text) == original.encode(text)
+    assert served.chat_template == original.chat_template and served.bos_token_id == original.bos_token_id
+    assert set(original.eos_token_ids) <= set(served.eos_token_ids)
