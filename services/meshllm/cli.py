@@ -15,6 +15,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str | None, str]] = {
     "run": ("meshllm.run:main", "frontend + router + workers in one process (the embedded default)"),
     "frontend": ("meshllm.frontend.main:main", "OpenAI HTTP API and text gRPC Inference API"),
+    "bench": ("meshllm.bench.main:main", "load generator for any OpenAI endpoint (table, JSON, plot)"),
     "router": ("meshllm.router.main:main", "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
     "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),

@@ -1,0 +1,1 @@
+"""`meshllm bench`: load generation against any OpenAI-compatible endpoint (lean HTTP client, seeded workloads)."""
