@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -55,7 +55,7 @@ class Response:
     async def read(self) -> bytes:
         return b"".join([part async for part in self._conn._body(self.headers)])
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes, None]:
         """The payload of each SSE `data:` line, as soon as its event is complete."""
         buf = b""
         async for part in self._conn._body(self.headers):
