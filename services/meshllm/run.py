@@ -91,9 +91,9 @@ class RunConfig:
     def plane(self) -> PlaneConfig:
         return PlaneConfig(namespace=self.namespace, discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 
-    def worker_argv(self, role: str) -> list[str]:
+    def worker_argv(self, role: str, *, simulate: Sequence[str] = ()) -> list[str]:
         """Flags for one worker: the embedded defaults first, so that the user's engine flags win."""
-        argv = ["--discovery", "memory", "--events", "memory", "--namespace", self.namespace]
+        argv = [*simulate, "--discovery", "memory", "--events", "memory", "--namespace", self.namespace]
         argv += ["--host", "127.0.0.1", "--port", "0", "--grace-period", "0", "--role", role]
         if self.model_name:
             argv += ["--model-name", self.model_name]
@@ -176,8 +176,11 @@ class Mesh(AsyncCloseable):
         cfg = self.config
         engine_cls = load_engine_class(cfg.engine)
         roles = ["prefill"] * cfg.prefill_workers + ["decode" if cfg.prefill_workers else "agg"] * cfg.workers
+        simulate = await _simulated_model_flags(cfg)
         # Construct every engine first: a bad engine flag stops everything before anything starts.
-        built: list[tuple[LLMEngine, Any]] = [await engine_cls.from_args(cfg.worker_argv(role)) for role in roles]
+        built: list[tuple[LLMEngine, Any]] = [
+            await engine_cls.from_args(cfg.worker_argv(role, simulate=simulate)) for role in roles
+        ]
         for engine, wcfg in built:
             self.workers.append(await Worker.start(engine, wcfg, memory_store=self.store, memory_broker=self.broker))
         self.frontend = await Frontend.start(cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker)
@@ -223,6 +226,19 @@ class Mesh(AsyncCloseable):
         for r in results:
             if isinstance(r, BaseException):
                 log.warning("worker shutdown failed: %s", r)
+
+
+async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
+    """With --model-path, the mocker simulates that model: its vocabulary size and EOS id."""
+    if cfg.engine != "mocker" or not cfg.model_path:
+        return []
+    from meshllm.frontend.tokenizer import load_tokenizer
+
+    tok = await asyncio.to_thread(load_tokenizer, cfg.model_path)
+    flags = ["--vocab-size", str(tok.vocab_size)]
+    if tok.eos_token_ids:
+        flags += ["--eos-token-id", str(tok.eos_token_ids[0])]
+    return flags
 
 
 async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | None:
