@@ -1,0 +1,248 @@
+"""Benchmark the frontend: `meshllm bench` against `meshllm run` (2 mocker workers, --speedup-ratio 1000).
+
+    .venv/bin/python bench/frontend.py              # measure, print, update the "## Frontend" section of docs/benchmarks.md
+    .venv/bin/python bench/frontend.py --no-write   # measure and print only
+
+Workload (issue 6): streaming chat, ISL 600 ± 200, OSL 150 ± 25, ignore_eos,
+concurrency 1, 8, 32, 64; `meshllm bench` runs in its own process, one
+process per level, so the server's CPU time can be read per level from /proc.
+
+Layouts:
+- *run*: `meshllm run --workers 2 -- --speedup-ratio 1000`, everything in one
+  process; CPU-ms per request of that process (frontend + router + 2 workers).
+- *split*: 2 `meshllm worker --static` processes and a `meshllm frontend
+  --static-workers ...` process (embedded routing core): CPU-ms per request of
+  the frontend process alone — the frontend's own cost.
+- *baseline*: the same two static workers driven directly over gRPC by
+  `WorkerClient`s (token ids in, token ids out, no HTTP, no tokenizer) at
+  concurrency 32 from this process; the frontend's tok/s reads as a ratio of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from meshllm.plane.transport import ChannelCache
+from meshllm.worker.client import WorkerClient
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+HEADING = "## Frontend"
+LEVELS = (1, 8, 32, 64)
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MESHLLM_", "OTEL_"))}
+    e["MESHLLM_LOG_LEVEL"] = "WARNING"
+    return e
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshllm", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, cwd=ROOT, env=env(),
+    )  # fmt: skip
+
+
+def wait_line(proc: subprocess.Popen[str], pattern: str, timeout_s: float = 120.0) -> re.Match[str]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited ({proc.wait()}) before printing {pattern!r}")
+        if m := re.search(pattern, line):
+            return m
+    raise RuntimeError(f"no {pattern!r} within {timeout_s}s")
+
+
+@contextmanager
+def processes(*procs: subprocess.Popen[str]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def bench_level(url: str, concurrency: int, requests: int, warmup: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "meshllm", "bench", "--url", url, "--model", "mocker", "--concurrency", str(concurrency),
+            "--requests", str(requests), "--warmup", str(warmup), "--isl", "600", "--isl-spread", "200",
+            "--osl", "150", "--osl-spread", "25", "--json", "-", "--quiet", "--seed", str(concurrency),
+        ],
+        capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900, check=False,
+    )  # fmt: skip
+    if not out.stdout.strip():
+        raise RuntimeError(f"meshllm bench failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = orjson.loads(out.stdout)[0]
+    return result
+
+
+def measure(url: str, pid: int, requests: int) -> list[dict[str, Any]]:
+    rows = []
+    for c in LEVELS:
+        warmup = min(2 * c, 64)
+        cpu0 = cpu_seconds(pid)
+        row = bench_level(url, c, requests, warmup)
+        row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / (requests + warmup)
+        rows.append(row)
+        print(
+            f"  c={c}: {row['req_per_s']:.1f} req/s, {row['output_tok_per_s']:,.0f} tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, "
+            f"errors {row['errors']}, {row['cpu_ms_per_request']:.2f} CPU-ms/req",
+            flush=True,
+        )
+    return rows
+
+
+def run_layout(requests: int) -> list[dict[str, Any]]:
+    ports = ("--http-port", "0", "--grpc-port", "0", "--router-port", "0")
+    proc = spawn("run", "--workers", "2", *ports, "--", "--speedup-ratio", "1000")
+    with processes(proc):
+        url = wait_line(proc, r"^OpenAI HTTP API\s+(\S+)/v1")[1]
+        wait_line(proc, r"^try:")
+        return measure(url, proc.pid, requests)
+
+
+async def baseline(addresses: list[str], concurrency: int, requests: int) -> float:
+    """Output tok/s of WorkerClients driving the workers directly (round-robin), same lengths."""
+    rng = random.Random(0)
+    jobs = [(rng.randint(400, 800), rng.randint(125, 175)) for _ in range(requests)]
+    it = iter(range(requests))
+    tokens = 0
+    async with ChannelCache() as channels:
+        clients = [WorkerClient(channels, a) for a in addresses]
+
+        async def user() -> None:
+            nonlocal tokens
+            for i in it:
+                isl, osl = jobs[i]
+                prompt = [rng.randint(259, 31999) for _ in range(isl)]
+                req = {"request_id": f"base-{i}", "token_ids": prompt, "stop": {"max_tokens": osl, "ignore_eos": True}}
+                async for chunk in clients[i % len(clients)].generate(req):  # type: ignore[arg-type]
+                    tokens += len(chunk.get("token_ids", ()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - t0)
+
+
+def split_layout(requests: int) -> tuple[list[dict[str, Any]], float]:
+    workers = [spawn("worker", "--engine", "mocker", "--static", "--port", "0", "--speedup-ratio", "1000") for _ in range(2)]
+    with processes(*workers):
+        addresses = [wait_line(w, r"serving on (\S+)")[1] for w in workers]
+        base = asyncio.run(baseline(addresses, 32, requests))
+        print(f"  baseline (direct gRPC, c=32): {base:,.0f} tok/s", flush=True)
+        fe = spawn(
+            "frontend", "--static-endpoint", "meshllm.worker.generate", "--static-workers", ",".join(addresses),
+            "--model-name", "mocker", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
+        )  # fmt: skip
+        with processes(fe):
+            url = wait_line(fe, r"OpenAI HTTP API on (\S+)/v1")[1]
+            return measure(url, fe.pid, requests), base
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| concurrency | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | CPU-ms/req |"
+    lines = [head, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['req_per_s']:.1f} | {r['output_tok_per_s']:,.0f} | {r['ttft_p50_ms']:.1f} | "
+            f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['errors']} | "
+            f"{r['cpu_ms_per_request']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def section(run_rows: list[dict[str, Any]], split_rows: list[dict[str, Any]], base: float, requests: int) -> str:
+    at32 = next(r for r in run_rows if r["concurrency"] == 32)
+    at1 = next(r for r in run_rows if r["concurrency"] == 1)
+    split32 = next(r for r in split_rows if r["concurrency"] == 32)
+    errors = sum(r["errors"] for r in run_rows + split_rows)
+    load = os.getloadavg()[0]
+    verdict = lambda ok: "meets" if ok else "misses"  # noqa: E731
+    return f"""{HEADING}
+
+`.venv/bin/python bench/frontend.py` on {datetime.date.today().isoformat()} ({platform.machine()}, {os.cpu_count()} cores,
+Python {platform.python_version()}). `meshllm bench` (its own process) sends streaming chat requests, ISL 600 ± 200,
+OSL 150 ± 25, ignore_eos, {requests} requests per level after a warm-up of min(2×c, 64); the mocker runs at
+--speedup-ratio 1000. 1-minute load average {load:.1f} when the run ended (other jobs shared the machine).
+
+**meshllm run** (frontend + embedded KV router + 2 mocker workers in one process; CPU-ms/req is that whole process):
+
+{table(run_rows)}
+
+**split** (2 `meshllm worker --static` processes; `meshllm frontend --static-workers` with the embedded routing core;
+CPU-ms/req is the frontend process alone, i.e. HTTP + JSON + tokenizer + template + detokenizer + routing + gRPC client):
+
+{table(split_rows)}
+
+| target (issue 6) | measured | |
+|---|---|---|
+| ≥ 60 req/s at concurrency 32 | {at32['req_per_s']:.1f} req/s | {verdict(at32['req_per_s'] >= 60)} |
+| ≥ 9,000 output tok/s at concurrency 32 | {at32['output_tok_per_s']:,.0f} tok/s | {verdict(at32['output_tok_per_s'] >= 9000)} |
+| TTFT p50 ≤ 10 ms at concurrency 1 | {at1['ttft_p50_ms']:.1f} ms | {verdict(at1['ttft_p50_ms'] <= 10)} |
+| zero errors | {errors} | {verdict(errors == 0)} |
+
+Baseline: the same two static workers driven directly by `WorkerClient`s over gRPC (token ids, no HTTP, no
+tokenizer) at concurrency 32 from the benchmark process: {base:,.0f} output tok/s; the split frontend delivers
+{split32['output_tok_per_s'] / base:.2f}× that through HTTP/SSE. TTFT is request sent → first SSE event with text;
+ITL is the gap between SSE events with text: under load the worker and the router coalesce tokens that pile up
+while the consumer is busy, so one event often carries several tokens (TPOT = e2e time per output token is far
+below ITL at high concurrency). Throughput is bounded by the 2 cores shared by the load generator, the frontend,
+the router and both simulated engines.
+"""
+
+
+def write_section(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(r"^## Frontend\n.*?(?=^## |\Z)", re.S | re.M)
+    doc = pattern.sub(lambda _: text, doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text
+    DOC.write_text(doc.rstrip("\n") + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400, help="requests per concurrency level")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    print("meshllm run:", flush=True)
+    run_rows = run_layout(args.requests)
+    print("split (frontend process alone):", flush=True)
+    split_rows, base = split_layout(args.requests)
+    text = section(run_rows, split_rows, base, args.requests)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
