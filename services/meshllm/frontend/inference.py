@@ -126,6 +126,7 @@ class Completion:
             )
             for i, p in enumerate(plan.prompt_of)
         ]
+        self._metrics = core.metrics.for_model(model.name)
         self._first_token_at: float | None = None
         self._gen: AsyncIterator[Delta] | None = None
         self._closed = False
@@ -144,9 +145,9 @@ class Completion:
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
-            self.core.metrics.ttft.labels(self.model.name).observe(now - self.t0)
+            self._metrics.ttft.observe(now - self.t0)
         elif last[0]:
-            self.core.metrics.itl.labels(self.model.name).observe((now - last[0]) / n)
+            self._metrics.itl.observe((now - last[0]) / n)
         last[0] = now
 
     async def _single(self) -> AsyncIterator[Delta]:
@@ -223,12 +224,12 @@ class Completion:
             if self._gen is not None:
                 await _aclose(self._gen)
         finally:
-            m, name = self.core.metrics, self.model.name
-            m.e2e.labels(name).observe(time.perf_counter() - self.t0)
+            m = self._metrics
+            m.e2e.observe(time.perf_counter() - self.t0)
             u = self.usage()
-            m.input_tokens.labels(name).inc(u["prompt_tokens"])
-            m.output_tokens.labels(name).inc(u["completion_tokens"])
-            m.cached_tokens.labels(name).inc(u["prompt_tokens_details"]["cached_tokens"])
+            m.input_tokens.inc(u["prompt_tokens"])
+            m.output_tokens.inc(u["completion_tokens"])
+            m.cached_tokens.inc(u["prompt_tokens_details"]["cached_tokens"])
             self.core._exit()
 
 

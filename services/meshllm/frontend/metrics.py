@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["FrontendMetrics"]
+__all__ = ["FrontendMetrics", "ModelMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    """The per-model children, labelled once (labels() on every token would cost more than the observation)."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+    input_tokens: Any
+    output_tokens: Any
+    cached_tokens: Any
 
 
 class FrontendMetrics:
@@ -35,7 +50,11 @@ class FrontendMetrics:
             registry=r,
         )
         self.e2e = Histogram(
-            "meshllm_frontend_request_duration_seconds", "Arrival to last byte", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+            "meshllm_frontend_request_duration_seconds",
+            "Arrival to last byte",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.input_tokens = Counter("meshllm_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
         self.output_tokens = Counter("meshllm_frontend_output_tokens", "Completion tokens", ["model"], registry=r)
@@ -43,6 +62,19 @@ class FrontendMetrics:
             "meshllm_frontend_cached_tokens", "Prompt tokens served from a prefix cache", ["model"], registry=r
         )
         self.disconnects = Counter("meshllm_frontend_client_disconnects", "Requests whose client went away", registry=r)
+
+        self._models: dict[str, ModelMetrics] = {}
+
+    def for_model(self, name: str) -> ModelMetrics:
+        m = self._models.get(name)
+        if m is None:
+            m = self._models[name] = ModelMetrics(
+                *(
+                    metric.labels(name)
+                    for metric in (self.ttft, self.itl, self.e2e, self.input_tokens, self.output_tokens, self.cached_tokens)
+                )
+            )
+        return m
 
     def render(self) -> bytes:
         """The text exposition format."""
