@@ -7,6 +7,7 @@ are short because the machine running them has two shared cores.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import pytest
@@ -142,6 +143,18 @@ async def test_prefill_kv_moves_over_grpc_once_and_a_mismatched_layout_is_refuse
         await worker.aclose()
         await decode.cleanup()
         await other.cleanup()
+
+
+async def test_logprobs_describe_the_greedy_choice(eng: LlamaCppEngine) -> None:
+    """Locks: output.logprobs gives one entry per token: the greedy token is the likeliest, top-N sorted, log-probs <= 0."""
+    chunks = [c async for c in eng.generate(greedy("lp", question("What is 2 + 2?"), 6, output={"logprobs": 3}), Context("lp"))]
+    tokens = [t for c in chunks for t in c.get("token_ids", ())]
+    entries = [lp for c in chunks for lp in c.get("logprobs", ())]
+    assert [e["token_id"] for e in entries] == tokens
+    for e in entries:
+        top = e["top"]
+        assert len(top) == 3 and top[0][0] == e["token_id"] and abs(top[0][1] - e["logprob"]) < 1e-6
+        assert all(a[1] >= b[1] for a, b in itertools.pairwise(top)) and e["logprob"] <= 0.0
 
 
 async def test_model_files_rebuild_the_gguf_tokenizer_and_template(eng: LlamaCppEngine) -> None:

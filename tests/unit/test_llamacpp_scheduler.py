@@ -19,6 +19,7 @@ from meshllm.engine.llamacpp.sequence import Output, Sequence, SequenceStatus
 from meshllm.engine.llamacpp.slots import BlocksStored, SlotTable
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument
 from meshllm.protocol.kv import tokens_hash
+from meshllm.protocol.types import TokenLogprob
 
 VOCAB = 1000
 
@@ -69,6 +70,9 @@ class FakeBackend:
         while token in sampler.suppress:
             token = (token + 1) % VOCAB
         return token
+
+    def logprob(self, index: int, token: int, top_n: int) -> TokenLogprob:
+        return {"token_id": token, "logprob": -0.5, "top": [(token, -0.5)] * top_n}
 
     def free_sampler(self, sampler: FakeSampler) -> None:
         self.samplers_alive -= 1
@@ -257,3 +261,18 @@ def test_validate_length() -> None:
         validate_length(100, None, 100)
     with pytest.raises(InvalidArgument):
         validate_length(10, 0, 100)
+
+
+def test_logprobs_ride_with_their_tokens_and_skip_the_unemitted_stop_token() -> None:
+    """Locks: asked-for logprobs come one per emitted token, in the same output."""
+    sched, _ = make()
+    ref = seq([3, 4, 5], max_tokens=4, ignore_eos=True)
+    tokens = emitted(run(sched, ref)[ref.id])
+    sched, _ = make()
+    s = seq([3, 4, 5], max_tokens=4, logprobs=2, stop_token_ids=frozenset({tokens[2]}))
+    outs = run(sched, s)[s.id]
+    assert [lp["token_id"] for o in outs for lp in o.logprobs] == emitted(outs) == tokens[:2]
+    assert all(len(lp.get("top", ())) == 2 for o in outs for lp in o.logprobs)
+    sched, _ = make()
+    s = seq([3, 4, 5], max_tokens=2)
+    assert all(o.logprobs == [] for o in run(sched, s)[s.id])

@@ -52,7 +52,7 @@ from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces
 from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
-from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest
+from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, TokenLogprob
 
 __all__ = ["LlamaCppEngine"]
 
@@ -68,15 +68,17 @@ INSTALL_HINT = (
 class _Stream:
     """The event-loop end of one sequence: tokens and the finish delivered by the engine thread."""
 
-    __slots__ = ("finish", "tokens", "waiter")
+    __slots__ = ("finish", "logprobs", "tokens", "waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish: Finish | None = None
         self.waiter: asyncio.Future[None] | None = None
 
-    def push(self, tokens: list[int], finish: Finish | None) -> None:
+    def push(self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None) -> None:
         self.tokens.extend(tokens)
+        self.logprobs.extend(logprobs)
         if finish is not None:
             self.finish = finish
         self.wake()
@@ -89,9 +91,13 @@ class _Stream:
         self.waiter = asyncio.get_running_loop().create_future()
         await self.waiter
 
-    def take(self) -> list[int]:
-        tokens, self.tokens = self.tokens, []
-        return tokens
+    def take(self) -> GenerateChunk:
+        """The tokens (and logprobs) delivered since the last take, as a chunk."""
+        chunk: GenerateChunk = {"token_ids": self.tokens}
+        if self.logprobs:
+            chunk["logprobs"] = self.logprobs
+        self.tokens, self.logprobs = [], []
+        return chunk
 
 
 class LlamaCppEngine(LLMEngine):
@@ -208,7 +214,7 @@ class LlamaCppEngine(LLMEngine):
                 self.sink.blocks_removed(ev.block_hashes)
         for out in outputs:
             if out.seq.stream is not None:
-                out.seq.stream.push(out.tokens, out.finish)
+                out.seq.stream.push(out.tokens, out.logprobs, out.finish)
         if load is not None:
             self.sink.load(load)
 
@@ -249,14 +255,18 @@ class LlamaCppEngine(LLMEngine):
                 if finish is not None:
                     if finish.error is not None:
                         raise finish.error
-                    tokens = stream.take()
-                    disagg = self._hold(finish, prompt, tokens) if finish.kv_state is not None else None
-                    yield terminal(finish.reason, finish.usage, token_ids=tokens, stop_reason=finish.stop_reason, disagg=disagg)
+                    last = stream.take()
+                    if finish.kv_state is not None:
+                        last["disagg"] = self._hold(finish, prompt, last["token_ids"])
+                    last["finish_reason"], last["usage"] = finish.reason, finish.usage
+                    if finish.stop_reason:
+                        last["stop_reason"] = finish.stop_reason
+                    yield last
                     return
                 if stream.tokens:
-                    tokens = stream.take()
-                    emitted += len(tokens)
-                    yield {"token_ids": tokens}
+                    chunk = stream.take()
+                    emitted += len(chunk["token_ids"])
+                    yield chunk
                     continue
                 await stream.wait()
         finally:
@@ -293,6 +303,7 @@ class LlamaCppEngine(LLMEngine):
             stop_token_ids=frozenset(stop.get("stop_token_ids") or ()),
             eos_token_ids=frozenset(request.get("eos_token_ids") or ()) | info.eog_token_ids,
             ignore_eos=bool(stop.get("ignore_eos")),
+            logprobs=_logprobs(request),
             context_only=role == "context_only",
             remote_kv=role == "generation_only",
             prefill_cached_tokens=int(disagg.get("cached_tokens") or 0),
@@ -364,6 +375,17 @@ class LlamaCppEngine(LLMEngine):
             raise StreamIncomplete(f"the KV transfer from {address} ended after {len(buf)} of {total} bytes")
         log.debug("pulled %d bytes of KV for %d tokens from %s in %.3f s", total, len(prompt), address, time.monotonic() - t0)
         return bytes(buf)
+
+
+def _logprobs(request: GenerateRequest) -> int | None:
+    """Top alternatives asked per token (0 = only the sampled token's), None when logprobs are not asked."""
+    output = request.get("output") or {}
+    if "logprobs" not in output:
+        return None
+    n = int(output["logprobs"])
+    if not 0 <= n <= 20:
+        raise InvalidArgument(f"logprobs must be in [0, 20], got {n}", param="logprobs")
+    return n
 
 
 def _add(seq: Sequence) -> Any:

@@ -27,7 +27,7 @@ from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence, SequenceStatus
 from meshllm.engine.llamacpp.slots import Slot, SlotTable
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument, MeshError, Unknown
-from meshllm.protocol.types import FinishReason
+from meshllm.protocol.types import FinishReason, TokenLogprob
 
 __all__ = ["Backend", "BatchEntry", "Scheduler", "validate_length"]
 
@@ -42,6 +42,7 @@ class Backend(Protocol):
     def unsuppress(self, sampler: Any) -> None: ...
     def accept(self, sampler: Any, tokens: Seq[int]) -> None: ...
     def sample(self, sampler: Any, index: int) -> int: ...
+    def logprob(self, index: int, token: int, top_n: int) -> TokenLogprob: ...
     def free_sampler(self, sampler: Any) -> None: ...
     def seq_rm(self, slot: int, p0: int, p1: int) -> bool: ...
     def seq_cp(self, src: int, dst: int) -> None: ...
@@ -122,7 +123,9 @@ class Scheduler:
             seq.n_past += len(batch)
             self.slots.extend(self.slots.slots[seq.slot], seq.tokens[start : seq.n_past])
             if logits_at is not None:
-                outputs.append(self._next_token(seq, self.backend.sample(seq.sampler, logits_at)))
+                token = self.backend.sample(seq.sampler, logits_at)
+                lp = self.backend.logprob(logits_at, token, seq.logprobs) if seq.logprobs is not None else None
+                outputs.append(self._next_token(seq, token, lp))
         return outputs
 
     def _admit(self) -> list[Output]:
@@ -187,20 +190,21 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _next_token(self, seq: Sequence, token: int) -> Output:
+    def _next_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> Output:
         """Apply the stop conditions to a sampled token."""
         allowed = seq.num_output >= seq.min_tokens
         if allowed and token in seq.stop_token_ids:
             return self._finish(seq, [], "stop", stop_reason=str(token))
         seq.tokens.append(token)
+        lps = [logprob] if logprob is not None else []
         if allowed and not seq.ignore_eos and token in seq.eos_token_ids:
-            return self._finish(seq, [token], "eos")
+            return self._finish(seq, [token], "eos", logprobs=lps)
         if seq.context_only or seq.num_output >= seq.max_tokens:
-            return self._finish(seq, [token], "length")
+            return self._finish(seq, [token], "length", logprobs=lps)
         if seq.suppressing and seq.num_output >= seq.min_tokens:
             self.backend.unsuppress(seq.sampler)
             seq.suppressing = False
-        return Output(seq, [token])
+        return Output(seq, [token], logprobs=lps)
 
     def _finish(
         self,
@@ -210,6 +214,7 @@ class Scheduler:
         *,
         stop_reason: str = "",
         error: MeshError | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> Output:
         kv_state = None
         if seq.status is SequenceStatus.RUNNING:
@@ -220,7 +225,7 @@ class Scheduler:
             self.slots.release(self.slots.slots[seq.slot])
         seq.status = SequenceStatus.FINISHED
         finish = Finish(reason, seq.usage(), stop_reason, error, kv_state)
-        return Output(seq, tokens, finish)
+        return Output(seq, tokens, finish, logprobs or [])
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.errors import MeshError
-from meshllm.protocol.types import FinishReason, Usage
+from meshllm.protocol.types import FinishReason, TokenLogprob, Usage
 
 __all__ = ["Finish", "Output", "Sequence", "SequenceStatus", "StreamSink"]
 
@@ -33,7 +33,7 @@ class SequenceStatus(enum.Enum):
 class StreamSink(Protocol):
     """The event-loop side of one stream (called on the loop thread only)."""
 
-    def push(self, tokens: list[int], finish: Finish | None) -> None: ...
+    def push(self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +49,12 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """What one step produced for one sequence: new tokens, and its finish if it ended."""
+    """What one step produced for one sequence: new tokens (with logprobs when asked), and its finish if it ended."""
 
     seq: Sequence
     tokens: list[int]
     finish: Finish | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()  # request eos ∪ the model's end-of-generation ids
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token; None = no logprobs
     context_only: bool = False
     kv_state: bytes | None = None  # a decode leg's pulled KV, loaded (and dropped) at admission
     remote_kv: bool = False  # a decode leg: its prompt's KV came from a prefill worker
