@@ -50,8 +50,8 @@ from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
-from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces
-from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
+from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
+from meshllm.errors import EngineShutdown, InvalidArgument, NotFound
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, TokenLogprob
 
 __all__ = ["LlamaCppEngine"]
@@ -359,22 +359,10 @@ class LlamaCppEngine(LLMEngine):
         if not address:
             raise InvalidArgument("a generation_only request needs disagg.prefill_address to pull its KV from", param="disagg")
         from meshllm.plane.transport import ChannelCache
-        from meshllm.worker.client import WorkerClient
 
         if self._channels is None:
             self._channels = ChannelCache()
-        t0 = time.monotonic()
-        buf = bytearray()
-        total = -1
-        async for chunk in WorkerClient(self._channels, address).pull_kv(raw, layout=self.layout):
-            if total < 0:
-                check_layout(chunk.layout, self.layout, who=f"the prefill worker at {address}")
-                total = chunk.total_bytes
-            buf += chunk.data
-        if len(buf) != total:
-            raise StreamIncomplete(f"the KV transfer from {address} ended after {len(buf)} of {total} bytes")
-        log.debug("pulled %d bytes of KV for %d tokens from %s in %.3f s", total, len(prompt), address, time.monotonic() - t0)
-        return bytes(buf)
+        return await pull_remote(self._channels, address, raw, layout=self.layout, n_tokens=len(prompt))
 
 
 def _logprobs(request: GenerateRequest) -> int | None:

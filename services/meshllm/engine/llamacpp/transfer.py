@@ -16,14 +16,19 @@ import asyncio
 import itertools
 import logging
 import struct
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshllm.engine.base import KvTransfer
-from meshllm.errors import FailedPrecondition, InvalidArgument
+from meshllm.errors import FailedPrecondition, InvalidArgument, StreamIncomplete
 from meshllm.protocol.kv import tokens_hash
 
-__all__ = ["PIECE_BYTES", "KvHandle", "KvHolds", "check_layout", "pieces"]
+if TYPE_CHECKING:
+    from meshllm.plane.transport import ChannelCache
+
+__all__ = ["PIECE_BYTES", "KvHandle", "KvHolds", "check_layout", "pieces", "pull_remote"]
 
 log = logging.getLogger("meshllm.engine.llamacpp")
 
@@ -67,6 +72,24 @@ def check_layout(theirs: str, ours: str, *, who: str) -> None:
     """Refuse KV whose layout differs from ours (FailedPrecondition, naming both)."""
     if theirs != ours:
         raise FailedPrecondition(f"KV layout mismatch: {who} has {theirs!r}, this worker {ours!r}; KV cannot move between them")
+
+
+async def pull_remote(channels: ChannelCache, address: str, raw_handle: bytes, *, layout: str, n_tokens: int) -> bytes:
+    """Pull a held KV from the prefill worker at `address` (`Worker.PullKv`), checking layout and length."""
+    from meshllm.worker.client import WorkerClient  # the decode side talks to the prefill worker as any client
+
+    t0 = time.monotonic()
+    buf = bytearray()
+    total = -1
+    async for chunk in WorkerClient(channels, address).pull_kv(raw_handle, layout=layout):
+        if total < 0:
+            check_layout(chunk.layout, layout, who=f"the prefill worker at {address}")
+            total = chunk.total_bytes
+        buf += chunk.data
+    if len(buf) != total:
+        raise StreamIncomplete(f"the KV transfer from {address} ended after {len(buf)} of {total} bytes")
+    log.debug("pulled %d bytes of KV for %d tokens from %s in %.3f s", total, n_tokens, address, time.monotonic() - t0)
+    return bytes(buf)
 
 
 def pieces(data: bytes, *, layout: str, n_tokens: int, size: int = PIECE_BYTES) -> Iterator[KvTransfer]:
