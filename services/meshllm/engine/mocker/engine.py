@@ -46,7 +46,7 @@ from meshllm.engine.mocker.scheduler import Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 from meshllm.engine.mocker.timing import step_ms, transfer_seconds
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
-from meshllm.protocol.kv import block_hashes, tokens_hash
+from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, Usage
 
 __all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
@@ -241,7 +241,7 @@ class MockerEngine(LLMEngine):
         return Sequence(
             request["request_id"],
             prompt,
-            seed=tokens_hash(prompt) if seed is None else seed,
+            seed=0 if seed is None else seed,  # the context window makes the output depend on the prompt
             vocab_size=cfg.vocab_size,
             block_size=cfg.block_size,
             max_tokens=1 if role == "context_only" else (max_tokens or room),

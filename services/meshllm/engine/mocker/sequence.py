@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import random
+import struct
 from collections.abc import Sequence as Seq
+
+import xxhash
 
 from meshllm.protocol.kv import chain_hash, stored_blocks, tokens_hash
 from meshllm.protocol.types import FinishReason
 
-__all__ = ["Sequence", "SequenceStatus"]
+__all__ = ["CONTEXT_WINDOW", "Sequence", "SequenceStatus"]
+
+CONTEXT_WINDOW = 8  # tokens the sampler looks back at
+_TWO_64 = float(1 << 64)
 
 
 class SequenceStatus(enum.Enum):
@@ -23,17 +28,18 @@ class Sequence:
     """A request as the scheduler and block manager see it.
 
     `tokens` is prompt + output; `num_computed` of them have KV in the
-    sequence's blocks (`block_table`). Output token *i* is always the *i*-th
-    draw of a `random.Random(seed)`, so a decode leg that starts after the
-    prefill leg's first tokens (`delivered_from`) continues exactly where an
-    aggregated run would be. `block_hashes` holds the chained hash of every
+    sequence's blocks (`block_table`). Each output token is drawn from a hash
+    of the seed and the `CONTEXT_WINDOW` tokens before it — a deterministic
+    "greedy model" — so a decode leg that starts after the prefill leg's
+    first tokens (`delivered_from`), and a migrated request resent as prompt
+    + tokens so far, continue exactly where an aggregated run would be. `block_hashes` holds the chained hash of every
     full block of `tokens` (only when prefix caching is on); it grows by one
     hash each time a block fills, never per token.
     """
 
     __slots__ = (
         "_block_size",
-        "_random",
+        "_seed",
         "_vocab",
         "banned",
         "block_hashes",
@@ -99,9 +105,7 @@ class Sequence:
         self._block_size = block_size
         self.block_hashes: list[tuple[int, int]] = stored_blocks(self.tokens, block_size) if hashing else []
         self._vocab = vocab_size
-        self._random = random.Random(seed).random
-        for _ in first_token_ids:  # keep draw i == output token i across prefill/decode legs
-            self._random()
+        self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self.waiter: asyncio.Future[None] | None = None
         self.hold_id = 0  # the engine's hold on a finished prefill leg's KV (0: none)
 
@@ -119,7 +123,9 @@ class Sequence:
 
     def generate_token(self) -> None:
         """Sample the next output token and apply the stop rules (sets `finish_reason` when done)."""
-        tok = int(self._random() * self._vocab)
+        ctx = self.tokens[-CONTEXT_WINDOW:]
+        draw = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(ctx)}I", *ctx), self._seed) / _TWO_64
+        tok = int(draw * self._vocab)
         n_out = len(self.tokens) - self.num_prompt + 1
         if tok in self.banned:
             if n_out < self.min_tokens:
