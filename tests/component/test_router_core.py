@@ -20,6 +20,7 @@ from test_router_support import collect, mesh, mocker, request, tokens_of, wait_
 
 from meshllm import errors
 from meshllm.engine.base import Context, GenerateChunk, GenerateRequest
+from meshllm.engine.mocker import MockerEngine
 from meshllm.engine.sample import SampleEngine
 from meshllm.v1 import discovery_pb2
 
@@ -212,3 +213,38 @@ async def test_a_slow_caller_gets_coalesced_chunks_with_every_token() -> None:
         assert tokens_of(got) == list(range(1, 201))
         assert len(got) < 150
         assert got[-1]["usage"]["completion_tokens"] == 200
+
+
+class FlakyMocker(MockerEngine):
+    """A mocker whose streams break (Disconnected) after `break_after` tokens while `broken` is set."""
+
+    def __init__(self, break_after: int) -> None:
+        super().__init__(mocker().config)
+        self.break_after = break_after
+        self.broken = True
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        n = 0
+        async for chunk in super().generate(request, context):
+            if self.broken and n >= self.break_after:
+                raise errors.Disconnected("simulated worker crash")
+            n += len(chunk.get("token_ids", ()))
+            yield chunk
+
+
+async def test_a_migrated_mocker_stream_is_token_identical_to_an_undisturbed_one() -> None:
+    prompt = list(range(7, 300))
+    async with mesh() as m:
+        await m.worker(mocker())
+        core = await m.router()
+        expected = tokens_of(await collect(core.generate(request("ref", prompt, max_tokens=40, model="mocker"))))
+    async with mesh() as m:
+        await m.worker(FlakyMocker(break_after=10), instance_id="a")
+        await m.worker(mocker(), instance_id="b")
+        core = await m.router()
+        # equal costs: the tie-break (worker id) sends the first attempt to the flaky "a"
+        req = request("mig", prompt, max_tokens=40, model="mocker", routing={"allowed_worker_ids": ["a", "b"]})
+        chunks = await collect(core.generate(req))
+    assert core.metrics.migrations._value.get() == 1
+    assert tokens_of(chunks) == expected and len(expected) == 40
+    assert chunks[-1]["usage"]["completion_tokens"] == 40 and chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
