@@ -1,0 +1,50 @@
+"""OpenAI's chat/completions schema: request parsing and validation, response shaping (pure, no I/O).
+
+    parse_chat(body) / parse_completion(body)  JSON object → TextRequest, or InvalidArgument naming the field  (request.py)
+    chat_chunk / completion_chunk / chat_response / completion_response / usage_body / model_list
+                                               internal values → OpenAI-shaped dicts                     (response.py)
+"""
+
+from __future__ import annotations
+
+from meshllm.protocol.openai.request import (
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    RequestKind,
+    TextRequest,
+    parse_chat,
+    parse_completion,
+)
+from meshllm.protocol.openai.response import (
+    ChoiceResult,
+    LogprobEntry,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    finish_reason_openai,
+    model_list,
+    usage_body,
+    usage_chunk,
+)
+
+__all__ = [
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
+    "ChoiceResult",
+    "LogprobEntry",
+    "RequestKind",
+    "TextRequest",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "finish_reason_openai",
+    "model_list",
+    "parse_chat",
+    "parse_completion",
+    "usage_body",
+    "usage_chunk",
+]
