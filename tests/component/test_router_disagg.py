@@ -94,16 +94,23 @@ async def test_a_cancel_during_prefill_frees_the_prefill_workers_blocks_within_o
         core = await m.router()
         stream = core.generate(request("cancel-me", prompt(4000, seed=3), max_tokens=8, model="mocker"))
         first = asyncio.ensure_future(stream.__anext__())
-        assert pw.sink is not None
-        await wait_for(lambda: pre.blocks.num_used > 0, what="the prefill to start allocating")
+        sink = pw.sink
+        assert sink is not None
+        await wait_for(
+            lambda: sink.latest_load is not None and sink.latest_load.active_blocks > 0,
+            timeout_s=10.0, what="the prefill worker to report blocks in use",
+        )  # fmt: skip
+        t0 = time.monotonic()
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         await stream.aclose()  # type: ignore[attr-defined]
-        t0 = time.monotonic()
-        await wait_for(
-            lambda: pw.sink is not None and pw.sink.latest_load is not None and pw.sink.latest_load.active_blocks == 0,
-            timeout_s=5.0, what="the prefill worker's load snapshot to show 0 active blocks",
-        )  # fmt: skip
+        cancelled_ms = (time.time() - (time.monotonic() - t0)) * 1000
+
+        def reported_idle() -> bool:  # the LoadSnapshot as it reached the router over the event plane
+            rep = core.load.get(("prefill-1", 0)).reported
+            return rep is not None and rep.active_blocks == 0 and rep.timestamp_ms >= cancelled_ms
+
+        await wait_for(reported_idle, timeout_s=5.0, what="the prefill worker's load snapshot to show 0 active blocks")
         assert time.monotonic() - t0 < 1.0
         assert pre.blocks.num_used == 0
         assert dec.requests == []  # the decode leg never started

@@ -304,13 +304,15 @@ class RouterCore(AsyncCloseable):
         if not keys:
             raise Unavailable(f"no {role_name(role)} worker of model {model!r} has dp rank {pin_rank}")
         overlaps = self._overlaps(hashes, [(w.id, r) for w, r in keys])
+        request_blocks = -(-len(tokens) // bs)
         cands = []
         for w, r in keys:
             ov = overlaps.get((w.id, r), 0)
             load = self.load.get((w.id, r))
+            # decode load once this request runs there: its blocks the worker does not cache are added
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
-                prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks,
+                prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks + request_blocks - ov,
                 queued_prefill_tokens=load.queued_prefill_tokens, in_flight=load.in_flight,
             ))  # fmt: skip
         score(cands, block_size=bs, overlap_weight=self.config.overlap_weight)

@@ -13,7 +13,9 @@ Once a worker has published a LoadSnapshot it is the snapshot's
 `active_blocks` plus the blocks charged minus the blocks released since that
 snapshot arrived: the worker's own count (which shares prefix blocks between
 requests) corrects the router's estimate every time it reports. Snapshots of
-engines that do not page their cache (`total_blocks` 0) correct nothing.
+engines that do not page their cache (`total_blocks` 0) correct nothing, and
+a snapshot stops counting once every request on the worker has ended (the
+worker reports again within 100 ms, but short requests end sooner).
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ class SlotLoad:
     in_flight: int = 0
     reported: events_pb2.LoadSnapshot | None = None
     delta_blocks: int = 0  # charged − released since `reported` arrived
+    stale: bool = False  # every request in the snapshot's view has ended since
 
     @property
     def active_blocks(self) -> int:
-        if self.reported is None or not self.reported.total_blocks:  # the engine does not page its cache
-            return self.charged_blocks
+        if self.reported is None or not self.reported.total_blocks or self.stale:
+            return self.charged_blocks  # no (usable) snapshot: the charges alone
         return max(0, self.reported.active_blocks + self.delta_blocks)
 
 
@@ -109,6 +112,8 @@ class LoadTracker:
         load.charged_blocks = max(0, load.charged_blocks - c.blocks)
         load.delta_blocks -= c.blocks
         load.in_flight = max(0, load.in_flight - 1)
+        if load.in_flight == 0:
+            load.stale = True
 
     def expire(self, now: float, max_age_s: float = STALE_CHARGE_S) -> int:
         """Release charges older than `max_age_s` (their COMPLETED event was lost); returns how many."""
@@ -123,6 +128,7 @@ class LoadTracker:
         load = self.slot((snap.worker_id, snap.dp_rank))
         load.reported = snap
         load.delta_blocks = 0
+        load.stale = False
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker's load and the charges on it."""
