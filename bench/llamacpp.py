@@ -13,9 +13,13 @@ Measurements (best of `--repeat` runs, greedy, `LlamaCppEngine.generate` driven 
   from the prefix cache (what KV-aware routing buys);
 - *KV transfer*: a prefill leg of that prompt on a worker serving gRPC on
   loopback, then `Worker.PullKv` of its kv handle: bytes and seconds;
+- *mesh TTFT*: `meshllm run`'s mesh in-process (2 workers, KV router), a long
+  system prompt streamed through the OpenAI API, then the same system prompt
+  with another question: the router sends it to the worker caching it;
 - *baseline*: llama-cpp-python's own `Llama` class in this process, same
-  model and threads — single-sequence decode and prompt evaluation — so the
-  engine's figures read as ratios against the library driving one sequence.
+  model, threads and attention — single-sequence decode and prompt
+  evaluation, each run right after the engine's — so the engine's figures
+  read as ratios against the library driving one sequence.
 """
 
 from __future__ import annotations
@@ -81,25 +85,51 @@ async def decode_rate(engine: LlamaCppEngine, prompts: list[list[int]], max_toke
     return sum(r["tokens"] - 1 for r in runs) / (t_last - t_first)
 
 
+class Baseline:
+    """llama-cpp-python's Llama class driving one sequence (same model, threads and attention as the engine)."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(str(model), n_ctx=1024, n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
+
+    def decode_rate(self, prompt: list[int], max_tokens: int) -> float:
+        self.llm.reset()
+        stream = self.llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True)
+        stamps = [time.perf_counter() for _ in stream]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def prompt_seconds(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(prompt)
+        return time.perf_counter() - t0
+
+
 async def engine_figures(args: argparse.Namespace, prompts: list[list[int]], long: list[list[int]]) -> dict[str, float]:
+    """Engine figures, each run paired with the baseline's right after it (the machine's load drifts)."""
     engine, _ = await LlamaCppEngine.from_args(["--n-ctx", "1024", "--n-seq-max", "8", *args.engine_args])
     await engine.start("bench")
     out: dict[str, float] = {"threads": engine.config.n_threads}
+    base = Baseline(args.model, engine.config.n_threads)
     try:
         await decode_rate(engine, prompts[:1], 4)  # warm-up
-        out["decode_1"] = max([await decode_rate(engine, prompts[:1], args.max_tokens) for _ in range(args.repeat)])
-        out["decode_8"] = max([await decode_rate(engine, prompts[:8], args.max_tokens) for _ in range(args.repeat)])
-        cold, warm = [], []
+        d1, b1, d8, cold, warm, bcold = [], [], [], [], [], []
         for i in range(args.repeat):
+            d1.append(await decode_rate(engine, prompts[:1], args.max_tokens))
+            b1.append(await asyncio.to_thread(base.decode_rate, prompts[0], args.max_tokens))
+            d8.append(await decode_rate(engine, prompts[:8], args.max_tokens))
             await engine.clear_kv_blocks()
             r = await timed(engine, request(f"p{i}", long[0], 1))
             cold.append(r["end"] - r["start"])
+            bcold.append(await asyncio.to_thread(base.prompt_seconds, long[0]))
             r = await timed(engine, request(f"c{i}", long[1], 1))
             warm.append(r["end"] - r["start"])
             out["cached_tokens"] = r["terminal"]["usage"]["cached_tokens"]
-        out["prompt_s"] = min(cold)
-        out["cached_ttft_s"] = min(warm)
+        out |= {"decode_1": max(d1), "decode_8": max(d8), "prompt_s": min(cold), "cached_ttft_s": min(warm)}
+        out |= {"base_decode_1": max(b1), "base_prompt_s": min(bcold)}
     finally:
+        base.llm.close()
         await engine.cleanup()
     return out
 
@@ -128,27 +158,27 @@ async def transfer_figures(args: argparse.Namespace, prompt: list[int]) -> dict[
     return best
 
 
-def baseline_figures(args: argparse.Namespace, prompt: list[int], long: list[int]) -> dict[str, float]:
-    """llama-cpp-python's Llama class driving one sequence (same model, same threads)."""
-    from llama_cpp import Llama
+async def mesh_figures(args: argparse.Namespace, system: str) -> dict[str, float]:
+    """TTFT through frontend + KV router + 2 workers: a long system prompt cold, then routed to its cache."""
+    from openai import AsyncOpenAI
 
-    engine_threads = int(args.threads)
-    llm = Llama(str(args.model), n_ctx=1024, n_threads=engine_threads, n_threads_batch=engine_threads, verbose=False)
-    decode, prefill = [], []
-    try:
-        for _ in range(args.repeat):
-            llm.reset()
-            stamps = []
-            for _chunk in llm.create_completion(prompt, max_tokens=args.max_tokens, temperature=0.0, stream=True):
-                stamps.append(time.perf_counter())
-            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-            llm.reset()
+    from meshllm.run import Mesh, RunConfig
+
+    config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=("--n-ctx", "1024", *args.engine_args))
+    ttft: list[float] = []
+    async with await Mesh.start(config) as mesh, AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="-") as client:  # type: ignore[union-attr]
+        for q in ("When did wing 3 open?", "When did wing 7 open?"):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
             t0 = time.perf_counter()
-            llm.eval(long)
-            prefill.append(time.perf_counter() - t0)
-    finally:
-        llm.close()
-    return {"decode_1": max(decode), "prompt_s": min(prefill)}
+            stream: Any = await client.chat.completions.create(
+                model=mesh.model, messages=messages, max_tokens=2, temperature=0, stream=True  # type: ignore[arg-type]
+            )
+            first = 0.0
+            async for chunk in stream:
+                if not first and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+            ttft.append(first)
+    return {"cold_s": ttft[0], "routed_s": ttft[1]}
 
 
 def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
@@ -170,8 +200,10 @@ def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
         "last token (8 sequences: all streams together). Prompt tokens/s is the prompt length over the time",
         "to the terminal chunk of a max_tokens 1 request on an empty cache. The cached TTFT request shares",
         "all but its last question with the previous one (prefix reuse). KV transfer is one `Worker.PullKv`",
-        "over loopback gRPC in ~1 MiB pieces. The baseline is llama-cpp-python's `Llama` class in the same",
-        "process with the same threads: one sequence, no batching, no streaming to asyncio consumers.",
+        "over loopback gRPC in ~1 MiB pieces. Mesh TTFT streams through the OpenAI API of an in-process",
+        "`meshllm run` mesh (2 workers, KV router) until the first content token. The baseline is",
+        "llama-cpp-python's `Llama` class in the same process with the same threads: one sequence, no",
+        "batching, no streaming to asyncio consumers.",
         "",
     ]
     return "\n".join(lines)
@@ -213,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     eng = asyncio.run(engine_figures(args, prompts, long))
     args.threads = int(eng["threads"])
     kv = asyncio.run(transfer_figures(args, long[0]))
-    base = baseline_figures(args, prompts[0], long[0])
+    system = tok.decode(body[: args.prompt_len - 40])
+    mesh = asyncio.run(mesh_figures(args, system))
     n = len(long[0])
     rows = [
         ("decode tokens/s, 1 sequence", f"{eng['decode_1']:.1f}"),
@@ -223,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
          f"({eng['prompt_s'] / eng['cached_ttft_s']:.1f}× faster)"),
         (f"KV transfer, {n}-token prompt", f"{kv['bytes'] / 1e6:.2f} MB ({kv['bytes'] / n / 1024:.1f} KiB/token) "
          f"in {kv['seconds'] * 1000:.0f} ms ({kv['bytes'] / kv['seconds'] / 1e6:.0f} MB/s)"),
-        ("baseline decode tokens/s (Llama class, 1 sequence)", f"{base['decode_1']:.1f}"),
-        ("engine ÷ baseline, 1-sequence decode", f"{eng['decode_1'] / base['decode_1']:.2f}"),
-        ("baseline prompt tokens/s (Llama.eval)", f"{n / base['prompt_s']:.0f}"),
-        ("engine ÷ baseline, prompt", f"{base['prompt_s'] / eng['prompt_s']:.2f}"),
+        (f"mesh TTFT, ~{n}-token system prompt: cold → repeated (routed to its cache)",
+         f"{mesh['cold_s'] * 1000:.0f} ms → {mesh['routed_s'] * 1000:.0f} ms ({mesh['cold_s'] / mesh['routed_s']:.1f}× faster)"),
+        ("baseline decode tokens/s (Llama class, 1 sequence)", f"{eng['base_decode_1']:.1f}"),
+        ("engine ÷ baseline, 1-sequence decode", f"{eng['decode_1'] / eng['base_decode_1']:.2f}"),
+        ("baseline prompt tokens/s (Llama.eval)", f"{n / eng['base_prompt_s']:.0f}"),
+        ("engine ÷ baseline, prompt", f"{eng['base_prompt_s'] / eng['prompt_s']:.2f}"),
     ]  # fmt: skip
     section = render(rows, args)
     print(section)
