@@ -53,7 +53,7 @@ async def test_the_kit_gives_the_engine_a_recording_sink_before_start() -> None:
 
 def test_the_command_line_prints_the_report_and_exits_by_its_outcome(capsys: pytest.CaptureFixture[str]) -> None:
     """Locks: `python -m meshllm.testing.conformance NAME -- flags` works without pytest's plugin."""
-    from meshllm.testing.conformance import main
+    from meshllm.testing.conformance.runner import main
 
     assert main(["sample", "--", "--model-name", "cli"]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,58 @@
+"""The engine conformance kit: plain async checks of every `LLMEngine` clause.
+
+Usable without pytest:
+
+    report = await run_conformance(factory_for(MyEngine, ["--my-flag", "x"]))
+    print(report.summary())
+    report.raise_if_failed()
+
+or from the command line, `python -m meshllm.testing.conformance mypkg.engine:MyEngine -- --my-flag x`,
+or through the pytest plugin, `pytest --meshllm-engine mypkg.engine:MyEngine`.
+
+Every check takes an *engine factory* (an async callable returning a fresh,
+constructed-but-not-started engine), builds its own engine, gives it a
+`RecordingSink`, and cleans it up afterwards, so a broken clause fails only its
+own check. A check raises `ConformanceError(clause, message)`; every engine call
+runs under a timeout, so a hanging engine fails a check instead of hanging the kit.
+
+Assumption about outputs: the kit never predicts token ids. It requests greedy
+decoding (temperature 0, seed 0) and learns the engine's output by running a
+request first. Where a clause compares two runs (stop tokens, concurrent
+streams) and the engine does not reproduce its own output, the check falls back
+to the properties that hold for any output (the stop token is never emitted;
+every stream ends with a proper terminal) and records a note saying so.
+"""
+
+from meshllm.testing.conformance.checks import CHECKS
+from meshllm.testing.conformance.kit import (
+    Clause,
+    ConformanceError,
+    ConformanceOptions,
+    EngineFactory,
+    RecordingSink,
+    Stream,
+    factory_for,
+)
+from meshllm.testing.conformance.runner import (
+    CheckResult,
+    ConformanceReport,
+    options_from_strings,
+    run_check,
+    run_conformance,
+)
+
+__all__ = [
+    "CHECKS",
+    "CheckResult",
+    "Clause",
+    "ConformanceError",
+    "ConformanceOptions",
+    "ConformanceReport",
+    "EngineFactory",
+    "RecordingSink",
+    "Stream",
+    "factory_for",
+    "options_from_strings",
+    "run_check",
+    "run_conformance",
+]

@@ -1,0 +1,133 @@
+"""Running checks: results, reports, options from strings, the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from meshllm.testing.conformance.checks import CHECKS
+from meshllm.testing.conformance.kit import (
+    Clause,
+    ConformanceError,
+    ConformanceOptions,
+    EngineFactory,
+    _Probe,
+    factory_for,
+)
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The outcome of one clause's check."""
+
+    clause: Clause
+    error: ConformanceError | None
+    duration_s: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class ConformanceReport:
+    """Every clause's result, in order."""
+
+    results: tuple[CheckResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list[Clause]:
+        return [r.clause for r in self.results if not r.passed]
+
+    def result(self, clause: Clause | str) -> CheckResult:
+        return next(r for r in self.results if r.clause == clause)
+
+    def summary(self) -> str:
+        lines = []
+        for r in self.results:
+            head = f"{'PASS' if r.passed else 'FAIL'} {r.clause:<30} {r.duration_s:6.2f} s"
+            lines.append(head if r.error is None else f"{head}  {r.error}")
+            lines.extend(f"     note: {n}" for n in r.notes)
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        errors = [r.error for r in self.results if r.error is not None]
+        if errors:
+            raise ExceptionGroup(f"{len(errors)} conformance clause(s) failed", errors)
+
+
+async def run_check(clause: Clause | str, factory: EngineFactory, options: ConformanceOptions | None = None) -> CheckResult:
+    """Run one clause's check; failures are returned, never raised."""
+    clause = Clause(clause)
+    notes: list[str] = []
+    probe = _Probe(clause, options or ConformanceOptions(), notes)
+    t0 = time.monotonic()
+    error: ConformanceError | None = None
+    try:
+        await CHECKS[clause](factory, probe)
+    except ConformanceError as exc:
+        error = exc if exc.clause is clause else ConformanceError(clause, str(exc))
+    except Exception as exc:
+        error = ConformanceError(clause, f"unexpected {type(exc).__name__}: {exc}")
+    return CheckResult(clause, error, time.monotonic() - t0, tuple(notes))
+
+
+async def run_conformance(
+    factory: EngineFactory,
+    options: ConformanceOptions | None = None,
+    *,
+    clauses: Sequence[Clause | str] | None = None,
+) -> ConformanceReport:
+    """Run the checks of `clauses` (default: all) one after another against fresh engines."""
+    chosen = list(CHECKS) if clauses is None else [Clause(c) for c in clauses]
+    return ConformanceReport(tuple([await run_check(c, factory, options) for c in chosen]))
+
+
+def options_from_strings(pairs: Sequence[str], base: ConformanceOptions | None = None) -> ConformanceOptions:
+    """Apply `NAME=VALUE` overrides (e.g. "timeout_s=5") to ConformanceOptions."""
+    base = base or ConformanceOptions()
+    types = {f.name: type(getattr(base, f.name)) for f in fields(base)}
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"conformance option {pair!r}: expected NAME=VALUE with NAME in {', '.join(types)}")
+        kind = types[name]
+        if kind is bool:
+            changes[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif kind is tuple:
+            changes[name] = tuple(int(t) for t in raw.replace(",", " ").split())
+        else:
+            changes[name] = kind(raw)
+    return replace(base, **changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m meshllm.testing.conformance module:Class [-- engine flags]`: print the report."""
+    from meshllm.config import ConfigError
+    from meshllm.engine import load_engine_class
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0].startswith("-"):
+        print("usage: python -m meshllm.testing.conformance NAME|module:Class [-- engine flags]", file=sys.stderr)
+        return 2
+    try:
+        cls = load_engine_class(args[0])
+    except ConfigError as exc:
+        print(f"meshllm conformance: error: {exc.message}", file=sys.stderr)
+        return 2
+    engine_args = args[2:] if args[1:2] == ["--"] else args[1:]
+    report = asyncio.run(run_conformance(factory_for(cls, engine_args)))
+    print(report.summary())
+    return 0 if report.passed else 1
