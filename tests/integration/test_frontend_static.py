@@ -117,3 +117,40 @@ def test_each_bad_static_flag_stops_startup_with_one_line(flags: list[str], name
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("meshllm frontend: error: ") and names in lines[0], lines
     assert proc.stdout == ""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.asyncio
+async def test_a_static_frontend_started_before_its_worker_serves_once_the_worker_is_up() -> None:
+    """Locks: no GetInfo answer at startup → the card is completed (tokenizer source) when the worker answers later."""
+    port = _free_port()
+    frontend = await _spawn(
+        "frontend", "--static-endpoint", "meshllm.worker.generate", "--static-workers", f"127.0.0.1:{port}",
+        "--model-name", "late", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
+    )  # fmt: skip
+    worker = None
+    try:
+        url = (await _line_matching(frontend, r"OpenAI HTTP API on (http://\S+)/v1"))[1]
+        worker = await _spawn("worker", "--engine", "mocker", "--static", "--port", str(port), "--speedup-ratio", "100")
+        await _line_matching(worker, r"serving on (\S+)")
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30) as client:
+            async with asyncio.timeout(60):
+                while True:  # the router re-probes static workers every few seconds; the tokenizer load is retried
+                    try:
+                        r = await client.completions.create(model="late", prompt="hi", max_tokens=3)
+                        break
+                    except openai.APIStatusError as exc:
+                        assert exc.status_code == 503, exc
+                        await asyncio.sleep(0.5)
+        assert r.choices[0].text
+    finally:
+        await _stop(frontend)
+        if worker is not None:
+            await _stop(worker)

@@ -67,7 +67,7 @@ class InferenceCore:
         self._enter()
         try:
             model = self.registry.lookup(req.model)
-            tk = await model.tokenization()
+            tk = await self.registry.tokenization(model)
             rid = req.request_id or f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             plan = await preprocess(req, model, tk, rid)
         except BaseException:

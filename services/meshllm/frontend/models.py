@@ -38,6 +38,7 @@ __all__ = ["ModelRegistry", "ServedModel", "files_checksum"]
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 300.0
+RETRY_AFTER_S = 5.0  # a failed tokenizer load is retried by the first request after this long
 
 
 def files_checksum(files: dict[str, bytes]) -> str:
@@ -67,6 +68,7 @@ class ServedModel:
     created: int
     source: str
     _loaded: asyncio.Future[Tokenization] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    failed_at: float | None = None  # monotonic time of the last failed load (a later request retries)
 
     @property
     def context_length(self) -> int:
@@ -128,6 +130,15 @@ class ModelRegistry(AsyncCloseable):
         if model is None:
             raise NotFound(f"The model '{name}' does not exist", param="model")
         return model
+
+    async def tokenization(self, model: ServedModel) -> Tokenization:
+        """The model's tokenizer; a load that failed a while ago (worker not up yet, files moved) is retried once."""
+        if model.failed_at is not None and time.monotonic() - model.failed_at > RETRY_AFTER_S:
+            model.failed_at = None
+            model._loaded = asyncio.get_running_loop().create_future()
+            self._loads.pop(_source_key(model.card, model.source), None)
+            self._load_into(model)
+        return await model.tokenization()
 
     async def wait_for(self, name: str, *, timeout_s: float) -> ServedModel:
         """Wait until `name` is served (tests, `meshllm run` startup)."""
@@ -193,6 +204,7 @@ class ModelRegistry(AsyncCloseable):
             elif (exc := t.exception()) is not None:
                 model._loaded.set_exception(exc)
                 model._loaded.exception()  # retrieved: requests report it, the loop need not
+                model.failed_at = time.monotonic()
             else:
                 model._loaded.set_result(t.result())
 
@@ -201,6 +213,8 @@ class ModelRegistry(AsyncCloseable):
     # ------------------------------------------------------------ loading
     async def _load(self, card: discovery_pb2.ModelCard, source: str) -> Tokenization:
         try:
+            if not source:  # e.g. static mode whose workers did not answer GetInfo at startup: ask them now
+                card, source = await self._card_from_workers(card)
             if not source:
                 raise InvalidArgument(f"model {card.name!r} names no tokenizer source and no --model-path was given")
             if source.startswith("worker:"):
@@ -219,6 +233,23 @@ class ModelRegistry(AsyncCloseable):
         except Exception as exc:
             log.exception("model %s: cannot load its tokenizer", card.name)
             raise Unavailable(f"cannot load the tokenizer of {card.name!r}: {type(exc).__name__}: {exc}") from None
+
+    async def _card_from_workers(self, card: discovery_pb2.ModelCard) -> tuple[discovery_pb2.ModelCard, str]:
+        """The card a live worker of the model publishes in GetInfo (its tokenizer source), or ("", card)."""
+        for inst in (await self._discovery.list_instances()).values():
+            if inst.model != card.name:
+                continue
+            try:
+                info = await WorkerClient(self._channels, inst.address).get_info(timeout_s=5.0)
+            except MeshError:
+                continue
+            found = discovery_pb2.ModelCard()
+            found.CopyFrom(info.model_card)
+            found.name = card.name
+            if found.tokenizer_source.startswith("worker:"):
+                found.tokenizer_source = f"worker:{inst.id}"
+            return found, found.tokenizer_source
+        return card, ""
 
     def _files_dir(self, checksum: str) -> Path:
         from meshllm.frontend.tokenizer import default_cache_dir
