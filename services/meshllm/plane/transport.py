@@ -242,7 +242,13 @@ async def start_server(
     """Build, bind and start a server; reflection and health are always on."""
     server = grpc.aio.server(
         interceptors=[_ErrorMapping()],
-        options=channel_options(config.max_message_bytes),
+        options=[
+            *channel_options(config.max_message_bytes),
+            # Accept the clients' 20 s keepalive pings (the default minimum is 5 min,
+            # which answers them with GOAWAY too_many_pings on idle meshes).
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
     )
     for svc in services:
         svc.register(svc.servicer, server)
