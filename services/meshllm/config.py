@@ -24,6 +24,7 @@ __all__ = [
     "PlaneConfig",
     "ServerConfig",
     "add_plane_args",
+    "add_tracing_args",
     "env_name",
     "parse_host_port",
 ]
@@ -193,3 +194,12 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
         help="event plane (default: nats with etcd, memory with memory, none with static)",
     )
     g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
+
+
+def add_tracing_args(parser: EnvArgumentParser) -> None:
+    """`--otlp-endpoint`, defaulting to OpenTelemetry's own `OTEL_EXPORTER_OTLP_ENDPOINT`."""
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=parser.env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = tracing off)",
+    )

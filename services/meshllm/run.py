@@ -24,7 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.config import ConfigError, DiscoveryKind, EnvArgumentParser, EventsKind, PlaneConfig, ServerConfig
+from meshllm.config import (
+    ConfigError,
+    DiscoveryKind,
+    EnvArgumentParser,
+    EventsKind,
+    PlaneConfig,
+    ServerConfig,
+    add_tracing_args,
+)
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
 from meshllm.errors import MeshError
@@ -36,6 +44,7 @@ from meshllm.plane.events import MemoryBroker
 from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
 from meshllm.router import RouterCore
 from meshllm.router.service import RouterServicer
+from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import router_pb2_grpc
 from meshllm.worker.runtime import Worker
 
@@ -61,6 +70,7 @@ class RunConfig:
     model_name: str | None = None
     namespace: str = "meshllm"
     max_inflight: int = 4096
+    otlp_endpoint: str | None = None
     frontend_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,6 +131,7 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
     g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
     g.add_argument("--namespace", default="meshllm", help="deployment namespace")
     g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
+    add_tracing_args(parser)
     return parser
 
 
@@ -148,6 +159,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         model_name=ns.model_name,
         namespace=ns.namespace,
         max_inflight=ns.max_inflight,
+        otlp_endpoint=ns.otlp_endpoint or None,
     )
 
 
@@ -250,6 +262,7 @@ async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | No
 
 
 async def serve(config: RunConfig) -> int:
+    setup_tracing("meshllm", otlp_endpoint=config.otlp_endpoint)
     stop = asyncio.Event()
     uninstall = install_signal_handlers(lambda sig: stop.set())
     try:
@@ -266,6 +279,7 @@ async def serve(config: RunConfig) -> int:
         return 0
     finally:
         uninstall()
+        shutdown_tracing()
 
 
 def main(argv: Sequence[str]) -> int:

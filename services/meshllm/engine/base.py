@@ -27,6 +27,7 @@ from meshllm.config import (
     PlaneConfig,
     ServerConfig,
     add_plane_args,
+    add_tracing_args,
 )
 from meshllm.protocol.types import (
     DisaggParams,
@@ -384,11 +385,7 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--grace-period", type=float, default=1.0, help="seconds between unregistering and refusing requests")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="max seconds to wait for in-flight requests")
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
-    g.add_argument(
-        "--otlp-endpoint",
-        default=(os.environ if env is None else env).get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = tracing off)",
-    )
     g.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_tracing_args(parser)
     return parser

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 import uvicorn
+from opentelemetry.trace import SpanKind
 
 from meshllm.errors import InvalidArgument, MeshError, Overloaded, Unknown, openai_error_body, spec_of
 from meshllm.frontend.inference import Completion, InferenceCore
@@ -29,6 +30,7 @@ from meshllm.frontend.responses import collect, sse_events
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import TextRequest, model_list, parse_chat, parse_completion
+from meshllm.tracing import extract_context, tracer
 
 __all__ = ["HttpServer", "OpenAIApp"]
 
@@ -138,6 +140,16 @@ class OpenAIApp:
         return await self._generate(scope, receive, send, parse_completion)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, parse: Callable[[Any], TextRequest]) -> int:
+        # The request's server span: a child of the caller's W3C traceparent, parent of the router call.
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in (b"traceparent", b"tracestate")}
+        with tracer().start_as_current_span(
+            f"{scope['method']} {scope['path']}", context=extract_context(headers), kind=SpanKind.SERVER
+        ) as span:
+            status = await self._generate_traced(scope, receive, send, parse)
+            span.set_attribute("http.response.status_code", status)
+            return status
+
+    async def _generate_traced(self, scope: Scope, receive: Receive, send: Send, parse: Callable[[Any], TextRequest]) -> int:
         t0 = time.perf_counter()
         try:
             body = await self._read_body(scope, receive)

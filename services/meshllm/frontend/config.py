@@ -24,6 +24,7 @@ from meshllm.config import (
     PlaneConfig,
     ServerConfig,
     add_plane_args,
+    add_tracing_args,
     parse_host_port,
 )
 
@@ -69,6 +70,7 @@ class FrontendConfig:
     static_workers: tuple[str, ...] = ()
     tokenizer_cache_dir: Path | None = None
     metrics_enabled: bool = True
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -132,6 +134,7 @@ class FrontendConfig:
             static_endpoint=endpoint,
             static_workers=workers,
             tokenizer_cache_dir=Path(ns.tokenizer_cache_dir) if ns.tokenizer_cache_dir else None,
+            otlp_endpoint=ns.otlp_endpoint or None,
         )
 
 
@@ -160,4 +163,5 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     s.add_argument("--static-endpoint", default="", help="namespace.component.endpoint of the workers")
     s.add_argument("--static-workers", default=None, help="comma-separated worker host:port list")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_tracing_args(parser)
     return parser

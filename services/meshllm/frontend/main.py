@@ -40,6 +40,7 @@ from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
 from meshllm.router.config import StaticEndpoint
+from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -226,6 +227,7 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
 
 async def serve(config: FrontendConfig) -> int:
     """Start, print where it serves, run until SIGTERM/SIGINT, shut down in order."""
+    setup_tracing("meshllm-frontend", otlp_endpoint=config.otlp_endpoint)
     stop = asyncio.Event()
     uninstall = install_signal_handlers(lambda sig: stop.set())
     try:
@@ -243,6 +245,7 @@ async def serve(config: FrontendConfig) -> int:
         return 0
     finally:
         uninstall()
+        shutdown_tracing()
 
 
 def main(argv: Sequence[str]) -> int:

@@ -28,11 +28,14 @@ from meshllm.errors import (
     Cancelled,
     MeshError,
     ResponseTimeout,
+    StreamIncomplete,
     Unknown,
     error_from_status,
     spec_of,
 )
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.protocol.convert import chunk_from_proto
+from meshllm.protocol.types import GenerateChunk
 from meshllm.tracing import otel_active
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "ServiceBinding",
     "abort_with",
     "channel_options",
+    "generate_stream",
     "mesh_error",
     "start_server",
     "translate_errors",
@@ -92,6 +96,34 @@ async def translate_errors(call: Awaitable[T]) -> T:
         return await call
     except grpc.aio.AioRpcError as exc:
         raise mesh_error(exc) from None
+
+
+async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[GenerateChunk]:
+    """The chunks of a Generate call (Worker or Router), as internal dicts.
+
+    The terminal chunk is delivered once the call has completed, so every call
+    is read to its end (its status is known, its trace span ends) and nothing
+    can follow the terminal. A call abandoned before its terminal is cancelled,
+    which cancels the request upstream hop by hop.
+    """
+    terminal: GenerateChunk | None = None
+    try:
+        async for msg in rpc:
+            if terminal is not None:
+                continue  # the contract allows nothing after the terminal; ignore a broken peer
+            chunk = chunk_from_proto(msg)
+            if "finish_reason" in chunk:
+                terminal = chunk
+            else:
+                yield chunk
+    except grpc.aio.AioRpcError as exc:
+        raise mesh_error(exc) from None
+    finally:
+        if terminal is None:
+            rpc.cancel()
+    if terminal is None:
+        raise StreamIncomplete(f"{peer} ended the stream without a terminal chunk")
+    yield terminal
 
 
 async def translate_stream(call: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
-
-from meshllm.errors import StreamIncomplete
-from meshllm.plane.transport import CallInfo, ChannelCache, mesh_error, translate_errors
-from meshllm.protocol.convert import chunk_from_proto, request_to_proto
+from meshllm.plane.transport import CallInfo, ChannelCache, generate_stream, translate_errors
+from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
 from meshllm.v1 import router_pb2, router_pb2_grpc
 
@@ -30,23 +27,11 @@ class RouterClient:
         self._stub = router_pb2_grpc.RouterStub(channels.get(address))
 
     async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks; raises StreamIncomplete if the stream ends without a terminal chunk."""
+        """Stream chunks (see `generate_stream`); StreamIncomplete if the stream ends without a terminal."""
         info = call or CallInfo()
         rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
-        finished = False
-        try:
-            async for msg in rpc:
-                chunk = chunk_from_proto(msg)
-                yield chunk
-                if "finish_reason" in chunk:
-                    finished = True
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise mesh_error(exc) from None
-        finally:
-            if not finished:
-                rpc.cancel()
-        raise StreamIncomplete(f"router {self.address} ended the stream without a terminal chunk")
+        async for chunk in generate_stream(rpc, f"router {self.address}"):
+            yield chunk
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None

@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from meshllm.errors import StreamIncomplete
-from meshllm.plane.transport import CallInfo, ChannelCache, mesh_error, translate_errors
-from meshllm.protocol.convert import chunk_from_proto, request_to_proto
+from meshllm.plane.transport import CallInfo, ChannelCache, generate_stream, mesh_error, translate_errors
+from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 
@@ -28,23 +27,11 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
 
     async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks; raises StreamIncomplete if the stream ends without a terminal chunk."""
+        """Stream chunks (see `generate_stream`); StreamIncomplete if the stream ends without a terminal."""
         info = call or CallInfo()
         rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
-        finished = False
-        try:
-            async for msg in rpc:
-                chunk = chunk_from_proto(msg)
-                yield chunk
-                if "finish_reason" in chunk:
-                    finished = True
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise mesh_error(exc) from None
-        finally:
-            if not finished:
-                rpc.cancel()
-        raise StreamIncomplete(f"worker {self.address} ended the stream without a terminal chunk")
+        async for chunk in generate_stream(rpc, f"worker {self.address}"):
+            yield chunk
 
     async def abort(self, request_id: str) -> bool:
         resp = await translate_errors(self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id)))
