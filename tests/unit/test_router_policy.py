@@ -89,3 +89,11 @@ def test_approximate_uses_the_kv_formula_under_its_own_name() -> None:
     cs = cands(("a", 0, 64, 0), ("b", 4, 0, 0))
     score(cs, block_size=16, overlap_weight=1.0)
     assert policy.pick(cs, "m").worker_id == "b" and policy.name == "approximate"
+
+
+def test_a_prefix_nobody_caches_goes_to_the_emptiest_cache_on_a_tie() -> None:
+    policy = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0))
+    cs = cands(("a", 0, 64, 0), ("b", 0, 64, 0), ("c", 0, 64, 0))
+    cs[0].cached_blocks, cs[1].cached_blocks, cs[2].cached_blocks = 150, 0, 80
+    score(cs, block_size=16, overlap_weight=1.0)
+    assert policy.pick(cs, "m").worker_id == "b"

@@ -303,34 +303,44 @@ class RouterCore(AsyncCloseable):
         ]
         if not keys:
             raise Unavailable(f"no {role_name(role)} worker of model {model!r} has dp rank {pin_rank}")
-        overlaps = self._overlaps(hashes, [(w.id, r) for w, r in keys])
+        overlaps, pending = self._overlaps(hashes, [(w.id, r) for w, r in keys])
         request_blocks = -(-len(tokens) // bs)
         cands = []
         for w, r in keys:
             ov = overlaps.get((w.id, r), 0)
             load = self.load.get((w.id, r))
-            # decode load once this request runs there: its blocks the worker does not cache are added
+            # Queued prefill of in-flight requests that share this prompt's prefix is work this
+            # request shares (the prefix is being computed for both), not a backlog it waits behind.
+            queued = max(0, load.queued_prefill_tokens - pending.get((w.id, r), 0) * bs)
+            # Decode load once this request runs there: its blocks the worker does not cache are added.
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
                 prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks + request_blocks - ov,
-                queued_prefill_tokens=load.queued_prefill_tokens, in_flight=load.in_flight,
+                queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=self._cached_blocks((w.id, r)),
             ))  # fmt: skip
         score(cands, block_size=bs, overlap_weight=self.config.overlap_weight)
         chosen = self.policy.pick(cands, f"{model}/{role}")
         return Decision(chosen, cands, role, self.policy.name, bs, len(hashes))
 
-    def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> dict[SlotKey, int]:
+    def _cached_blocks(self, key: SlotKey) -> int:
+        index = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
+        return index.map.count(key)
+
+    def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> tuple[dict[SlotKey, int], dict[SlotKey, int]]:
+        """Cached leading blocks per candidate, and how many of them in-flight requests on it share."""
+        pending: dict[SlotKey, int] = {}
         if not hashes:
-            return {}
+            return {}, pending
         if self.mode is RouterMode.APPROXIMATE:
             self.approx.expire(time.monotonic())
-            return self.approx.overlaps(hashes, keys)
+            return self.approx.overlaps(hashes, keys), pending
         seen = self.index.overlaps(hashes, keys)
         if self.mode is RouterMode.KV:
-            for k, n in self.inflight.overlaps(hashes, keys).items():
+            pending = self.inflight.overlaps(hashes, keys)
+            for k, n in pending.items():
                 if n > seen.get(k, 0):
                     seen[k] = n
-        return seen
+        return seen, pending
 
     def client(self, address: str) -> WorkerClient:
         c = self._clients.get(address)

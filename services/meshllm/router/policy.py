@@ -7,8 +7,9 @@ policy, so `Router.Route` can always explain a decision:
     cost           = overlap_weight × prefill_blocks + decode_blocks
 
 - `kv` / `approximate`: lowest cost. Temperature 0 → argmin, ties broken by
-  fewer decode blocks, then fewer requests in flight, then worker id and dp
-  rank (deterministic). Temperature T > 0 → sample with probability ∝
+  fewer decode blocks, then fewer requests in flight, then fewer cached
+  blocks (a prefix nobody caches goes to the emptiest cache instead of piling
+  onto the first worker by id), then worker id and dp rank (deterministic). Temperature T > 0 → sample with probability ∝
   exp(−x / T) where x is the cost normalised to [0, 1] over the candidates
   (T = 0.1 strongly prefers the cheapest, T = 10 is nearly uniform).
   The two modes differ only in where the overlap comes from (KV events vs
@@ -53,6 +54,7 @@ class Candidate:
     decode_blocks: int = 0  # KV blocks active on it
     queued_prefill_tokens: int = 0  # prompt tokens routed to it and not yet computed
     in_flight: int = 0
+    cached_blocks: int = 0  # blocks it caches in all (tie-break: a new prefix goes to the emptiest cache)
     cost: float = 0.0
 
     @property
@@ -68,8 +70,8 @@ def score(candidates: Sequence[Candidate], *, block_size: int, overlap_weight: f
         c.cost = overlap_weight * prefill_blocks + c.decode_blocks
 
 
-def _tie_key(c: Candidate) -> tuple[float, int, int, str, int]:
-    return (c.cost, c.decode_blocks, c.in_flight, c.worker_id, c.dp_rank)
+def _tie_key(c: Candidate) -> tuple[float, int, int, int, str, int]:
+    return (c.cost, c.decode_blocks, c.in_flight, c.cached_blocks, c.worker_id, c.dp_rank)
 
 
 class Policy(abc.ABC):
