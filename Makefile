@@ -55,6 +55,7 @@ pytest: dev
 
 proto: dev
 	$(BIN)/python protos/generate.py
+	$(BIN)/python protos/reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -37,3 +37,12 @@ def test_every_proto_field_is_commented() -> None:
                 if not lines[i - 1].strip().startswith("//"):
                     missing.append(f"{proto.name}:{i + 1}: {s}")
     assert not missing, "uncommented fields:\n" + "\n".join(missing)
+
+
+def test_protocol_reference_is_generated_from_the_proto_comments(tmp_path: Path) -> None:
+    """Locks: docs/protocol-reference.md is what protos/reference.py writes from the current protos."""
+    out = tmp_path / "ref.md"
+    subprocess.run([sys.executable, str(ROOT / "protos" / "reference.py"), "--out", str(out)], check=True, capture_output=True)
+    committed = (ROOT / "docs" / "protocol-reference.md").read_text()
+    assert out.read_text() == committed, "stale docs/protocol-reference.md: run `python protos/reference.py`"
+    assert "| `kv_handle` | `bytes` | 2 | Opaque engine-defined handle naming the held KV on the prefill worker. |" in committed
