@@ -58,7 +58,9 @@ def _type_name(f: descriptor_pb2.FieldDescriptorProto) -> str:
     return _TYPES[f.type]
 
 
-def _message(lines: list[str], m: descriptor_pb2.DescriptorProto, path: tuple[int, ...], c: dict[tuple[int, ...], str], prefix: str) -> None:
+def _message(
+    lines: list[str], m: descriptor_pb2.DescriptorProto, path: tuple[int, ...], c: dict[tuple[int, ...], str], prefix: str
+) -> None:
     name = f"{prefix}{m.name}"
     lines += [f"### message `{name}`", "", _comment(c, path), ""]
     if m.field:
@@ -80,7 +82,9 @@ def _message(lines: list[str], m: descriptor_pb2.DescriptorProto, path: tuple[in
             _message(lines, nested, (*path, NESTED, i), c, f"{name}.")
 
 
-def _enum(lines: list[str], e: descriptor_pb2.EnumDescriptorProto, path: tuple[int, ...], c: dict[tuple[int, ...], str], prefix: str) -> None:
+def _enum(
+    lines: list[str], e: descriptor_pb2.EnumDescriptorProto, path: tuple[int, ...], c: dict[tuple[int, ...], str], prefix: str
+) -> None:
     lines += [f"### enum `{prefix}{e.name}`", "", _comment(c, path), "", "| value | number | meaning |", "| --- | ---: | --- |"]
     for i, v in enumerate(e.value):
         lines.append(f"| `{v.name}` | {v.number} | {_comment(c, (*path, VALUE, i))} |")
@@ -93,7 +97,14 @@ def render() -> str:
         c = {tuple(loc.path): loc.leading_comments for loc in fd.source_code_info.location if loc.leading_comments}
         lines += [f"## `{fd.name}`", ""]
         for si, svc in enumerate(fd.service):
-            lines += [f"### service `{svc.name}`", "", _comment(c, (SERVICE, si)), "", "| rpc | request | response | meaning |", "| --- | --- | --- | --- |"]
+            lines += [
+                f"### service `{svc.name}`",
+                "",
+                _comment(c, (SERVICE, si)),
+                "",
+                "| rpc | request | response | meaning |",
+                "| --- | --- | --- | --- |",
+            ]
             for mi, rpc in enumerate(svc.method):
                 stream = "stream " if rpc.server_streaming else ""
                 req, resp = rpc.input_type.rsplit(".", 1)[-1], rpc.output_type.rsplit(".", 1)[-1]
