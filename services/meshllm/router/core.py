@@ -189,11 +189,12 @@ class RouterCore(AsyncCloseable):
     ) -> router_pb2.RouteDecision:
         """The decision alone (nothing is sent or charged), with every candidate's score."""
         model = self.resolve_model(model)
-        plan = self.plan(model, list(token_ids), hints or {}, set())
+        tokens, hints = list(token_ids), hints or {}
         if role in (None, discovery_pb2.WORKER_ROLE_UNSPECIFIED):
+            plan = self.plan(model, tokens, hints, set())
             return (plan.prefill or plan.main).to_proto()
         bs = self.block_size(model)
-        return self.decide(model, role, list(token_ids), plan.hashes, bs, hints or {}, set()).to_proto()
+        return self.decide(model, role, tokens, block_hashes(tokens, bs), bs, hints, set()).to_proto()
 
     def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:
         """Every known worker with its load and indexed blocks."""
