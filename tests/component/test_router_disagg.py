@@ -59,6 +59,10 @@ async def test_a_disaggregated_stream_equals_the_aggregated_one_with_the_first_t
         core = await m.router()
         decision = await core.route("mocker", p)
         assert decision.role == discovery_pb2.WORKER_ROLE_PREFILL and decision.worker_id == "prefill-1"
+        decode = await core.route("mocker", p, role=discovery_pb2.WORKER_ROLE_DECODE)
+        assert decode.role == discovery_pb2.WORKER_ROLE_DECODE and decode.worker_id == "decode-1"
+        roles = [w.role for w in core.list_workers().workers]  # sorted by id: decode-1, prefill-1
+        assert roles == [discovery_pb2.WORKER_ROLE_DECODE, discovery_pb2.WORKER_ROLE_PREFILL]
         chunks = await collect(core.generate(request("dis", p, max_tokens=12, model="mocker")))
         assert tokens_of(chunks) == expected
         assert chunks[0]["token_ids"] == expected[:1]  # the prefill's first token, alone and once
