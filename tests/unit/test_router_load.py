@@ -36,7 +36,7 @@ def test_a_load_snapshot_becomes_the_base_and_later_charges_adjust_it() -> None:
     t.route("r", "q2", ("a", 0), prefill_tokens=0, blocks=10, now=0)
     assert t.get(("a", 0)).active_blocks == 20
     # the worker shares prefix blocks: it reports 12 where the router guessed 20
-    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=12, total_blocks=100, waiting=1, running=2))
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=12, total_blocks=100, waiting=1, running=2), now=10)
     assert t.get(("a", 0)).active_blocks == 12
     t.route("r", "q3", ("a", 0), prefill_tokens=0, blocks=3, now=0)
     assert t.get(("a", 0)).active_blocks == 15
@@ -46,6 +46,32 @@ def test_a_load_snapshot_becomes_the_base_and_later_charges_adjust_it() -> None:
     assert t.get(("a", 0)).active_blocks == 0  # never negative
     w = t.worker("a")
     assert w.reported is not None and (w.reported.total_blocks, w.reported.waiting, w.reported.running) == (100, 1, 2)
+
+
+def test_charges_too_recent_for_a_snapshot_stay_on_top_of_it() -> None:
+    """Locks: the view does not depend on whether a charge or the snapshot arrived first (replica agreement)."""
+    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=30, total_blocks=100)
+    views = []
+    for charge_first in (True, False):
+        t = LoadTracker()
+        t.route("r", "old", ("a", 0), prefill_tokens=0, blocks=30, now=0.0)
+        if charge_first:
+            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=9.95)
+            t.apply_snapshot(snap, now=10.0)
+        else:
+            t.apply_snapshot(snap, now=10.0)
+            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=10.001)
+        views.append(t.get(("a", 0)).active_blocks)
+    assert views == [37, 37]
+
+
+def test_a_snapshot_stops_counting_once_every_request_on_the_worker_ended() -> None:
+    t = LoadTracker()
+    t.route("r", "q", ("a", 0), prefill_tokens=0, blocks=10, now=0.0)
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=80, total_blocks=100), now=1.0)
+    assert t.get(("a", 0)).active_blocks == 80
+    t.complete("r", "q")
+    assert t.get(("a", 0)).active_blocks == 0
 
 
 def test_stale_charges_expire_and_removed_workers_are_forgotten() -> None:

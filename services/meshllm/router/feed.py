@@ -111,7 +111,7 @@ class EventFeed(AsyncCloseable):
         async for snap in sub:
             if self.pool.get(snap.worker_id) is None:
                 continue
-            self.load.apply_snapshot(snap)
+            self.load.apply_snapshot(snap, now=time.monotonic())
             if self.use_kv:
                 self._check_behind(snap)
 

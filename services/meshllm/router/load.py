@@ -10,9 +10,14 @@ holds the same charges.
 
 Decode load (`active_blocks`) before any snapshot is the sum of charges.
 Once a worker has published a LoadSnapshot it is the snapshot's
-`active_blocks` plus the blocks charged minus the blocks released since that
-snapshot arrived: the worker's own count (which shares prefix blocks between
-requests) corrects the router's estimate every time it reports. Snapshots of
+`active_blocks` plus the blocks of requests charged too recently for the
+snapshot to reflect them (routed less than `SNAPSHOT_LAG_S` before it
+arrived) and of those charged since, minus the blocks released since: the
+worker's own count (which shares prefix blocks between requests) corrects
+the router's estimate every time it reports. Deciding "too recent" by age
+rather than by arrival order keeps replicas in agreement: a sync event and a
+snapshot that reach two replicas in opposite orders still give both the
+same view. Snapshots of
 engines that do not page their cache (`total_blocks` 0) correct nothing, and
 a snapshot stops counting once every request on the worker has ended (the
 worker reports again within 100 ms, but short requests end sooner).
@@ -28,6 +33,7 @@ from meshllm.v1 import events_pb2
 __all__ = ["Charge", "LoadTracker", "SlotLoad"]
 
 STALE_CHARGE_S = 600.0  # a charge nobody released after this long is dropped (a lost COMPLETED event)
+SNAPSHOT_LAG_S = 0.25  # a snapshot may not yet reflect requests routed this recently (worker reports every 100 ms)
 
 
 @dataclass(slots=True)
@@ -65,6 +71,7 @@ class LoadTracker:
     def __init__(self) -> None:
         self._slots: dict[SlotKey, SlotLoad] = {}
         self._charges: dict[tuple[str, str], Charge] = {}
+        self._by_slot: dict[SlotKey, set[tuple[str, str]]] = {}
 
     def slot(self, key: SlotKey) -> SlotLoad:
         load = self._slots.get(key)
@@ -84,6 +91,7 @@ class LoadTracker:
         """Charge `key` for one request (replaces an earlier charge of the same request)."""
         self.complete(origin, request_id)
         self._charges[(origin, request_id)] = Charge(key, prefill_tokens, blocks, now)
+        self._by_slot.setdefault(key, set()).add((origin, request_id))
         load = self.slot(key)
         load.charged_blocks += blocks
         load.delta_blocks += blocks
@@ -104,6 +112,7 @@ class LoadTracker:
         c = self._charges.pop((origin, request_id), None)
         if c is None:
             return
+        self._by_slot.get(c.key, set()).discard((origin, request_id))
         load = self._slots.get(c.key)
         if load is None:
             return
@@ -123,17 +132,22 @@ class LoadTracker:
         return len(stale)
 
     # ------------------------------------------------------------ snapshots and workers
-    def apply_snapshot(self, snap: events_pb2.LoadSnapshot) -> None:
-        """A worker reported its load: it becomes the base, the delta restarts at 0."""
-        load = self.slot((snap.worker_id, snap.dp_rank))
+    def apply_snapshot(self, snap: events_pb2.LoadSnapshot, *, now: float) -> None:
+        """A worker reported its load: it becomes the base; charges too recent for it stay on top."""
+        key = (snap.worker_id, snap.dp_rank)
+        load = self.slot(key)
         load.reported = snap
-        load.delta_blocks = 0
+        charges = self._charges
+        load.delta_blocks = sum(
+            c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if now - c.at < SNAPSHOT_LAG_S
+        )
         load.stale = False
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker's load and the charges on it."""
         for key in [k for k in self._slots if k[0] == worker_id]:
             del self._slots[key]
+            self._by_slot.pop(key, None)
         for ck in [k for k, c in self._charges.items() if c.key[0] == worker_id]:
             del self._charges[ck]
 

@@ -1,0 +1,109 @@
+"""Two router replicas over real etcd and nats-server agree on per-worker load (RouterSyncEvent over NATS).
+
+Locks: with mocker workers registered in etcd and publishing on NATS, two
+RouterCores each routing half the traffic hold per-worker active-block
+views that differ by < 10 % (median and 90th percentile of samples), each
+having received the other's sync events over NATS; their KV indexes match
+the workers' block sets once the load is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from collections.abc import AsyncIterator
+
+import pytest
+
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.engine.base import WorkerConfig
+from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.plane.discovery import open_discovery
+from meshllm.plane.events import open_events
+from meshllm.plane.transport import ChannelCache
+from meshllm.protocol.types import GenerateChunk
+from meshllm.router.config import RouterConfig
+from meshllm.router.core import RouterCore
+from meshllm.testing.servers import EtcdServer, NatsServer
+from meshllm.testing.waiting import wait_until
+from meshllm.worker.runtime import Worker
+
+pytestmark = pytest.mark.integration
+
+
+async def drain(stream: AsyncIterator[GenerateChunk]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_two_replicas_over_nats_agree_on_active_blocks() -> None:
+    async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
+        plane = PlaneConfig(
+            discovery=DiscoveryKind.ETCD, etcd_endpoints=(etcd.endpoint,), lease_ttl_s=3,
+            events=EventsKind.NATS, nats_url=nats.url,
+        )  # fmt: skip
+        workers = []
+        cores: list[RouterCore] = []
+        closers = []
+        try:
+            for i in range(2):
+                engine = MockerEngine(MockerConfig(block_size=16, num_gpu_blocks=4096, speedup_ratio=5.0))
+                cfg = WorkerConfig(engine="mocker", plane=plane, instance_id=f"w{i}", grace_period_s=0.0)
+                workers.append(await Worker.start(engine, cfg))
+            for rid in ("replica-1", "replica-2"):
+                discovery = await open_discovery(plane)
+                bus = await open_events(plane, name=rid)
+                core = RouterCore(RouterConfig(plane=plane, router_id=rid), discovery, bus, channels)
+                await core.start()
+                cores.append(core)
+                closers += [core.aclose, bus.aclose, discovery.aclose]
+            for core in cores:
+                await core.pool.wait_until(lambda c=core: len(c.pool.all()) == 2, 20.0)  # type: ignore[misc]
+                await core.feed.wait_synced(20.0)
+            stop = asyncio.Event()
+            done = 0
+
+            async def client(core: RouterCore, seed: int) -> None:
+                nonlocal done
+                rng = random.Random(seed)
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    prompt = [rng.randrange(3, 30000) for _ in range(rng.randrange(64, 400))]
+                    req = {"request_id": f"{core.id}-{seed}-{n}", "model": "mocker", "token_ids": prompt,
+                           "stop": {"max_tokens": rng.randrange(8, 48), "ignore_eos": True}}  # fmt: skip
+                    await drain(core.generate(req))  # type: ignore[arg-type]
+                    done += 1
+
+            tasks = [asyncio.create_task(client(c, s)) for c in cores for s in range(5)]
+            diffs: list[float] = []
+            try:
+                await wait_until(lambda: done >= 20, timeout_s=60, what="traffic through both replicas")
+                for _ in range(60):
+                    await asyncio.sleep(0.03)  # sampling interval of the observation
+                    v1 = {w.worker_id: w.active_blocks for w in cores[0].list_workers().workers}
+                    v2 = {w.worker_id: w.active_blocks for w in cores[1].list_workers().workers}
+                    for wid, a in v1.items():
+                        b = v2.get(wid, 0)
+                        if max(a, b) >= 20:
+                            diffs.append(abs(a - b) / max(a, b))
+            finally:
+                stop.set()
+                await asyncio.gather(*tasks)
+            assert cores[0].sync.received > 0 and cores[1].sync.received > 0
+            assert len(diffs) >= 20, "too few loaded samples"
+            assert statistics.median(diffs) < 0.10, statistics.median(diffs)
+            assert sorted(diffs)[int(0.9 * len(diffs))] < 0.10, sorted(diffs)[-10:]
+
+            def indexes_match() -> bool:
+                return all(
+                    c.index.worker_blocks(w.id) == (w.sink.block_count() if w.sink else -1) for c in cores for w in workers
+                )
+
+            await wait_until(indexes_match, timeout_s=20, what="both KV indexes to match the workers over NATS")
+        finally:
+            for close in reversed(closers):
+                await close()
+            for w in workers:
+                await w.aclose()
