@@ -99,7 +99,12 @@ class EventFeed(AsyncCloseable):
         index, applied = self.index, self.metrics.events_applied
         async for batch in sub:
             before = index.applied
-            if index.apply_batch(batch):
+            try:
+                gap = index.apply_batch(batch)
+            except Exception:  # a malformed batch must not stop the feed
+                log.exception("cannot apply a KV event batch of worker %s: resyncing it", batch.worker_id)
+                gap = index.request_resync(batch.worker_id)
+            if gap:
                 log.info("KV event gap from worker %s: resyncing", batch.worker_id)
                 self._resync(batch.worker_id)
             if index.applied != before:
