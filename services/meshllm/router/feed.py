@@ -71,6 +71,11 @@ class EventFeed(AsyncCloseable):
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self._behind: dict[str, tuple[int, float]] = {}  # worker -> (event id seen in load, when)
 
+    @property
+    def pending(self) -> int:
+        """Messages received and not applied yet."""
+        return sum(sub.pending for sub in self._subs)
+
     async def start(self) -> None:
         """Subscribe (the pool starts after this returns)."""
         load_sub = await self.bus.subscribe(load_subject(self.namespace, "*"), events_pb2.LoadSnapshot)

@@ -33,7 +33,7 @@ from meshllm.v1 import events_pb2
 __all__ = ["Charge", "LoadTracker", "SlotLoad"]
 
 STALE_CHARGE_S = 600.0  # a charge nobody released after this long is dropped (a lost COMPLETED event)
-SNAPSHOT_LAG_S = 0.25  # a snapshot may not yet reflect requests routed this recently (worker reports every 100 ms)
+SNAPSHOT_LAG_S = 0.1  # a snapshot may not reflect requests routed this recently (workers report every 100 ms)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,11 @@ class ReplicaSync(AsyncCloseable):
         self._sub: Subscription[events_pb2.RouterSyncEvent] | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def pending(self) -> int:
+        """Events received and not applied yet."""
+        return self._sub.pending if self._sub is not None else 0
+
     async def start(self) -> None:
         self._sub = await self.bus.subscribe(self.subject, events_pb2.RouterSyncEvent)
         self._task = asyncio.create_task(self._loop(self._sub), name="router-replica-sync")
