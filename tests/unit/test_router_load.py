@@ -48,21 +48,28 @@ def test_a_load_snapshot_becomes_the_base_and_later_charges_adjust_it() -> None:
     assert w.reported is not None and (w.reported.total_blocks, w.reported.waiting, w.reported.running) == (100, 1, 2)
 
 
-def test_charges_too_recent_for_a_snapshot_stay_on_top_of_it() -> None:
-    """Locks: the view does not depend on whether a charge or the snapshot arrived first (replica agreement)."""
-    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=30, total_blocks=100)
+def test_charges_made_after_a_snapshot_was_taken_stay_on_top_of_it_whatever_the_arrival_order() -> None:
+    """Locks: replica agreement — the view does not depend on whether a charge or the snapshot arrived first."""
+    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=30, total_blocks=100, timestamp_ms=10_000)
     views = []
     for charge_first in (True, False):
         t = LoadTracker()
-        t.route("r", "old", ("a", 0), prefill_tokens=0, blocks=30, now=0.0)
+        t.route("r", "old", ("a", 0), prefill_tokens=0, blocks=30, now=9.5)  # reflected in the snapshot
         if charge_first:
-            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=9.95)
-            t.apply_snapshot(snap, now=10.0)
+            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=10.01)
+            t.apply_snapshot(snap, now=10.02)
         else:
-            t.apply_snapshot(snap, now=10.0)
-            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=10.001)
+            t.apply_snapshot(snap, now=10.02)
+            t.route("r2", "new", ("a", 0), prefill_tokens=0, blocks=7, now=10.01)
         views.append(t.get(("a", 0)).active_blocks)
     assert views == [37, 37]
+
+
+def test_a_snapshot_from_a_skewed_clock_counts_as_taken_on_arrival() -> None:
+    t = LoadTracker()
+    t.route("r", "q", ("a", 0), prefill_tokens=0, blocks=5, now=99.0)
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=40, total_blocks=100, timestamp_ms=5_000), now=100.0)
+    assert t.get(("a", 0)).active_blocks == 40
 
 
 def test_a_snapshot_stops_counting_once_every_request_on_the_worker_ended() -> None:

@@ -156,9 +156,8 @@ class RouterCore(AsyncCloseable):
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            now = time.monotonic()
-            self.load.expire(now)
-            self.approx.expire(now)
+            self.load.expire(time.time())
+            self.approx.expire(time.monotonic())
 
     async def _aclose(self) -> None:
         for t in self._tasks:

@@ -121,7 +121,7 @@ class EventFeed(AsyncCloseable):
         async for snap in sub:
             if self.pool.get(snap.worker_id) is None:
                 continue
-            self.load.apply_snapshot(snap, now=time.monotonic())
+            self.load.apply_snapshot(snap, now=time.time())
             if self.use_kv:
                 self._check_behind(snap)
 

@@ -10,14 +10,16 @@ holds the same charges.
 
 Decode load (`active_blocks`) before any snapshot is the sum of charges.
 Once a worker has published a LoadSnapshot it is the snapshot's
-`active_blocks` plus the blocks of requests charged too recently for the
-snapshot to reflect them (routed less than `SNAPSHOT_LAG_S` before it
-arrived) and of those charged since, minus the blocks released since: the
-worker's own count (which shares prefix blocks between requests) corrects
-the router's estimate every time it reports. Deciding "too recent" by age
-rather than by arrival order keeps replicas in agreement: a sync event and a
-snapshot that reach two replicas in opposite orders still give both the
-same view. Snapshots of
+`active_blocks` plus the blocks of requests charged after the snapshot was
+taken (its `timestamp_ms`, less `ADMISSION_S` for the request to reach the
+worker) — whether they were charged before or after the snapshot arrived —
+minus the blocks released since it arrived: the worker's own count (which
+shares prefix blocks between requests) corrects the router's estimate every
+time it reports. Deciding by the snapshot's time rather than by arrival
+order keeps replicas in agreement: a sync event and a snapshot that reach
+two replicas in opposite orders still give both the same view. Times are
+wall-clock seconds; a snapshot whose timestamp is implausible (clocks
+apart) counts as taken when it arrived. Snapshots of
 engines that do not page their cache (`total_blocks` 0) correct nothing, and
 a snapshot stops counting once every request on the worker has ended (the
 worker reports again within 100 ms, but short requests end sooner).
@@ -33,7 +35,9 @@ from meshllm.v1 import events_pb2
 __all__ = ["Charge", "LoadTracker", "SlotLoad"]
 
 STALE_CHARGE_S = 600.0  # a charge nobody released after this long is dropped (a lost COMPLETED event)
-SNAPSHOT_LAG_S = 0.1  # a snapshot may not reflect requests routed this recently (workers report every 100 ms)
+ADMISSION_S = 0.02  # a request routed this long before a snapshot was taken is assumed reflected in it
+MAX_SNAPSHOT_AGE_S = 1.0  # timestamps outside [arrival - this, arrival + CLOCK_SLACK_S] mean skewed clocks
+CLOCK_SLACK_S = 0.05
 
 
 @dataclass(slots=True)
@@ -43,7 +47,7 @@ class Charge:
     key: SlotKey
     prefill_tokens: int
     blocks: int
-    at: float
+    at: float  # wall-clock seconds when charged
     prefill_done: bool = False
 
 
@@ -133,14 +137,16 @@ class LoadTracker:
 
     # ------------------------------------------------------------ snapshots and workers
     def apply_snapshot(self, snap: events_pb2.LoadSnapshot, *, now: float) -> None:
-        """A worker reported its load: it becomes the base; charges too recent for it stay on top."""
+        """A worker reported its load (arriving at wall time `now`): the base, with later charges on top."""
         key = (snap.worker_id, snap.dp_rank)
         load = self.slot(key)
         load.reported = snap
+        taken = snap.timestamp_ms / 1000.0 if snap.timestamp_ms else now
+        if not now - MAX_SNAPSHOT_AGE_S <= taken <= now + CLOCK_SLACK_S:
+            taken = now
+        cutoff = taken - ADMISSION_S
         charges = self._charges
-        load.delta_blocks = sum(
-            c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if now - c.at < SNAPSHOT_LAG_S
-        )
+        load.delta_blocks = sum(c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if c.at > cutoff)
         load.stale = False
 
     def remove_worker(self, worker_id: str) -> None:

@@ -143,7 +143,7 @@ async def _leg(
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
     blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
     now = time.monotonic()
-    core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=now)
+    core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=time.time())
     core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
     entry = None
     if core.mode is RouterMode.KV:

@@ -88,7 +88,7 @@ class ReplicaSync(AsyncCloseable):
         if ev.kind == Kind.KIND_ROUTED:
             self.load.route(
                 ev.router_id, ev.request_id, (ev.worker_id, ev.dp_rank),
-                prefill_tokens=ev.prefill_tokens, blocks=ev.blocks, now=time.monotonic(),
+                prefill_tokens=ev.prefill_tokens, blocks=ev.blocks, now=time.time(),
             )  # fmt: skip
         elif ev.kind == Kind.KIND_PREFILL_DONE:
             self.load.prefill_done(ev.router_id, ev.request_id)
