@@ -207,7 +207,7 @@ def write_section(section: str) -> None:
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     pattern = re.compile(r"^## Routing\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
+        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
     else:
         text = text.rstrip("\n") + "\n\n" + section
     DOC.write_text(text.rstrip("\n") + "\n")
