@@ -24,6 +24,7 @@ from meshllm.config import (
     PlaneConfig,
     ServerConfig,
     add_plane_args,
+    add_tracing_args,
     parse_host_port,
 )
 
@@ -76,6 +77,7 @@ class RouterConfig:
     static_workers: tuple[str, ...] = ()
     model_name: str | None = None
     metrics_port: int | None = None
+    otlp_endpoint: str | None = None
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")
     component: str = "router"
     # Resync: how long a snapshot call may take, and the first retry delay.
@@ -142,6 +144,7 @@ class RouterConfig:
             static_workers=workers,
             model_name=ns.model_name,
             metrics_port=ns.metrics_port,
+            otlp_endpoint=ns.otlp_endpoint or None,
             router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}",
             component=ns.component,
         )
@@ -178,4 +181,5 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g.add_argument("--router-id", default="", help="replica id shared with other routers (default: random)")
     g.add_argument("--component", default="router", help="discovery component / replica-sync subject of this router")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_tracing_args(parser)
     return parser

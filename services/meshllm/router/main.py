@@ -28,6 +28,7 @@ from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, st
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.router.core import RouterCore
 from meshllm.router.service import RouterServicer
+from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import discovery_pb2, router_pb2_grpc
 
 __all__ = ["RouterServer", "main"]
@@ -128,6 +129,7 @@ class RouterServer(AsyncCloseable):
 async def serve(config: RouterConfig) -> int:
     """Start, serve until SIGTERM/SIGINT, shut down in order."""
     stop = asyncio.Event()
+    setup_tracing("meshllm-router", otlp_endpoint=config.otlp_endpoint)
     uninstall = install_signal_handlers(lambda sig: stop.set())
     try:
         try:
@@ -142,6 +144,7 @@ async def serve(config: RouterConfig) -> int:
         return 0
     finally:
         uninstall()
+        shutdown_tracing()
 
 
 def main(argv: Sequence[str]) -> int:
