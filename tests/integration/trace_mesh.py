@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.run import Mesh, RunConfig
+from meshllm.testing.waiting import wait_until
 from meshllm.tracing import setup_tracing, shutdown_tracing
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -35,10 +36,14 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
 async def main() -> None:
     exporter = InMemorySpanExporter()
     setup_tracing("meshllm-trace-test", exporter=exporter)
-    cfg = RunConfig(workers=1, prefill_workers=1, http_port=0, router_port=0, engine="mocker", engine_args=("--speedup-ratio", "0"))
+    cfg = RunConfig(
+        workers=1, prefill_workers=1, http_port=0, router_port=0, engine="mocker", engine_args=("--speedup-ratio", "0")
+    )
     async with await Mesh.start(cfg) as mesh:
         assert mesh.router_address is not None
-        fcfg = FrontendConfig(plane=cfg.plane, http_host="127.0.0.1", http_port=0, grpc=None, router_addresses=(mesh.router_address,))
+        fcfg = FrontendConfig(
+            plane=cfg.plane, http_host="127.0.0.1", http_port=0, grpc=None, router_addresses=(mesh.router_address,)
+        )
         async with await Frontend.start(fcfg, memory_store=mesh.store, memory_broker=mesh.broker) as front:
             assert front.registry is not None
             await front.registry.wait_for(mesh.model, timeout_s=30)
@@ -47,9 +52,10 @@ async def main() -> None:
             body = {"model": mesh.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
             result = await asyncio.to_thread(post, f"{front.url}/v1/chat/completions", body)
             print(json.dumps({"completion_tokens": result["usage"]["completion_tokens"]}))  # type: ignore[index]
-            async with asyncio.timeout(10):
-                while sum(s.name == "engine.generate" for s in exporter.get_finished_spans()) < 2:
-                    await asyncio.sleep(0.02)  # spans end right after the stream; poll under a deadline
+            await wait_until(
+                lambda: sum(s.name == "engine.generate" for s in exporter.get_finished_spans()) >= 2,
+                what="both legs' engine.generate spans to end",
+            )
     for s in exporter.get_finished_spans():
         ctx, parent = s.context, s.parent
         print(
