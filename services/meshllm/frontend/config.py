@@ -27,10 +27,11 @@ from meshllm.config import (
     add_tracing_args,
     parse_host_port,
 )
+from meshllm.router.config import RouterMode
 
 __all__ = ["ROUTER_MODES", "FrontendConfig", "check_model_path", "frontend_arg_parser", "parse_static_endpoint"]
 
-ROUTER_MODES = ("kv", "approximate", "round-robin", "random", "least-loaded")
+ROUTER_MODES = tuple(m.value for m in RouterMode)  # the routing core owns the list
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
