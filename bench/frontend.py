@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from benchdoc import write_section
 
 from meshllm.plane.transport import ChannelCache
 from meshllm.worker.client import WorkerClient
@@ -221,13 +222,6 @@ the router and both simulated engines.
 """
 
 
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Frontend\n.*?(?=^## |\Z)", re.S | re.M)
-    doc = pattern.sub(lambda _: text, doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text
-    DOC.write_text(doc.rstrip("\n") + "\n")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400, help="requests per concurrency level")
@@ -240,7 +234,7 @@ def main() -> int:
     text = section(run_rows, split_rows, base, args.requests)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section("## Frontend", text)
     return 0
 
 

@@ -31,11 +31,12 @@ import gc
 import os
 import platform
 import random
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchdoc import write_section
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.kv_index import KvIndex
@@ -248,16 +249,6 @@ at the first block no candidate holds. Hashing the prompt (XXH3 over 256 blocks)
 """
 
 
-def write_section(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## KV indexer\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs of the apply measurement (best is kept)")
@@ -267,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(run(args), args)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section("## KV indexer", section)
         print(f"updated {DOC}", file=sys.stderr)
     return 0
 

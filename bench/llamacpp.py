@@ -29,11 +29,12 @@ import asyncio
 import datetime
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchdoc import write_section
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
@@ -209,16 +210,6 @@ def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def write_section(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^" + re.escape(HEADING) + r"\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)  # keep the blank line before the next section
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-len", type=int, default=500, help="tokens of the long prompt (prompt rate, KV transfer)")
@@ -266,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(rows, args)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section(HEADING, section)
         print(f"updated {DOC}", file=sys.stderr)
     return 0
 

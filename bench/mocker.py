@@ -22,13 +22,14 @@ import asyncio
 import datetime
 import os
 import platform
-import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from benchdoc import write_section
 
 from meshllm.engine.base import Context, NullSink
 from meshllm.engine.mocker import MockerConfig, MockerEngine
@@ -188,16 +189,6 @@ def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def write_section(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Mocker\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1024, help="concurrent requests per engine run")
@@ -234,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(rows, args)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section("## Mocker", section)
         print(f"updated {DOC}", file=sys.stderr)
     return 0
 

@@ -28,12 +28,13 @@ import datetime
 import os
 import platform
 import random
-import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchdoc import write_section
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig
@@ -203,16 +204,6 @@ it too, but at light load its tie-break sends most requests to the same few work
 """
 
 
-def write_section(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Routing\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text.rstrip("\n") + "\n")
-
-
 async def run_all(modes: list[str], setup: Setup, workload: Workload) -> list[Result]:
     out = []
     for mode in modes:
@@ -238,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(results, setup, workload)
     print(section)
     if not args.no_write:
-        write_section(section)
+        write_section("## Routing", section)
         print(f"updated {DOC}", file=sys.stderr)
     return 0
 
