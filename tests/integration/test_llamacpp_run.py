@@ -12,17 +12,18 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-from test_llamacpp_support import SYSTEM, Process, chat_tokens, require_model
+from test_llamacpp_support import SYSTEM, chat_tokens, require_model
 
 from meshllm.plane.transport import ChannelCache
 from meshllm.router.client import RouterClient
+from meshllm.testing.processes import MeshllmProcess
 
 require_model()
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
 class Mesh:
-    def __init__(self, proc: Process, lines: list[str]) -> None:
+    def __init__(self, proc: MeshllmProcess, lines: list[str]) -> None:
         self.proc = proc
         self.url = next(line.split()[3] for line in lines if line.startswith("OpenAI HTTP API"))
         self.router = next(line.split()[2] for line in lines if line.startswith("Router gRPC"))
@@ -31,7 +32,7 @@ class Mesh:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh() -> AsyncIterator[Mesh]:
-    proc = Process(
+    proc = MeshllmProcess(
         "run", "--engine", "llamacpp", "--workers", "2", "--http-port", "0", "--router-port", "0",
         "--", "--n-ctx", "1024", "--n-seq-max", "4",
     )  # fmt: skip

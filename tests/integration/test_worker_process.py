@@ -25,6 +25,7 @@ from meshllm.plane.discovery import Discovery, open_discovery
 from meshllm.plane.events import open_events
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import load_subject
+from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import discovery_pb2, events_pb2
@@ -36,37 +37,10 @@ ENGINES = Path(__file__).parent / "engines"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class WorkerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        penv = {**os.environ, "PYTHONPATH": f"{ENGINES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshllm", "worker", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=penv,
-            cwd=ROOT,
-            text=True,
-        )
-        self.address = ""
-
-    async def ready(self, timeout_s: float = 30.0) -> str:
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)  # type: ignore[union-attr]
-        assert "serving on" in line, f"worker did not start: {line!r} {self.stderr()}"
-        self.address = line.rsplit(" ", 1)[-1].strip()
-        return self.address
-
-    def stderr(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        return self.proc.stderr.read() if self.proc.stderr else ""  # type: ignore[no-any-return]
-
-    async def wait(self, timeout_s: float = 30.0) -> int:
-        return await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def WorkerProcess(*args: str, env: dict[str, str] | None = None) -> MeshllmProcess:
+    """`meshllm worker ARGS` with tests/integration/engines importable (for --engine module:Class)."""
+    path = f"{ENGINES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return MeshllmProcess("worker", *args, env={"PYTHONPATH": path, **(env or {})})
 
 
 @pytest.fixture
@@ -103,7 +77,7 @@ async def test_worker_registers_streams_and_cancel_reaches_engine_abort(
         env={"ABORT_PROBE_FILE": str(probe)},
     )  # fmt: skip
     try:
-        address = await w.ready()
+        address = await w.address()
         async with await etcd_discovery(etcd) as disc, ChannelCache() as ch:
             snap = await wait_instances(
                 disc.watch_instances("worker"), lambda s: any(i.address == address for i in s.values()), 10
@@ -131,14 +105,14 @@ async def test_worker_registers_streams_and_cancel_reaches_engine_abort(
                             break
             assert probe.read_text().splitlines() == ["to-cancel"]
     finally:
-        w.kill()
+        await w.stop()
 
 
 async def test_sigterm_leaves_etcd_first_finishes_inflight_refuses_new_and_exits_0(mesh: tuple[EtcdServer, NatsServer]) -> None:
     etcd, nats = mesh
     w = WorkerProcess("--engine", "sample", *plane_args(etcd, nats), "--token-delay-ms", "20", "--grace-period", "1")
     try:
-        address = await w.ready()
+        address = await w.address()
         async with await etcd_discovery(etcd) as disc, ChannelCache() as ch:
             watch = disc.watch_instances("worker")
             await wait_instances(watch, lambda s: len(s) == 1, 10)
@@ -146,7 +120,7 @@ async def test_sigterm_leaves_etcd_first_finishes_inflight_refuses_new_and_exits
             stream = client.generate({"request_id": "long", "token_ids": [1], "stop": {"max_tokens": 200}})
             first = await anext(stream)
             tokens = list(first["token_ids"])
-            w.proc.send_signal(signal.SIGTERM)
+            w.send_signal(signal.SIGTERM)
 
             events: list[str] = []
 
@@ -181,13 +155,13 @@ async def test_sigterm_leaves_etcd_first_finishes_inflight_refuses_new_and_exits
             assert len(tokens) == 200 and tokens == [(1 + 1 + i) % 32000 for i in range(200)]
         assert await w.wait() == 0
     finally:
-        w.kill()
+        await w.stop()
 
 
 async def test_static_worker_serves_with_no_etcd_running() -> None:
     w = WorkerProcess("--engine", "sample", "--static", "--discovery", "etcd", "--etcd-endpoints", "127.0.0.1:1")
     try:
-        address = await w.ready()
+        address = await w.address()
         async with ChannelCache() as ch:
             chunks = [
                 c
@@ -196,10 +170,10 @@ async def test_static_worker_serves_with_no_etcd_running() -> None:
                 )
             ]
         assert [t for c in chunks for t in c.get("token_ids", [])] == [4, 5]
-        w.proc.send_signal(signal.SIGTERM)
+        w.send_signal(signal.SIGTERM)
         assert await w.wait() == 0
     finally:
-        w.kill()
+        await w.stop()
 
 
 @pytest.mark.parametrize(
@@ -224,9 +198,9 @@ async def test_drain_rpc_shuts_the_worker_process_down_with_exit_0() -> None:
     """Locks: Worker.Drain starts the ordered shutdown and the process exits by itself."""
     w = WorkerProcess("--engine", "sample", "--static", "--grace-period", "0")
     try:
-        address = await w.ready()
+        address = await w.address()
         async with ChannelCache() as ch:
             assert await WorkerClient(ch, address).drain() == 0
         assert await w.wait() == 0
     finally:
-        w.kill()
+        await w.stop()
