@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
-__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers"]
+__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers", "serve_until_signal"]
 
 log = logging.getLogger(__name__)
+C = TypeVar("C", bound="AsyncCloseable")
 
 
 class AsyncCloseable:
@@ -32,9 +34,7 @@ class AsyncCloseable:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
     @property
@@ -114,3 +114,48 @@ def install_signal_handlers(callback: Callable[[signal.Signals], None]) -> Calla
             loop.remove_signal_handler(sig)
 
     return uninstall
+
+
+async def serve_until_signal(
+    command: str,
+    start: Callable[[], Awaitable[C]],
+    ready_lines: Callable[[C], Iterable[str]],
+    *,
+    service_name: str,
+    otlp_endpoint: str | None,
+    closing: Callable[[C], Awaitable[object]] | None = None,
+) -> int:
+    """The body of every long-running `meshllm` command.
+
+    Enable tracing, install SIGTERM/SIGINT handlers, `start()` the service (a
+    MeshError becomes one line on stderr: exit 2 for a ConfigError, else 1),
+    print its ready lines, wait for a signal (or for `closing(service)` to
+    return, e.g. a worker drained by RPC), then close it in its own order.
+    """
+    from meshllm.config import ConfigError
+    from meshllm.errors import MeshError
+    from meshllm.tracing import setup_tracing, shutdown_tracing
+
+    setup_tracing(service_name, otlp_endpoint=otlp_endpoint)
+    stop = asyncio.Event()
+    uninstall = install_signal_handlers(lambda sig: stop.set())
+    try:
+        try:
+            service = await start()
+        except MeshError as exc:
+            print(f"meshllm {command}: error: {exc.message}", file=sys.stderr)
+            return 2 if isinstance(exc, ConfigError) else 1
+        async with service:
+            for line in ready_lines(service):
+                print(line, flush=True)
+            waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
+            if closing is not None:
+                waits.append(asyncio.ensure_future(closing(service)))
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            log.info("meshllm %s shutting down (%s)", command, "signal" if stop.is_set() else "requested")
+        return 0
+    finally:
+        uninstall()
+        shutdown_tracing()

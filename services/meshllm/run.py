@@ -35,16 +35,14 @@ from meshllm.config import (
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.errors import MeshError
 from meshllm.frontend.config import ROUTER_MODES, FrontendConfig, check_model_path
 from meshllm.frontend.main import Frontend, run_loop, setup_logging
-from meshllm.lifecycle import AsyncCloseable, install_signal_handlers
+from meshllm.lifecycle import AsyncCloseable, serve_until_signal
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
 from meshllm.router import RouterCore
 from meshllm.router.service import RouterServicer
-from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import router_pb2_grpc
 from meshllm.worker.runtime import Worker
 
@@ -262,24 +260,9 @@ async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | No
 
 
 async def serve(config: RunConfig) -> int:
-    setup_tracing("meshllm", otlp_endpoint=config.otlp_endpoint)
-    stop = asyncio.Event()
-    uninstall = install_signal_handlers(lambda sig: stop.set())
-    try:
-        try:
-            mesh = await Mesh.start(config)
-        except MeshError as exc:
-            print(f"meshllm run: error: {exc.message}", file=sys.stderr)
-            return 2 if isinstance(exc, ConfigError) else 1
-        async with mesh:
-            for line in mesh.lines():
-                print(line, flush=True)
-            await stop.wait()
-            print("meshllm run: stopping", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        uninstall()
-        shutdown_tracing()
+    return await serve_until_signal(
+        "run", lambda: Mesh.start(config), Mesh.lines, service_name="meshllm", otlp_endpoint=config.otlp_endpoint
+    )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -294,4 +277,3 @@ def main(argv: Sequence[str]) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         return run_loop(serve(config))
     return 130
-

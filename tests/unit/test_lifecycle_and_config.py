@@ -69,3 +69,47 @@ def test_parser_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("meshllm worker: error:")
+
+
+async def test_serve_until_signal_reports_start_errors_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Locks: a ConfigError at start → exit 2, another MeshError → exit 1, one stderr line each."""
+    from meshllm.errors import Unavailable
+    from meshllm.lifecycle import serve_until_signal
+
+    async def bad_config() -> AsyncCloseable:
+        raise ConfigError("--port 70000 is out of range")
+
+    async def unavailable() -> AsyncCloseable:
+        raise Unavailable("cannot reach etcd")
+
+    assert await serve_until_signal("x", bad_config, lambda s: [], service_name="t", otlp_endpoint=None) == 2
+    assert await serve_until_signal("x", unavailable, lambda s: [], service_name="t", otlp_endpoint=None) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "meshllm x: error: --port 70000 is out of range",
+        "meshllm x: error: cannot reach etcd",
+    ]
+
+
+async def test_serve_until_signal_prints_ready_lines_and_closes_when_the_closing_hook_returns(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Locks: ready lines on stdout; the closing hook (e.g. a Drain RPC) ends the command with the service closed."""
+    from meshllm.lifecycle import serve_until_signal
+
+    class Service(AsyncCloseable):
+        drained = asyncio.Event()
+        closed_by_serve = False
+
+        async def _aclose(self) -> None:
+            Service.closed_by_serve = True
+
+    async def start() -> Service:
+        asyncio.get_running_loop().call_soon(Service.drained.set)
+        return Service()
+
+    async def closing(s: Service) -> None:
+        await Service.drained.wait()
+
+    rc = await serve_until_signal("x", start, lambda s: ["ready at here"], service_name="t", otlp_endpoint=None, closing=closing)
+    assert rc == 0 and Service.closed_by_serve
+    assert capsys.readouterr().out == "ready at here\n"

@@ -34,13 +34,12 @@ from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.upstream import RouterReplicas, Upstream
-from meshllm.lifecycle import AsyncCloseable, Shutdown, install_signal_handlers
+from meshllm.lifecycle import AsyncCloseable, Shutdown, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
 from meshllm.router.config import StaticEndpoint
-from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -227,25 +226,16 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
 
 async def serve(config: FrontendConfig) -> int:
     """Start, print where it serves, run until SIGTERM/SIGINT, shut down in order."""
-    setup_tracing("meshllm-frontend", otlp_endpoint=config.otlp_endpoint)
-    stop = asyncio.Event()
-    uninstall = install_signal_handlers(lambda sig: stop.set())
-    try:
-        try:
-            frontend = await Frontend.start(config)
-        except MeshError as exc:
-            print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
-            return 2 if isinstance(exc, ConfigError) else 1
-        async with frontend:
-            print(f"meshllm frontend: OpenAI HTTP API on {frontend.url}/v1", flush=True)
-            if frontend.grpc_address:
-                print(f"meshllm frontend: Inference gRPC on {frontend.grpc_address}", flush=True)
-            await stop.wait()
-            log.info("signal received: shutting down")
-        return 0
-    finally:
-        uninstall()
-        shutdown_tracing()
+
+    def ready(frontend: Frontend) -> list[str]:
+        lines = [f"meshllm frontend: OpenAI HTTP API on {frontend.url}/v1"]
+        if frontend.grpc_address:
+            lines.append(f"meshllm frontend: Inference gRPC on {frontend.grpc_address}")
+        return lines
+
+    return await serve_until_signal(
+        "frontend", lambda: Frontend.start(config), ready, service_name="meshllm-frontend", otlp_endpoint=config.otlp_endpoint
+    )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -20,15 +20,13 @@ from typing import Any
 
 from meshllm import __version__
 from meshllm.config import ConfigError
-from meshllm.errors import MeshError
-from meshllm.lifecycle import AsyncCloseable, Shutdown, install_signal_handlers
+from meshllm.lifecycle import AsyncCloseable, Shutdown, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.router.core import RouterCore
 from meshllm.router.service import RouterServicer
-from meshllm.tracing import setup_tracing, shutdown_tracing
 from meshllm.v1 import discovery_pb2, router_pb2_grpc
 
 __all__ = ["RouterServer", "main"]
@@ -128,23 +126,13 @@ class RouterServer(AsyncCloseable):
 
 async def serve(config: RouterConfig) -> int:
     """Start, serve until SIGTERM/SIGINT, shut down in order."""
-    stop = asyncio.Event()
-    setup_tracing("meshllm-router", otlp_endpoint=config.otlp_endpoint)
-    uninstall = install_signal_handlers(lambda sig: stop.set())
-    try:
-        try:
-            server = await RouterServer.start(config)
-        except MeshError as exc:
-            print(f"meshllm router: error: {exc.message}", file=sys.stderr)
-            return 1
-        print(f"meshllm router {config.router_id} ({config.mode.value}) serving on {server.address}", flush=True)
-        await stop.wait()
-        log.info("signal received: shutting down")
-        await server.aclose()
-        return 0
-    finally:
-        uninstall()
-        shutdown_tracing()
+    return await serve_until_signal(
+        "router",
+        lambda: RouterServer.start(config),
+        lambda server: [f"meshllm router {config.router_id} ({config.mode.value}) serving on {server.address}"],
+        service_name="meshllm-router",
+        otlp_endpoint=config.otlp_endpoint,
+    )
 
 
 def main(argv: Sequence[str]) -> int:

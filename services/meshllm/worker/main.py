@@ -12,9 +12,7 @@ from collections.abc import Sequence
 from meshllm.config import ConfigError
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.errors import MeshError
-from meshllm.lifecycle import install_signal_handlers
-from meshllm.tracing import setup_tracing, shutdown_tracing
+from meshllm.lifecycle import serve_until_signal
 from meshllm.worker.runtime import Worker
 
 __all__ = ["main", "run"]
@@ -28,30 +26,16 @@ def setup_logging() -> None:
 
 
 async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
-    """Construct, start, serve until SIGTERM/SIGINT, shut down in order."""
+    """Construct, start, serve until SIGTERM/SIGINT or a Drain RPC, shut down in order."""
     engine, config = await engine_cls.from_args(list(argv))
-    setup_tracing(f"meshllm-worker-{config.engine}", otlp_endpoint=config.otlp_endpoint)
-    stop = asyncio.Event()
-    uninstall = install_signal_handlers(lambda sig: stop.set())
-    try:
-        try:
-            worker = await Worker.start(engine, config)
-        except MeshError as exc:
-            print(f"meshllm worker: error: {exc.message}", file=sys.stderr)
-            return 1
-        print(f"meshllm worker {worker.id} ({config.engine}, {config.role.value}) serving on {worker.address}", flush=True)
-        # A signal, or a Drain RPC (which starts the worker's own shutdown), ends the process.
-        signalled = asyncio.ensure_future(stop.wait())
-        drained = asyncio.ensure_future(worker.wait_closing())
-        await asyncio.wait([signalled, drained], return_when=asyncio.FIRST_COMPLETED)
-        signalled.cancel()
-        drained.cancel()
-        log.info("shutting down (%s)", "signal" if stop.is_set() else "Drain RPC")
-        await worker.aclose()
-        return 0
-    finally:
-        uninstall()
-        shutdown_tracing()
+    return await serve_until_signal(
+        "worker",
+        lambda: Worker.start(engine, config),
+        lambda w: [f"meshllm worker {w.id} ({config.engine}, {config.role.value}) serving on {w.address}"],
+        service_name=f"meshllm-worker-{config.engine}",
+        otlp_endpoint=config.otlp_endpoint,
+        closing=Worker.wait_closing,
+    )
 
 
 def run(engine_cls: type[LLMEngine], argv: Sequence[str] | None = None) -> int:
