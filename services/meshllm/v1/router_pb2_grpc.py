@@ -6,6 +6,7 @@ import warnings
 
 from meshllm.v1 import generate_pb2 as meshllm_dot_v1_dot_generate__pb2
 from meshllm.v1 import router_pb2 as meshllm_dot_v1_dot_router__pb2
+from meshllm.v1 import session_pb2 as meshllm_dot_v1_dot_session__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -42,6 +43,11 @@ class RouterStub:
                 request_serializer=meshllm_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=meshllm_dot_v1_dot_generate__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateSession = channel.stream_stream(
+                '/meshllm.v1.Router/GenerateSession',
+                request_serializer=meshllm_dot_v1_dot_session__pb2.SessionUp.SerializeToString,
+                response_deserializer=meshllm_dot_v1_dot_session__pb2.SessionDown.FromString,
+                _registered_method=True)
         self.Route = channel.unary_unary(
                 '/meshllm.v1.Router/Route',
                 request_serializer=meshllm_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
@@ -60,6 +66,13 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Route and proxy a generation stream (see GenerateChunk's guarantees).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateSession(self, request_iterator, context):
+        """Many Generate streams on one call (see session.proto): what meshllm's own clients use.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +99,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=meshllm_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=meshllm_dot_v1_dot_generate__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateSession,
+                    request_deserializer=meshllm_dot_v1_dot_session__pb2.SessionUp.FromString,
+                    response_serializer=meshllm_dot_v1_dot_session__pb2.SessionDown.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
@@ -126,6 +144,33 @@ class Router:
             '/meshllm.v1.Router/Generate',
             meshllm_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             meshllm_dot_v1_dot_generate__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshllm.v1.Router/GenerateSession',
+            meshllm_dot_v1_dot_session__pb2.SessionUp.SerializeToString,
+            meshllm_dot_v1_dot_session__pb2.SessionDown.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,7 @@
 from meshllm.v1 import discovery_pb2 as _discovery_pb2
 from meshllm.v1 import events_pb2 as _events_pb2
 from meshllm.v1 import generate_pb2 as _generate_pb2
+from meshllm.v1 import session_pb2 as _session_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
