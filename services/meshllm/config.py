@@ -119,12 +119,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = ephemeral
     max_message_bytes: int = 64 * 1024 * 1024
+    # Least time between two messages of one Generate session (plane/session.py):
+    # engine steps closer together than this travel as one message.
+    stream_interval_ms: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} is out of range 0..65535")
         if self.max_message_bytes <= 0:
             raise ConfigError("max message size must be positive")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ConfigError(f"--stream-interval-ms must be in 0..1000, got {self.stream_interval_ms:g}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

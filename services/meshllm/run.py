@@ -40,10 +40,9 @@ from meshllm.frontend.main import Frontend, run_loop, setup_logging
 from meshllm.lifecycle import AsyncCloseable, serve_until_signal
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
-from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import GrpcServer, start_server
 from meshllm.router import RouterCore
-from meshllm.router.service import RouterServicer
-from meshllm.v1 import router_pb2_grpc
+from meshllm.router.service import router_binding
 from meshllm.worker.runtime import Worker
 
 __all__ = ["Mesh", "RunConfig", "main", "run_arg_parser"]
@@ -255,7 +254,7 @@ async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | No
     """Serve the frontend's embedded routing core as the Router gRPC service too (grpcurl's view of routing)."""
     if router is None:
         return None
-    binding = ServiceBinding("meshllm.v1.Router", RouterServicer(router), router_pb2_grpc.add_RouterServicer_to_server)
+    binding = router_binding(router)
     return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding])
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-__all__ = ["extract_context", "otel_active", "setup_tracing", "shutdown_tracing", "tracer"]
+__all__ = ["extract_context", "otel_active", "setup_tracing", "shutdown_tracing", "tracer", "tracing_enabled"]
 
 log = logging.getLogger(__name__)
 _provider: Any = None
@@ -56,6 +56,11 @@ def shutdown_tracing() -> None:
 def tracer() -> trace.Tracer:
     """meshllm's tracer (a no-op one when tracing is off)."""
     return trace.get_tracer("meshllm")
+
+
+def tracing_enabled() -> bool:
+    """Whether this process records spans at all (setup_tracing was given somewhere to send them)."""
+    return _provider is not None
 
 
 def otel_active() -> bool:

@@ -341,7 +341,7 @@ class WorkerConfig:
             engine=engine,
             role=DisaggregationMode(ns.role),
             plane=plane,
-            server=ServerConfig(host=ns.host, port=ns.port),
+            server=ServerConfig(host=ns.host, port=ns.port, stream_interval_ms=ns.stream_interval_ms),
             component=ns.component,
             endpoint=ns.endpoint,
             static=static,
@@ -375,6 +375,12 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--endpoint", default="generate", help="discovery endpoint name")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
+    g.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=1.0,
+        help="least time between two stream messages to one client; faster engine steps are sent together (0 = every step)",
+    )
     g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
     g.add_argument("--static", action="store_true", help="do not register in discovery")
     g.add_argument("--instance-id", default="", help="instance id (default: random)")

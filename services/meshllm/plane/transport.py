@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 ERROR_TRAILER = "meshllm-error"
 TRACEPARENT = "traceparent"
 T = TypeVar("T")
+S = TypeVar("S", bound=AsyncCloseable)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -240,16 +241,22 @@ class ServiceBinding:
     name: str  # full service name, e.g. "meshllm.v1.Worker"
     servicer: object
     register: Callable[[Any, grpc.aio.Server], None]
+    # Called when the server starts to stop, before its grace period: lets
+    # long-lived calls (Generate sessions) end once their streams have.
+    closing: Callable[[], None] | None = None
 
 
 class GrpcServer(AsyncCloseable):
     """A started grpc.aio server with reflection and health. Close = stop(grace)."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, host: str, services: Sequence[str]) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, port: int, host: str, services: Sequence[str], closing: Sequence[Callable[[], None]] = ()
+    ) -> None:
         self.server = server
         self.port = port
         self.host = host
         self.services = tuple(services)
+        self._closing = tuple(closing)
         self.health = health.aio.HealthServicer()
         self.grace_s = 5.0
 
@@ -265,6 +272,8 @@ class GrpcServer(AsyncCloseable):
 
     async def _aclose(self) -> None:
         await self.set_serving(False)
+        for hook in self._closing:
+            hook()
         await self.server.stop(self.grace_s)
 
 
@@ -289,7 +298,7 @@ async def start_server(
         from meshllm.config import ConfigError
 
         raise ConfigError(f"cannot listen on {config.host}:{config.port}")
-    gs = GrpcServer(server, port, config.host, [s.name for s in services])
+    gs = GrpcServer(server, port, config.host, [s.name for s in services], [s.closing for s in services if s.closing])
     health_pb2_grpc.add_HealthServicer_to_server(gs.health, server)
     names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
@@ -302,10 +311,15 @@ async def start_server(
 
 
 class ChannelCache(AsyncCloseable):
-    """One grpc.aio channel per address, shared by every client of a process."""
+    """One grpc.aio channel per address, shared by every client of a process.
+
+    `shared` keeps one more object per address and key over that channel (the
+    Generate session of `meshllm.plane.session`); it is closed with the channel.
+    """
 
     def __init__(self, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._shared: dict[tuple[str, str], AsyncCloseable] = {}
         self._options = channel_options(max_message_bytes)
 
     def get(self, address: str) -> grpc.aio.Channel:
@@ -317,12 +331,23 @@ class ChannelCache(AsyncCloseable):
             self._channels[address] = ch
         return ch
 
+    def shared(self, address: str, key: str, make: Callable[[grpc.aio.Channel], S]) -> S:
+        """The one object `make(channel)` built for (address, key), built on first use."""
+        obj = self._shared.get((address, key))
+        if obj is None:
+            obj = self._shared[(address, key)] = make(self.get(address))
+        return obj  # type: ignore[return-value]
+
     async def drop(self, address: str) -> None:
         """Close and forget the channel to one address (e.g. a worker that left)."""
+        shared = [self._shared.pop(k) for k in [k for k in self._shared if k[0] == address]]
+        await asyncio.gather(*(obj.aclose() for obj in shared), return_exceptions=True)
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close()
 
     async def _aclose(self) -> None:
+        shared, self._shared = list(self._shared.values()), {}
+        await asyncio.gather(*(obj.aclose() for obj in shared), return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)

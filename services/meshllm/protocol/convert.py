@@ -22,6 +22,7 @@ from meshllm.v1 import generate_pb2 as pb
 
 __all__ = [
     "chunk_from_proto",
+    "chunk_into_proto",
     "chunk_to_proto",
     "disagg_from_proto",
     "disagg_to_proto",
@@ -176,7 +177,19 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
 
 
 def chunk_to_proto(c: GenerateChunk) -> pb.GenerateChunk:
-    m = pb.GenerateChunk(token_ids=c.get("token_ids", ()), index=c.get("index", 0), stop_reason=c.get("stop_reason", ""))
+    m = pb.GenerateChunk()
+    chunk_into_proto(m, c)
+    return m
+
+
+def chunk_into_proto(m: pb.GenerateChunk, c: GenerateChunk) -> None:
+    """Fill an empty GenerateChunk message in place (e.g. one inside a batch, with no copy)."""
+    if ids := c.get("token_ids"):
+        m.token_ids.extend(ids)
+    if index := c.get("index"):
+        m.index = index
+    if stop_reason := c.get("stop_reason"):
+        m.stop_reason = stop_reason
     if "finish_reason" in c:
         m.finish_reason = _FINISH_TO_PB[c["finish_reason"]]  # type: ignore[assignment]
     if u := c.get("usage"):
@@ -192,7 +205,6 @@ def chunk_to_proto(c: GenerateChunk) -> pb.GenerateChunk:
     if err := c.get("error"):
         m.error.code = err["code"]
         m.error.message = err["message"]
-    return m
 
 
 def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:

@@ -9,8 +9,11 @@ gRPC call, and with it the worker call behind the router.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
+import grpc
+
+from meshllm.plane.session import SessionClient
 from meshllm.plane.transport import CallInfo, ChannelCache, generate_stream, translate_errors
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
@@ -18,16 +21,31 @@ from meshllm.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["RouterClient"]
 
+SESSION = "router-session"
+
+
+def _session_of(address: str) -> Callable[[grpc.aio.Channel], SessionClient]:
+    return lambda channel: SessionClient(
+        router_pb2_grpc.RouterStub(channel).GenerateSession, f"router {address}", "/meshllm.v1.Router/Generate"
+    )
+
 
 class RouterClient:
     """Client of one router address over a shared ChannelCache."""
 
     def __init__(self, channels: ChannelCache, address: str) -> None:
         self.address = address
+        self._channels = channels
         self._stub = router_pb2_grpc.RouterStub(channels.get(address))
 
-    async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks (see `generate_stream`); StreamIncomplete if the stream ends without a terminal."""
+    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks, then one terminal, over the process's one session to this router (plane/session.py)."""
+        session = self._channels.shared(self.address, SESSION, _session_of(self.address))
+        info = call or CallInfo()
+        return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)
+
+    async def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+        """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
         info = call or CallInfo()
         rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
         async for chunk in generate_stream(rpc, f"router {self.address}"):

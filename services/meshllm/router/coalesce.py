@@ -18,22 +18,11 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator
 
+from meshllm.protocol.chunks import merge_into
+from meshllm.protocol.chunks import mergeable as _mergeable
 from meshllm.protocol.types import GenerateChunk
 
 __all__ = ["coalesce", "merge_into"]
-
-
-def _mergeable(chunk: GenerateChunk) -> bool:
-    return "finish_reason" not in chunk and "error" not in chunk and "disagg" not in chunk
-
-
-def merge_into(target: GenerateChunk, chunk: GenerateChunk) -> None:
-    """Append `chunk`'s tokens (and logprobs) to `target`; the newer usage wins."""
-    target["token_ids"] = [*target.get("token_ids", ()), *chunk.get("token_ids", ())]
-    if "logprobs" in chunk or "logprobs" in target:
-        target["logprobs"] = [*target.get("logprobs", ()), *chunk.get("logprobs", ())]
-    if "usage" in chunk:
-        target["usage"] = chunk["usage"]
 
 
 class _Pipe:

@@ -23,11 +23,11 @@ from meshllm.config import ConfigError
 from meshllm.lifecycle import AsyncCloseable, Shutdown, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
-from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.router.core import RouterCore
-from meshllm.router.service import RouterServicer
-from meshllm.v1 import discovery_pb2, router_pb2_grpc
+from meshllm.router.service import router_binding
+from meshllm.v1 import discovery_pb2
 
 __all__ = ["RouterServer", "main"]
 
@@ -67,7 +67,7 @@ class RouterServer(AsyncCloseable):
         self.bus = await open_events(cfg.plane, memory_broker=memory_broker, name=cfg.router_id)
         self.core = RouterCore(cfg, self.discovery, self.bus, self.channels)
         await self.core.start()
-        binding = ServiceBinding("meshllm.v1.Router", RouterServicer(self.core), router_pb2_grpc.add_RouterServicer_to_server)
+        binding = router_binding(self.core, stream_interval_s=cfg.server.stream_interval_ms / 1000.0)
         self.server = await start_server(cfg.server, [binding])
         if not cfg.static:
             await self.discovery.register_instance(

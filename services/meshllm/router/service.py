@@ -13,13 +13,14 @@ from typing import cast
 
 import grpc
 
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.session import SessionServer
+from meshllm.plane.transport import CallInfo, ServiceBinding
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, RoutingHints
 from meshllm.router.core import RouterCore
-from meshllm.v1 import generate_pb2, router_pb2, router_pb2_grpc
+from meshllm.v1 import generate_pb2, router_pb2, router_pb2_grpc, session_pb2
 
-__all__ = ["RouterServicer", "hints_from_proto"]
+__all__ = ["RouterServicer", "hints_from_proto", "router_binding"]
 
 
 def hints_from_proto(m: generate_pb2.RoutingHints) -> RoutingHints:
@@ -30,8 +31,17 @@ def hints_from_proto(m: generate_pb2.RoutingHints) -> RoutingHints:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves one RouterCore."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, *, stream_interval_s: float = 0.001) -> None:
         self.core = core
+        self.sessions = SessionServer(
+            lambda req, call: core.generate(req, call=call), "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s
+        )
+
+    async def GenerateSession(
+        self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[session_pb2.SessionDown]:
+        async for down in self.sessions.serve(request_iterator, context):
+            yield down
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -54,3 +64,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListWorkersResponse:
         return self.core.list_workers(request.model or None)
+
+
+def router_binding(core: RouterCore, *, stream_interval_s: float = 0.001) -> ServiceBinding:
+    """The Router service over `core`, ready for `start_server` (its sessions end before the server stops)."""
+    servicer = RouterServicer(core, stream_interval_s=stream_interval_s)
+    return ServiceBinding("meshllm.v1.Router", servicer, router_pb2_grpc.add_RouterServicer_to_server, servicer.sessions.close)

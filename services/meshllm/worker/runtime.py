@@ -90,19 +90,24 @@ class Worker(AsyncCloseable):
         cfg = self.config
         self.discovery = await open_discovery(cfg.plane, memory_store=memory_store)
         self.bus = await open_events(cfg.plane, memory_broker=memory_broker)
-        self.sink = WorkerSink(
-            self.id, self.bus, namespace=cfg.plane.namespace, component=cfg.component, on_load=self._on_load
-        )
+        self.sink = WorkerSink(self.id, self.bus, namespace=cfg.plane.namespace, component=cfg.component, on_load=self._on_load)
         self.engine.sink = self.sink
         t0 = time.monotonic()
         self.engine_config = await self.engine.start(self.id)
         self.metrics.model_load_time.set(time.monotonic() - t0)
         self.metrics.kv_total_blocks.set(self.engine_config.total_kv_blocks)
         self.servicer = WorkerServicer(
-            self.engine, self.sink, self.metrics, info=self.info, validate_streams=cfg.validate_streams
+            self.engine,
+            self.sink,
+            self.metrics,
+            info=self.info,
+            validate_streams=cfg.validate_streams,
+            stream_interval_s=cfg.server.stream_interval_ms / 1000.0,
         )
         self.servicer.on_drain_request = lambda: asyncio.ensure_future(self.aclose())
-        binding = ServiceBinding("meshllm.v1.Worker", self.servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
+        binding = ServiceBinding(
+            "meshllm.v1.Worker", self.servicer, worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer.sessions.close
+        )
         self.server = await start_server(cfg.server, [binding])
         self.instance = self._instance(self.server.port)
         self.model_card = await self._model_card(self.engine_config)
@@ -154,7 +159,8 @@ class Worker(AsyncCloseable):
             checksum = await asyncio.to_thread(digest)
         card = discovery_pb2.ModelCard(
             name=self.config.model_name or ec.model,
-            model_type=discovery_pb2.MODEL_TYPE_CHAT_AND_COMPLETION if ec.chat_template or ec.tokenizer_source
+            model_type=discovery_pb2.MODEL_TYPE_CHAT_AND_COMPLETION
+            if ec.chat_template or ec.tokenizer_source
             else discovery_pb2.MODEL_TYPE_COMPLETION,
             tokenizer_source=ec.tokenizer_source or (f"worker:{self.id}" if files else ""),
             chat_template=ec.chat_template,
@@ -301,4 +307,3 @@ class Worker(AsyncCloseable):
             return
         await self.shutdown.run()
         log.info("worker %s stopped (%s)", self.id, ", ".join(f"{k} {v:.2f}s" for k, v in self.shutdown.durations.items()))
-

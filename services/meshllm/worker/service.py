@@ -21,11 +21,12 @@ import grpc
 
 from meshllm.engine.base import Context, EngineConfig, LLMEngine
 from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
+from meshllm.plane.session import SessionServer
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import tracer
-from meshllm.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from meshllm.v1 import generate_pb2, session_pb2, worker_pb2, worker_pb2_grpc
 from meshllm.worker.metrics import WorkerMetrics
 from meshllm.worker.sink import WorkerSink
 from meshllm.worker.validator import validate_stream
@@ -47,6 +48,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         info: Callable[[], worker_pb2.WorkerInfo],
         validate_streams: bool = False,
+        stream_interval_s: float = 0.001,
     ) -> None:
         self.engine = engine
         self.sink = sink
@@ -60,6 +62,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._idle.set()
         self.requests_served = 0
         self.on_drain_request: Callable[[], Any] | None = None
+        self.sessions = SessionServer(
+            lambda req, call: self.run_request(req, call.traceparent),
+            "/meshllm.v1.Worker/Generate",
+            min_interval_s=stream_interval_s,
+        )
 
     # ------------------------------------------------------------ generate
     async def Generate(
@@ -71,6 +78,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield chunk_to_proto(chunk)
         finally:
             await gen.aclose()  # a cancel reaches run_request at once, not at garbage collection
+
+    async def GenerateSession(
+        self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[session_pb2.SessionDown]:
+        async for down in self.sessions.serve(request_iterator, context):
+            yield down
 
     async def run_request(self, req: GenerateRequest, traceparent: str | None = None) -> AsyncGenerator[GenerateChunk, None]:
         """Run one request through the engine (also used by the health canary)."""
@@ -209,9 +222,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for name in names:
             data = await asyncio.to_thread(files[name].read_bytes)
             for off in range(0, max(len(data), 1), FILE_CHUNK):
-                yield worker_pb2.ModelFileChunk(
-                    name=name, data=data[off : off + FILE_CHUNK], offset=off, total_bytes=len(data)
-                )
+                yield worker_pb2.ModelFileChunk(name=name, data=data[off : off + FILE_CHUNK], offset=off, total_bytes=len(data))
 
     # ------------------------------------------------------------ lifecycle helpers
     async def wait_idle(self) -> None:
