@@ -1,23 +1,32 @@
-"""Benchmark routing policies on a shared-prefix workload: prefix-cache hit rate and TTFT per `--router-mode`.
+"""Benchmark routing policies on a matrix of workloads: prefix-cache hit rate, TTFT and spread per `--router-mode`.
 
-    .venv/bin/python bench/routing.py                # all five modes, print, update docs/benchmarks.md
-    .venv/bin/python bench/routing.py --no-write     # measure and print only
+    .venv/bin/python bench/routing.py                # every scenario × cache size × mode, update docs/benchmarks.md
+    .venv/bin/python bench/routing.py --quick        # fewer requests (development), prints only
+    .venv/bin/python bench/routing.py --scenarios docs-seq --modes kv,round-robin --no-write
 
-Workload (ISSUE 5): 8 groups × 32 requests; the requests of a group share a
-1,024-token prefix and add a 16-token unique suffix; 8 output tokens each
-(ignore_eos), a prefill-heavy chat/RAG shape. Arrival order is random
-(groups interleaved) with exponential inter-arrival times, 3 requests/s.
-Workers: 4 mocker workers (block size 16) whose caches hold about 3 of the
-8 prefixes each (`--num-gpu-blocks 160`: 2.5 prefixes of 64 blocks — the
-round-robin baseline's hit rate is about prefixes-per-cache / 8, so a 3×
-ratio needs caches under 2.9 prefixes), `--speedup-ratio 1` (real simulated
-timing). Each mode runs on fresh workers (cold caches), routed by an
-embedded `RouterCore` over real gRPC to the workers, with in-memory
-discovery and events.
+Scenarios (each at a tight and a roomy cache size, on fresh workers per mode):
 
-Hit rate = cached prompt tokens / prompt tokens, both from the terminal
-chunks' usage. TTFT = first token's arrival at the caller minus the
-request's start. `run_mode` is also used by tests/component/test_router_quality.py.
+- `distinct` (ISSUE 5): 8 groups × 32 requests; a group's requests share a
+  1,024-token prefix and add a 16-token unique suffix; random order,
+  exponential arrivals at 3 requests/s.
+- `docs-seq` / `docs-c8` (ISSUE 12): 8 documents of 800 tokens (50 blocks)
+  that all start with the same 32-token (2-block) preamble; 96 requests in
+  random document order, each a document plus an 8-token question; sent one
+  after another (`docs-seq`) or by 8 concurrent callers (`docs-c8`).
+- `mooncake` (ISSUE 12): the Mooncake conversation trace
+  (../shared/traces/mooncake/, loaded by `meshllm.bench.trace`), scaled: a
+  time window of the trace, a seeded sample of its sessions (requests whose
+  first private hash id is equal, kept or dropped together, so conversations
+  stay whole), hash ids of fewer tokens, arrivals sped up, lengths capped —
+  the scaling is printed with the figures. Open loop (trace arrivals).
+
+Workers: 4 mocker workers (block size 16), `--speedup-ratio 1` (real
+simulated timing), routed by an embedded `RouterCore` over real gRPC to the
+workers, with in-memory discovery and events. Hit rate = cached prompt
+tokens / prompt tokens, from the terminal chunks' usage; TTFT = first
+token's arrival at the caller minus the request's start (its arrival, or
+when a closed-loop caller sent it). `run_mode` is also used by
+tests/component/test_router_quality.py.
 """
 
 from __future__ import annotations
@@ -28,10 +37,9 @@ import datetime
 import os
 import platform
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchdoc import write_section
@@ -50,6 +58,8 @@ from meshllm.worker.runtime import Worker
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 MODES = ("kv", "approximate", "round-robin", "random", "least-loaded")
+SCENARIOS = ("distinct", "docs-seq", "docs-c8", "mooncake")
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +119,36 @@ def requests(w: Workload) -> list[tuple[float, int, GenerateRequest]]:
     return out
 
 
+Arrival = tuple[float, GenerateRequest]  # (arrival offset s, request); offsets are ignored in closed loop
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One workload of the matrix: its requests, how they are sent, and the cache sizes it runs at."""
+
+    name: str
+    describe: str
+    requests: list[Arrival]
+    concurrency: int | None  # None = open loop at the arrival offsets
+    caches: tuple[tuple[str, int], ...]  # (label, --num-gpu-blocks) per cache size
+    cache_unit: tuple[str, int]  # ("documents", blocks per document) to state the cache sizes in
+    ceiling: float  # best hit rate any router can reach with unbounded caches
+    context_length: int = 2048
+
+
 async def run_mode(mode: str, setup: Setup = Setup(), workload: Workload = Workload()) -> Result:
-    """Run the workload once through a fresh mesh routed by `mode`."""
+    """Run the distinct-prefix workload once through a fresh mesh routed by `mode`."""
+    return await run_requests(mode, setup, [(t, r) for t, _, r in requests(workload)], None)
+
+
+async def run_requests(
+    mode: str, setup: Setup, reqs: list[Arrival], concurrency: int | None, *, context_length: int = 2048
+) -> Result:
+    """Send `reqs` once through a fresh mesh routed by `mode` (open loop, or `concurrency` callers)."""
     store, broker = MemoryStore(), MemoryBroker()
     mocker = MockerConfig(
         block_size=setup.block_size, num_gpu_blocks=setup.num_gpu_blocks, speedup_ratio=setup.speedup_ratio,
-        context_length=2048, max_num_seqs=64,
+        context_length=context_length, max_num_seqs=64,
     )  # fmt: skip
     workers: list[Worker] = []
     result = Result(mode)
@@ -130,7 +164,7 @@ async def run_mode(mode: str, setup: Setup = Setup(), workload: Workload = Workl
             try:
                 await core.pool.wait_until(lambda: len(core.pool.all()) == setup.workers)
                 await core.feed.wait_synced()
-                await _drive(core, requests(workload), result)
+                await _drive(core, reqs, concurrency, result)
                 for w in workers:
                     assert w.servicer is not None
                     result.per_worker[w.id] = w.servicer.requests_served
@@ -142,14 +176,10 @@ async def run_mode(mode: str, setup: Setup = Setup(), workload: Workload = Workl
     return result
 
 
-async def _drive(core: RouterCore, reqs: list[tuple[float, int, GenerateRequest]], result: Result) -> None:
+async def _drive(core: RouterCore, reqs: list[Arrival], concurrency: int | None, result: Result) -> None:
     start = time.monotonic()
 
-    async def one(offset: float, req: GenerateRequest) -> None:
-        delay = start + offset - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)  # the request's arrival time
-        t0 = time.monotonic()
+    async def one(req: GenerateRequest, t0: float) -> None:
         first = None
         async for chunk in core.generate(req):
             if first is None and chunk.get("token_ids"):
@@ -162,73 +192,242 @@ async def _drive(core: RouterCore, reqs: list[tuple[float, int, GenerateRequest]
         result.ttft_ms.append(((first or end) - t0) * 1000)
         result.e2e_ms.append((end - t0) * 1000)
 
-    await asyncio.gather(*(one(t, r) for t, _, r in reqs))
+    async def at(offset: float, req: GenerateRequest) -> None:
+        delay = start + offset - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the request's arrival time
+        await one(req, time.monotonic())
+
+    async def caller(queue: list[GenerateRequest]) -> None:
+        while queue:
+            await one(queue.pop(0), time.monotonic())
+
+    if concurrency is None:
+        await asyncio.gather(*(at(t, r) for t, r in reqs))
+    else:
+        queue = [r for _, r in reqs]
+        await asyncio.gather(*(caller(queue) for _ in range(concurrency)))
     result.seconds = time.monotonic() - start
 
 
-def render(results: list[Result], setup: Setup, workload: Workload) -> str:
-    rr = next((r for r in results if r.mode == "round-robin"), None)
+# ---------------------------------------------------------------------------------------------- scenarios
+def distinct_scenario(workload: Workload, setup: Setup) -> Scenario:
+    prefix_blocks = workload.prefix_tokens // setup.block_size
+    return Scenario(
+        name="distinct",
+        describe=(
+            f"{workload.groups} groups × {workload.per_group} requests, each group sharing a {workload.prefix_tokens:,}-token "
+            f"prefix (+ {workload.suffix_tokens} unique tokens, {workload.max_tokens} output tokens), random order, "
+            f"exponential arrivals at {workload.rate:g} req/s"
+        ),
+        requests=[(t, r) for t, _, r in requests(workload)],
+        concurrency=None,
+        caches=(("tight", 160), ("roomy", 640)),
+        cache_unit=("prefixes", prefix_blocks),
+        ceiling=(workload.groups * (workload.per_group - 1) * workload.prefix_tokens)
+        / (workload.groups * workload.per_group * (workload.prefix_tokens + workload.suffix_tokens)),
+    )
+
+
+def docs_requests(n: int, *, docs: int = 8, doc_tokens: int = 800, preamble: int = 32, question: int = 8, seed: int = 0,
+                  max_tokens: int = 8) -> tuple[list[Arrival], float]:  # fmt: skip
+    """`n` requests of random documents sharing one preamble, and the ceiling of their hit rate."""
+    rng = random.Random(seed)
+    head = [rng.randrange(1000, 30000) for _ in range(preamble)]
+    bodies = [head + [rng.randrange(1000, 30000) for _ in range(doc_tokens - preamble)] for _ in range(docs)]
+    out: list[Arrival] = []
+    seen: set[int] = set()
+    reusable = 0
+    for i in range(n):
+        d = rng.randrange(docs)
+        if d in seen:
+            reusable += doc_tokens
+        elif seen:
+            reusable += preamble
+        seen.add(d)
+        prompt = bodies[d] + [rng.randrange(1000, 30000) for _ in range(question)]
+        req: GenerateRequest = {
+            "request_id": f"d{i}", "model": "mocker", "token_ids": prompt,
+            "stop": {"max_tokens": max_tokens, "ignore_eos": True},
+        }  # fmt: skip
+        out.append((0.0, req))
+    return out, reusable / (n * (doc_tokens + question))
+
+
+def docs_scenario(name: str, n: int, concurrency: int) -> Scenario:
+    reqs, ceiling = docs_requests(n)
+    how = "one after another" if concurrency == 1 else f"by {concurrency} concurrent callers"
+    return Scenario(
+        name=name,
+        describe=(
+            f"{n} requests over 8 documents of 800 tokens (50 blocks) that all start with the same 32-token "
+            f"(2-block) preamble, random document order, + an 8-token question, 8 output tokens, sent {how}"
+        ),
+        requests=reqs,
+        concurrency=concurrency,
+        caches=(("tight", 128), ("roomy", 640)),
+        cache_unit=("documents", 50),
+        ceiling=ceiling,
+        context_length=1024,
+    )
+
+
+def mooncake_scenario(quick: bool, setup: Setup, speedup: float) -> Scenario:
+    from meshllm.bench.trace import TraceScale, load_trace, trace_stats
+
+    window = 600.0 if quick else 1200.0
+    keep = 0.1
+    scale = TraceScale(tokens_per_block=64, speedup=speedup, duration_s=window, max_isl=4096, max_osl=16, seed=0)
+    rows = load_trace(TRACE, scale)
+    rng = random.Random(0)
+    sessions: dict[int, bool] = {}
+    picked = []
+    for r in rows:
+        key = r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index
+        if key not in sessions:
+            sessions[key] = rng.random() < keep
+        if sessions[key]:
+            picked.append(r)
+    t0 = picked[0].arrival_s if picked else 0.0
+    out: list[Arrival] = []
+    for r in picked:
+        req: GenerateRequest = {
+            "request_id": f"m{r.index}", "model": "mocker", "token_ids": list(r.prompt_token_ids),
+            "stop": {"max_tokens": r.max_tokens, "ignore_eos": True},
+        }  # fmt: skip
+        out.append((r.arrival_s - t0, req))
+    stats = trace_stats(picked)
+    working_set = stats.unique_hash_ids * scale.tokens_per_block // setup.block_size
+    tight, roomy = max(working_set // 16, 300), max(working_set // 4, 300)
+    return Scenario(
+        name="mooncake",
+        describe=(
+            f"conversation trace, {scale.describe()}; {keep:.0%} of the sessions of the window (seeded); "
+            f"{stats.describe()}; working set {working_set:,} blocks"
+        ),
+        requests=out,
+        concurrency=None,
+        caches=(("tight", tight), ("roomy", roomy)),
+        cache_unit=("of the working set", working_set),
+        ceiling=stats.reuse_ceiling,
+        context_length=4096 + 16,
+    )
+
+
+@dataclass(slots=True)
+class Row:
+    scenario: Scenario
+    cache: str
+    blocks: int
+    result: Result
+
+
+async def run_matrix(
+    names: list[str], modes: list[str], setup: Setup, workload: Workload, quick: bool, trace_speedup: float
+) -> list[Row]:
+    builders = {
+        "distinct": lambda: distinct_scenario(replace(workload, per_group=8) if quick else workload, setup),
+        "docs-seq": lambda: docs_scenario("docs-seq", 48 if quick else 96, 1),
+        "docs-c8": lambda: docs_scenario("docs-c8", 48 if quick else 96, 8),
+        "mooncake": lambda: mooncake_scenario(quick, setup, trace_speedup),
+    }
     rows = []
-    for r in results:
-        ratio = f"{r.hit_rate / rr.hit_rate:.1f}×" if rr is not None and rr.hit_rate else "–"
-        ttft = statistics.median(r.ttft_ms)
-        ttft_ratio = f"{statistics.median(rr.ttft_ms) / ttft:.1f}×" if rr is not None else "–"
-        spread = "/".join(str(r.per_worker.get(f"w{i}", 0)) for i in range(setup.workers))
-        rows.append(
-            f"| {r.mode} | {r.hit_rate:.1%} | {ratio} | {ttft:,.1f} | {r.p(r.ttft_ms, 0.9):,.1f} | {ttft_ratio} "
-            f"| {statistics.median(r.e2e_ms):,.0f} | {spread} |"
-        )
+    for name in names:
+        sc = builders[name]()
+        print(f"{sc.name}: {sc.describe}; ceiling {sc.ceiling:.1%}", file=sys.stderr)
+        for label, blocks in sc.caches:
+            for mode in modes:
+                r = await run_requests(
+                    mode, replace(setup, num_gpu_blocks=blocks), sc.requests, sc.concurrency, context_length=sc.context_length
+                )
+                spread = "/".join(str(v) for _, v in sorted(r.per_worker.items()))
+                print(
+                    f"  {label:>5} {blocks:>5} {mode:>13}: hit {r.hit_rate:6.1%}  ttft p50 {r.p(r.ttft_ms, 0.5):7.1f} "
+                    f"p90 {r.p(r.ttft_ms, 0.9):7.1f} ms  {spread}  {r.seconds:.1f}s",
+                    file=sys.stderr,
+                )
+                rows.append(Row(sc, label, blocks, r))
+    return rows
+
+
+def render(rows: list[Row], setup: Setup) -> str:
     load = os.getloadavg()[0]
-    per_cache = setup.num_gpu_blocks * setup.block_size / workload.prefix_tokens
-    ceiling = workload.prefix_tokens / (workload.prefix_tokens + workload.suffix_tokens)
-    return f"""## Routing
+    parts = [
+        f"""## Routing
 
 `.venv/bin/python bench/routing.py` on {datetime.date.today().isoformat()} ({platform.machine()}, {os.cpu_count()} cores,
-Python {platform.python_version()}). {workload.groups} groups × {workload.per_group} requests, each group sharing a
-{workload.prefix_tokens:,}-token prefix (+ {workload.suffix_tokens} unique tokens, {workload.max_tokens} output tokens), random
-order, exponential arrivals at {workload.rate:g} req/s; {setup.workers} mocker workers, block size {setup.block_size},
---num-gpu-blocks {setup.num_gpu_blocks} ({per_cache:.1f} prefixes each), --speedup-ratio {setup.speedup_ratio:g};
-fresh workers per mode; embedded RouterCore, real gRPC to the workers. 1-minute load average {load:.1f} when the run ended.
-
-| mode | prefix hit rate | vs round-robin | TTFT p50 ms | TTFT p90 ms | TTFT p50 gain | e2e p50 ms | requests per worker |
-|---|---|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-Hit rate is cached prompt tokens / prompt tokens from the usage of every request (the ceiling is
-{ceiling:.1%}: suffixes are never cached, and each group's first
-request finds nothing). `kv` keeps each group on the worker that holds its prefix (KV events, plus
-the prompts it has in flight) and gives a new prefix to the emptiest cache; `approximate` does the
-same from what it routed (no events). Round-robin and random ignore the cache, so every worker sees
-all eight prefixes and its LRU cache, too small for three, keeps evicting them; least-loaded ignores
-it too, but at light load its tie-break sends most requests to the same few workers.
+Python {platform.python_version()}). {setup.workers} mocker workers, block size {setup.block_size},
+--speedup-ratio {setup.speedup_ratio:g}; fresh workers per row; embedded RouterCore (default `kv` weights:
+--kv-overlap-weight 1, --kv-capacity-weight 1), real gRPC to the workers. One run per row (no repeats):
+TTFT figures are noisy on this shared machine. 1-minute load average {load:.1f} when the run ended.
+"vs rr" is the hit rate and TTFT p90 against round-robin in the same scenario and cache size: a hit
+ratio below 1.0× or a TTFT ratio above 1.0× favours round-robin.
 """
-
-
-async def run_all(modes: list[str], setup: Setup, workload: Workload) -> list[Result]:
-    out = []
-    for mode in modes:
-        r = await run_mode(mode, setup, workload)
-        ttft = statistics.median(r.ttft_ms)
-        print(f"{mode:>13}: hit {r.hit_rate:.1%}  ttft p50 {ttft:.1f} ms  {r.seconds:.1f}s", file=sys.stderr)
-        out.append(r)
-    return out
+    ]
+    seen: list[str] = []
+    for row in rows:
+        if row.scenario.name not in seen:
+            seen.append(row.scenario.name)
+    for name in seen:
+        group = [r for r in rows if r.scenario.name == name]
+        sc = group[0].scenario
+        unit, per = sc.cache_unit
+        sizes = ", ".join(
+            f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1f} {unit} per worker)"
+            if unit != "of the working set"
+            else f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1%} {unit} per worker)"
+            for label, blocks in sc.caches
+        )
+        lines = [
+            f"### {name}",
+            "",
+            f"{sc.describe}. Caches: {sizes}. Ceiling (unbounded caches, every reusable token hit): {sc.ceiling:.1%}.",
+            "",
+            "| cache | mode | hit rate | hit vs rr | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | p90 vs rr | e2e p50 ms "
+            "| requests per worker |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in group:
+            r = row.result
+            rr = next((x.result for x in group if x.cache == row.cache and x.result.mode == "round-robin"), None)
+            hit_ratio = f"{r.hit_rate / rr.hit_rate:.1f}×" if rr is not None and rr.hit_rate else "–"
+            p90 = r.p(r.ttft_ms, 0.9)
+            p90_ratio = f"{p90 / rr.p(rr.ttft_ms, 0.9):.2f}×" if rr is not None and rr.ttft_ms else "–"
+            spread = "/".join(str(v) for _, v in sorted(r.per_worker.items()))
+            lines.append(
+                f"| {row.cache} | {r.mode} | {r.hit_rate:.1%} | {hit_ratio} | {r.p(r.ttft_ms, 0.5):,.1f} | {p90:,.1f} "
+                f"| {r.p(r.ttft_ms, 0.99):,.1f} | {p90_ratio} | {r.p(r.e2e_ms, 0.5):,.0f} | {spread} |"
+            )
+        parts.append("\n".join(lines) + "\n")
+    parts.append(
+        """`kv` prices each candidate by the prefill it would compute, its decode load, and what the request
+would do to its cache: the pressure of adding the request's new blocks to a fuller cache and the reused
+blocks it would have to evict (docs/routing.md); `approximate` does the same from what it routed (no
+events). Round-robin and random ignore the cache; least-loaded ignores it too, and at light load its
+tie-break sends most requests to the same few workers.
+"""
+    )
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated router modes")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios")
     parser.add_argument("--speedup-ratio", type=float, default=1.0)
-    parser.add_argument("--rate", type=float, default=3.0, help="arrivals per second")
-    parser.add_argument("--num-gpu-blocks", type=int, default=160)
+    parser.add_argument("--rate", type=float, default=3.0, help="distinct: arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-speedup", type=float, default=150.0, help="mooncake: arrivals this many times faster")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (development); implies --no-write")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
-    setup = Setup(num_gpu_blocks=args.num_gpu_blocks, speedup_ratio=args.speedup_ratio)
+    setup = Setup(speedup_ratio=args.speedup_ratio)
     workload = Workload(rate=args.rate, seed=args.seed)
-    results = asyncio.run(run_all(args.modes.split(","), setup, workload))
-    section = render(results, setup, workload)
+    scenarios, modes = args.scenarios.split(","), args.modes.split(",")
+    rows = asyncio.run(run_matrix(scenarios, modes, setup, workload, args.quick, args.trace_speedup))
+    section = render(rows, setup)
     print(section)
-    if not args.no_write:
+    if not (args.no_write or args.quick):
         write_section("## Routing", section)
         print(f"updated {DOC}", file=sys.stderr)
     return 0

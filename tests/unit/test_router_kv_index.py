@@ -10,7 +10,7 @@ removed worker leaves the index at once.
 from __future__ import annotations
 
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.kv_index import BlockMap, KvIndex
+from meshllm.router.kv_index import BlockMap, Capacity, KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
 
@@ -164,3 +164,26 @@ def test_block_map_counts_and_slot_reuse() -> None:
     m.drop(("w", 0))
     assert m.masks == {}
     assert m.slot(("x", 0)) == s
+
+
+def test_eviction_order_follows_events_and_routing_and_capacity_counts_hot_victims() -> None:
+    index = synced_index("a")
+    key = ("a", 0)
+    index.apply_batch(batch("a", stored(1, [1, 2, 3]), stored(2, [7, 8], parent=3)))
+    slot = index.map.slot_of[key]
+    # stored blocks enter most recently used, each event's first block last (engines release tail first)
+    assert list(index.map.blocks[slot]) == [3, 2, 1, 8, 7]
+    index.touch(key, [1, 2], reused=True)  # a routed prompt reused 1, 2
+    assert dict(index.map.blocks[slot]) == {3: 0, 8: 0, 7: 0, 2: 1, 1: 1}
+    assert list(index.map.blocks[slot]) == [3, 8, 7, 2, 1]
+    index.set_total(key, 6)
+    # 5 resident + 2 pending (routed, not computed) in 6: 3 new blocks evict 4 — 3, 8, 7 (cold) and 2 (hot)
+    assert index.capacity(key, set(), 3, pending=2) == Capacity(total=6, resident=7, evicted_hot=1)
+    assert index.capacity(key, set(), 1) == Capacity(total=6, resident=5, evicted_hot=0)  # it fits
+    index.apply_batch(batch("a", removed(3, [2])))
+    assert index.capacity(key, set(), 5) == Capacity(total=6, resident=4, evicted_hot=0)  # 3, 8, 7: cold
+    assert index.capacity(key, set(), 6) == Capacity(total=6, resident=4, evicted_hot=1)  # then 1: reused
+    index.set_total(key, 0)
+    assert index.capacity(key, set(), 50) == Capacity(total=0, resident=4, evicted_hot=0)
+    index.remove_worker("a")
+    assert index.totals == {}

@@ -97,3 +97,61 @@ def test_a_prefix_nobody_caches_goes_to_the_emptiest_cache_on_a_tie() -> None:
     cs[0].cached_blocks, cs[1].cached_blocks, cs[2].cached_blocks = 150, 0, 80
     score(cs, block_size=16, overlap_weight=1.0)
     assert policy.pick(cs, "m").worker_id == "b"
+
+
+def room(c: Candidate, *, new: int, resident: int, total: int, hot: int = 0) -> Candidate:
+    c.new_blocks, c.cached_blocks, c.total_blocks, c.evicted_hot_blocks = new, resident, total, hot
+    return c
+
+
+def test_capacity_terms_are_pressure_and_evicted_hot_blocks_times_the_capacity_weight() -> None:
+    (c,) = cands(("a", 2, 48 * 16, 10))
+    room(c, new=48, resident=75, total=150, hot=3)
+    score([c], block_size=16, overlap_weight=1.0, capacity_weight=2.0)
+    assert c.pressure == pytest.approx(48 * 75 / 150)
+    assert c.cost == pytest.approx(48 + 10 + 2.0 * (24 + 3))
+    room(c, new=48, resident=75, total=0, hot=3)  # capacity unknown: no capacity terms at all
+    score([c], block_size=16, overlap_weight=1.0, capacity_weight=2.0)
+    assert c.pressure == 0 and c.cost == pytest.approx(48 + 10)
+
+
+def test_a_block_every_worker_could_compute_does_not_decide_where_a_new_document_goes() -> None:
+    # a holds one 50-block document and the 2-block preamble every document starts with; b is empty
+    a, b = cands(("a", 2, 48 * 16, 49), ("b", 0, 50 * 16, 51))
+    room(a, new=48, resident=52, total=150)
+    room(b, new=50, resident=0, total=150)
+    policy = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0))
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=0.0)
+    assert policy.pick([a, b], "m").worker_id == "a"  # overlap and load alone (Dynamo's cost): the preamble decides
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
+    assert policy.pick([a, b], "m").worker_id == "b"  # the new blocks go where there is room
+
+
+def test_a_mostly_cached_prompt_stays_on_its_worker_even_when_that_cache_is_full() -> None:
+    a, b = cands(("a", 48, 2 * 16, 50), ("b", 0, 50 * 16, 50))
+    room(a, new=2, resident=150, total=150, hot=2)
+    room(b, new=50, resident=0, total=150)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
+    assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "a"
+
+
+def test_evicting_reused_blocks_is_charged_and_evicting_never_reused_blocks_is_not() -> None:
+    # equally full caches; to take 40 new blocks a must evict 10 blocks that were reused, b 10 that never were
+    a, b = cands(("a", 0, 40 * 16, 40), ("b", 0, 40 * 16, 40))
+    room(a, new=40, resident=110, total=120, hot=10)
+    room(b, new=40, resident=110, total=120, hot=0)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
+    assert b.cost == pytest.approx(a.cost - 10)
+    assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "b"
+
+
+def test_a_busy_worker_loses_despite_caching_the_prompt() -> None:
+    a, b = cands(("a", 40, 10 * 16, 400), ("b", 0, 50 * 16, 50))
+    a.queued_prefill_tokens = 2000
+    room(a, new=10, resident=100, total=150)
+    room(b, new=50, resident=0, total=150)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
+    assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "b"
+    a.decode_blocks, a.queued_prefill_tokens = 50, 0  # idle again: the cached prompt wins
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
+    assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "a"

@@ -69,6 +69,7 @@ class RouterConfig:
     mode: RouterMode = RouterMode.KV
     temperature: float = 0.0
     overlap_weight: float = 1.0
+    capacity_weight: float = 1.0
     ttl_s: float = 120.0
     migration_limit: int = 3
     disagg_min_prompt_tokens: int = 0
@@ -87,7 +88,12 @@ class RouterConfig:
     failure_cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name, value in (("--router-temperature", self.temperature), ("--kv-overlap-weight", self.overlap_weight)):
+        weights = (
+            ("--router-temperature", self.temperature),
+            ("--kv-overlap-weight", self.overlap_weight),
+            ("--kv-capacity-weight", self.capacity_weight),
+        )
+        for name, value in weights:
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
         if not math.isfinite(self.ttl_s) or self.ttl_s <= 0:
@@ -132,10 +138,11 @@ class RouterConfig:
             plane = PlaneConfig(namespace=namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
         return cls(
             plane=plane,
-            server=ServerConfig(host=ns.host, port=ns.port),
+            server=ServerConfig(host=ns.host, port=ns.port, stream_interval_ms=ns.stream_interval_ms),
             mode=RouterMode(ns.router_mode),
             temperature=ns.router_temperature,
             overlap_weight=ns.kv_overlap_weight,
+            capacity_weight=ns.kv_capacity_weight,
             ttl_s=ns.router_ttl,
             migration_limit=ns.migration_limit,
             disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
@@ -160,9 +167,21 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g = parser.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
+    g.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=1.0,
+        help="least time between two stream messages to one client; faster engine steps are sent together (0 = every step)",
+    )
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
     g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")
+    g.add_argument(
+        "--kv-capacity-weight",
+        type=float,
+        default=1.0,
+        help="weight of cache pressure and evicted reused blocks in the kv cost (0 = ignore cache capacity)",
+    )
     g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
     g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
     g.add_argument(

@@ -25,6 +25,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from meshllm.errors import NotFound, Unavailable
@@ -34,14 +35,13 @@ from meshllm.plane.events import EventBus, NullEventBus
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
-from meshllm.router.coalesce import coalesce
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.feed import EventFeed
 from meshllm.router.kv_index import KvIndex, SlotKey
-from meshllm.router.load import LoadTracker
+from meshllm.router.load import LoadTracker, SlotLoad
 from meshllm.router.metrics import RouterMetrics
 from meshllm.router.policy import Candidate, make_policy, score
-from meshllm.router.predicted import PredictedIndex
+from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.stream import serve
 from meshllm.router.sync import ReplicaSync
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
@@ -66,16 +66,22 @@ class Decision:
     policy: str
     block_size: int
     prompt_blocks: int
+    overlap_weight: float = 0.0
+    capacity_weight: float = 0.0
 
     def to_proto(self) -> router_pb2.RouteDecision:
         c = self.chosen
         return router_pb2.RouteDecision(
             worker_id=c.worker_id, dp_rank=c.dp_rank, address=c.address, role=self.role,  # type: ignore[arg-type]
-            policy=self.policy, prompt_blocks=self.prompt_blocks,
+            policy=self.policy, prompt_blocks=self.prompt_blocks, block_size=self.block_size,
+            overlap_weight=self.overlap_weight, capacity_weight=self.capacity_weight,
             candidates=[
                 router_pb2.CandidateScore(
                     worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,
                     prefill_tokens=k.prefill_tokens, decode_blocks=k.decode_blocks, cost=k.cost, address=k.address,
+                    queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, total_blocks=k.total_blocks,
+                    resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
+                    pressure=k.pressure,
                 )
                 for k in self.candidates
             ],
@@ -116,7 +122,7 @@ class RouterCore(AsyncCloseable):
         self.index = KvIndex()
         self.load = LoadTracker()
         self.inflight = PredictedIndex()
-        self.approx = PredictedIndex(ttl_s=config.ttl_s)
+        self.approx = RoutedCache(ttl_s=config.ttl_s)
         workers = tuple(static_workers) if static_workers is not None else config.static_workers
         self.pool = WorkerPool(
             discovery, channels, static_workers=workers, model_name=config.model_name,
@@ -169,7 +175,12 @@ class RouterCore(AsyncCloseable):
 
     # ------------------------------------------------------------ public API
     async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Route and stream one request (coalesced; migrated when a worker breaks)."""
+        """Route and stream one request (migrated when a worker breaks).
+
+        Worker streams arrive through sessions that merge the tokens of a
+        caller who reads slower than the worker writes (plane/session.py), so
+        the worker is never held up by this stream's caller.
+        """
         model = self.resolve_model(request.get("model", ""))
         if not self.pool.workers(model, include_cooling=True):
             raise Unavailable(f"no live worker serves model {model!r}")
@@ -180,8 +191,9 @@ class RouterCore(AsyncCloseable):
         if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
             req["eos_token_ids"] = list(card.eos_token_ids)
         self.metrics.requests.inc()
-        async for chunk in coalesce(serve(self, req, call)):
-            yield chunk
+        async with aclosing(serve(self, req, call)) as stream:
+            async for chunk in stream:
+                yield chunk
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None
@@ -305,26 +317,37 @@ class RouterCore(AsyncCloseable):
             raise Unavailable(f"no {role_name(role)} worker of model {model!r} has dp rank {pin_rank}")
         overlaps, pending = self._overlaps(hashes, [(w.id, r) for w, r in keys])
         request_blocks = -(-len(tokens) // bs)
+        cache = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
+        prompt = set(hashes)
         cands = []
         for w, r in keys:
-            ov = overlaps.get((w.id, r), 0)
-            load = self.load.get((w.id, r))
+            key = (w.id, r)
+            ov = overlaps.get(key, 0)
+            load = self.load.get(key)
             # Queued prefill of in-flight requests that share this prompt's prefix is work this
             # request shares (the prefix is being computed for both), not a backlog it waits behind.
-            queued = max(0, load.queued_prefill_tokens - pending.get((w.id, r), 0) * bs)
+            queued = max(0, load.queued_prefill_tokens - pending.get(key, 0) * bs)
+            cache.set_total(key, self._total_blocks(w, load))
+            new = max(0, len(hashes) - ov)
+            room = cache.capacity(key, prompt, new, pending=-(-load.queued_prefill_tokens // bs))
             # Decode load once this request runs there: its blocks the worker does not cache are added.
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
                 prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks + request_blocks - ov,
-                queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=self._cached_blocks((w.id, r)),
+                queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=room.resident,
+                total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
             ))  # fmt: skip
-        score(cands, block_size=bs, overlap_weight=self.config.overlap_weight)
+        score(cands, block_size=bs, overlap_weight=self.config.overlap_weight, capacity_weight=self.config.capacity_weight)
         chosen = self.policy.pick(cands, f"{model}/{role}")
-        return Decision(chosen, cands, role, self.policy.name, bs, len(hashes))
+        cfg = self.config
+        return Decision(chosen, cands, role, self.policy.name, bs, len(hashes), cfg.overlap_weight, cfg.capacity_weight)
 
-    def _cached_blocks(self, key: SlotKey) -> int:
-        index = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
-        return index.map.count(key)
+    @staticmethod
+    def _total_blocks(w: PoolWorker, load: SlotLoad) -> int:
+        """A slot's capacity: its last LoadSnapshot's, else its model card's (per dp rank)."""
+        if load.reported is not None and load.reported.total_blocks:
+            return int(load.reported.total_blocks)
+        return int(w.card.runtime_limits.total_kv_blocks) if w.card is not None else 0
 
     def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> tuple[dict[SlotKey, int], dict[SlotKey, int]]:
         """Cached leading blocks per candidate, and how many of them in-flight requests on it share."""

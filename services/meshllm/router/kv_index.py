@@ -6,8 +6,21 @@ bit `slot` is set when that slot holds the block. Applying a stored block is
 one dict update; the overlap of a prompt is a walk over its chained block
 hashes that ANDs the masks and stops at the first block nobody (among the
 candidates) holds — chained hashes make "holds block i" imply "holds the
-prefix up to i". Each slot also keeps the set of its hashes, so removing a
-worker or clearing its cache touches only its own blocks.
+prefix up to i". Each slot also keeps its hashes in an ordered dict, so
+removing a worker or clearing its cache touches only its own blocks; the
+dict is the slot's *eviction order* (least recently used first, as the
+engines evict) with, per block, how often a routed prompt reused it.
+
+What a worker can hold: `KvIndex.set_total` records each slot's capacity
+(from its LoadSnapshots, or its model card before the first one);
+`KvIndex.capacity` answers, for one prompt, how full the slot is and how many
+of the blocks it would have to evict were reused since stored (see
+`meshllm.router.policy` for how the cost uses them). Event order gives the
+eviction order as far as events can tell it — stored blocks enter at the
+most recently used end, the prompt's first block last, since an engine
+releases a sequence tail first — and the router refines it with what it
+routes: `touch` moves a routed prompt's cached blocks to the most recently
+used end and counts the reuse.
 
 `KvIndex` adds the event bookkeeping: per worker the id of the last applied
 event. A batch whose first id is not `last + 1` (lost events, a restarted
@@ -21,27 +34,38 @@ first, snapshot second: nothing falls in between. The index does no I/O;
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshllm.v1 import events_pb2, worker_pb2
 
-__all__ = ["BlockMap", "KvIndex", "SlotKey"]
+__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "slot_capacity"]
 
 SlotKey = tuple[str, int]  # (worker id, dp rank)
 
 MAX_BUFFERED_EVENTS = 200_000  # per syncing worker; beyond it the buffer is dropped and the sync restarted
 
 
+class Capacity(NamedTuple):
+    """How a prompt would fit into one slot's cache."""
+
+    total: int  # blocks the slot holds at most (0 = unknown)
+    resident: int  # blocks it holds now, plus `pending` (routed, not yet computed)
+    evicted_hot: int  # reused blocks among those it would evict to add the prompt's new blocks
+
+
 class BlockMap:
-    """block hash → bitmask of slots, plus each slot's set of hashes."""
+    """block hash → bitmask of slots, plus each slot's blocks in eviction order with their reuse counts."""
 
     __slots__ = ("_free", "_keys", "blocks", "masks", "slot_of")
 
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.slot_of: dict[SlotKey, int] = {}
-        self.blocks: list[set[int]] = []
+        self.blocks: list[OrderedDict[int, int]] = []  # per slot: hash → reuses, least recently used first
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
 
@@ -55,19 +79,46 @@ class BlockMap:
             else:
                 s = len(self._keys)
                 self._keys.append(key)
-                self.blocks.append(set())
+                self.blocks.append(OrderedDict())
             self.slot_of[key] = s
         return s
 
     def add(self, slot: int, hashes: Iterable[int]) -> int:
-        """Mark `hashes` held by `slot`; returns how many were new to it."""
+        """Mark `hashes` held by `slot` (new ones at the most recently used end, in order); returns how many were new."""
         masks, held, bit = self.masks, self.blocks[slot], 1 << slot
         get = masks.get
         before = len(held)
         for h in hashes:
             masks[h] = get(h, 0) | bit
-            held.add(h)
+            if h not in held:
+                held[h] = 0
         return len(held) - before
+
+    def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
+        """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
+        held = self.blocks[slot]
+        move = held.move_to_end
+        for h in reversed(hashes):
+            n = held.get(h)
+            if n is not None:
+                if reused:
+                    held[h] = n + 1
+                move(h)
+
+    def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
+        """Of the `k` least recently used blocks of `slot` not in `keep`, how many were reused since stored."""
+        if k <= 0:
+            return 0
+        hot = 0
+        for h, reuses in self.blocks[slot].items():
+            if h in keep:
+                continue
+            if reuses:
+                hot += 1
+            k -= 1
+            if not k:
+                break
+        return hot
 
     def remove(self, slot: int, hashes: Iterable[int]) -> int:
         """Unmark `hashes` for `slot`; returns how many it actually held."""
@@ -75,7 +126,7 @@ class BlockMap:
         n = 0
         for h in hashes:
             if h in held:
-                held.discard(h)
+                del held[h]
                 m = masks[h] & keep
                 if m:
                     masks[h] = m
@@ -95,7 +146,7 @@ class BlockMap:
                 masks[h] = m
             else:
                 del masks[h]
-        self.blocks[slot] = set()
+        self.blocks[slot] = OrderedDict()
         return n
 
     def drop(self, key: SlotKey) -> None:
@@ -167,6 +218,7 @@ class KvIndex:
 
     def __init__(self) -> None:
         self.map = BlockMap()
+        self.totals: dict[SlotKey, int] = {}  # capacity per slot, when known
         self._workers: dict[str, _WorkerState] = {}
         self.applied = 0
         self.resyncs_requested = 0
@@ -186,6 +238,8 @@ class KvIndex:
         self._workers.pop(worker_id, None)
         for key in self.map.keys_of(worker_id):
             self.map.drop(key)
+        for key in [k for k in self.totals if k[0] == worker_id]:
+            del self.totals[key]
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers
@@ -282,7 +336,7 @@ class KvIndex:
         kind = ev.WhichOneof("data")
         if kind == "stored":
             blocks = ev.stored.blocks
-            self.map.add(slot, [b.block_hash for b in blocks])
+            self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
             self.applied += len(blocks)
         elif kind == "removed":
             hashes = ev.removed.block_hashes
@@ -300,7 +354,44 @@ class KvIndex:
         """Blocks of `worker_id` in the index (all dp ranks)."""
         return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
 
+    # ------------------------------------------------------------ capacity and eviction order
+    def set_total(self, key: SlotKey, total: int) -> None:
+        """Record how many blocks `key` holds at most (0 = unknown)."""
+        if total > 0:
+            self.totals[key] = total
+        else:
+            self.totals.pop(key, None)
+
+    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
+        """How `new_blocks` more blocks of a prompt (its block hashes: `prompt`) fit into `key`'s cache.
+
+        `pending` counts blocks routed to `key` and not computed yet: they
+        take room before this prompt's do. The victims are the least
+        recently used blocks outside the prompt itself.
+        """
+        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
+
+    def touch(self, key: SlotKey, hashes: Sequence[int], *, reused: bool) -> None:
+        """A prompt routed to `key` (or ending there) used its cached `hashes`: most recently used now."""
+        s = self.map.slot_of.get(key)
+        if s is not None and hashes:
+            self.map.touch(s, hashes, reused=reused)
+
     @property
     def size(self) -> int:
         """Distinct block hashes indexed."""
         return len(self.map.masks)
+
+
+def slot_capacity(
+    blocks: BlockMap, total: int, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int
+) -> Capacity:
+    """`KvIndex.capacity` on any `BlockMap` (the approximate mode's too)."""
+    resident = blocks.count(key) + max(0, pending)
+    if total <= 0:
+        return Capacity(0, resident, 0)
+    evict = new_blocks + resident - total
+    s = blocks.slot_of.get(key)
+    if evict <= 0 or s is None:
+        return Capacity(total, resident, 0)
+    return Capacity(total, resident, blocks.hot_victims(s, evict, prompt))

@@ -4,16 +4,47 @@ Every candidate is a (worker, dp rank) scored the same way whatever the
 policy, so `Router.Route` can always explain a decision:
 
     prefill_blocks = (prompt tokens it must compute + its queued prefill tokens) / block size
+    pressure       = new_blocks × resident_blocks / total_blocks
     cost           = overlap_weight × prefill_blocks + decode_blocks
+                     + capacity_weight × (pressure + evicted_hot_blocks)
+
+- `new_blocks`: prompt blocks the worker would add to its cache (those it
+  does not hold); `resident_blocks`: what its cache holds now, counting the
+  blocks of prompts routed to it and not yet computed; `total_blocks`: its
+  capacity (0 = unknown, and then both capacity terms are 0).
+- `pressure` charges a fuller cache for every block a request adds to it, so
+  a new prefix goes where there is room instead of onto the worker that
+  happens to hold its first block or two (a chat template, a shared system
+  preamble). A prompt mostly cached somewhere adds few blocks there, so this
+  hardly touches it; a long unique suffix is decided by room, not by a block
+  every worker could compute in a step. A block held by *every* candidate
+  shifts every cost equally and never decides (argmin is invariant to it).
+- `evicted_hot_blocks`: of the blocks the worker would have to evict to make
+  room (`new + resident − total`, least recently used first, as the engine
+  does), those reused since they were stored — each would have to be
+  computed again when its prefix comes back, so it is charged as a prefill
+  block. Blocks never reused (unique suffixes, one-off prompts) go for free.
+- `decode_blocks` (active KV blocks once the request runs there) and the
+  queued prefill tokens are load: a busy worker loses even when it holds the
+  prefix, as soon as its backlog outweighs the blocks it would save.
+
+Where the peers stop: Dynamo's selector is the first line alone (overlap and
+load, no capacity), so a shared first block decides where new prefixes go;
+SGLang's cache-aware router takes the longest match above a match-rate
+threshold, else the smallest tree, and switches to shortest-queue past a
+load imbalance threshold — capacity enters only through the fallback and
+never as a price on evicting reused prefixes; llm-d adds weighted scores of
+prefix match, queue and cache utilisation, where utilisation is a fraction
+that does not depend on how many blocks this request would add or evict.
 
 - `kv` / `approximate`: lowest cost. Temperature 0 → argmin, ties broken by
-  fewer decode blocks, then fewer requests in flight, then fewer cached
-  blocks (a prefix nobody caches goes to the emptiest cache instead of piling
-  onto the first worker by id), then worker id and dp rank (deterministic). Temperature T > 0 → sample with probability ∝
-  exp(−x / T) where x is the cost normalised to [0, 1] over the candidates
-  (T = 0.1 strongly prefers the cheapest, T = 10 is nearly uniform).
-  The two modes differ only in where the overlap comes from (KV events vs
-  routed prompts), which the core computes.
+  fewer decode blocks, then fewer requests in flight, then fewer resident
+  blocks (the emptiest cache), then worker id and dp rank (deterministic).
+  Temperature T > 0 → sample with probability ∝ exp(−x / T) where x is the
+  cost normalised to [0, 1] over the candidates (T = 0.1 strongly prefers
+  the cheapest, T = 10 is nearly uniform). The two modes differ only in
+  where overlap, residency and eviction order come from (KV events plus
+  routed prompts, vs routed prompts alone), which the core computes.
 - `round-robin`: the next candidate in (worker id, dp rank) order, per pool.
 - `random`: uniformly at random.
 - `least-loaded`: fewest decode blocks, then fewest queued prefill tokens,
@@ -54,7 +85,11 @@ class Candidate:
     decode_blocks: int = 0  # KV blocks active on it
     queued_prefill_tokens: int = 0  # prompt tokens routed to it and not yet computed
     in_flight: int = 0
-    cached_blocks: int = 0  # blocks it caches in all (tie-break: a new prefix goes to the emptiest cache)
+    cached_blocks: int = 0  # resident blocks: cached, plus routed and not yet computed
+    total_blocks: int = 0  # capacity; 0 = unknown (no capacity terms)
+    new_blocks: int = 0  # prompt blocks it would add to its cache
+    evicted_hot_blocks: int = 0  # reused blocks it would evict to make room
+    pressure: float = 0.0  # new_blocks × cached_blocks / total_blocks (filled in by `score`)
     cost: float = 0.0
 
     @property
@@ -62,12 +97,16 @@ class Candidate:
         return (self.worker_id, self.dp_rank)
 
 
-def score(candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float) -> None:
-    """Fill in each candidate's cost (the formula of the module docstring)."""
+def score(
+    candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float, capacity_weight: float = 0.0
+) -> None:
+    """Fill in each candidate's pressure and cost (the formula of the module docstring)."""
     bs = max(block_size, 1)
     for c in candidates:
         prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs
-        c.cost = overlap_weight * prefill_blocks + c.decode_blocks
+        c.pressure = c.new_blocks * min(c.cached_blocks, c.total_blocks) / c.total_blocks if c.total_blocks > 0 else 0.0
+        capacity = capacity_weight * (c.pressure + c.evicted_hot_blocks) if c.total_blocks > 0 else 0.0
+        c.cost = overlap_weight * prefill_blocks + c.decode_blocks + capacity
 
 
 def _tie_key(c: Candidate) -> tuple[float, int, int, int, str, int]:

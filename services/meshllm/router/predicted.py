@@ -1,45 +1,49 @@
-"""The router's own prediction of what workers cache: prompts it routed, before (or instead of) KV events.
+"""The router's own prediction of what workers cache, from the prompts it routed.
 
-Two uses, one structure:
+Two structures:
 
-- **in flight** (`kv` mode): a worker running a request holds that request's
-  prompt blocks (they are referenced, so they cannot be evicted), even before
-  its KV events arrive. Entries are removed when the request ends. This keeps
-  a burst of same-prefix requests on one worker instead of spreading it while
-  the first prefill is still running.
-- **approximate** (`approximate` mode, no events): a routed prompt is assumed
-  cached for `ttl_s` seconds after the last time it was routed.
+- `PredictedIndex` — **in flight** (`kv` mode): a worker running a request
+  holds that request's prompt blocks (they are referenced, so they cannot be
+  evicted), even before its KV events arrive. Entries are removed when the
+  request ends. This keeps a burst of same-prefix requests on one worker
+  instead of spreading it while the first prefill is still running. Each
+  entry is one routed request: (slot key, block hashes); blocks are
+  reference-counted per slot so overlapping prompts share them.
+- `RoutedCache` — **approximate** (`approximate` mode, no events): each
+  slot's cache simulated from what was routed to it, with the treatment the
+  KV index gets from events: the blocks of a routed prompt enter the slot's
+  cache in the engine's eviction order (least recently used first, the
+  prompt's first block last), a block routed again counts as reused, a slot
+  over its capacity (`set_total`) drops its least recently used blocks as
+  the engine would evict them, and a block not routed for `ttl_s` seconds is
+  forgotten. `capacity` answers as `KvIndex.capacity` does.
 
-Each entry is one routed request: (slot key, block hashes). Blocks are
-reference-counted per slot so overlapping prompts share them; the prefix walk
-is `BlockMap.overlaps`.
+The prefix walk of both is `BlockMap.overlaps`.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
-from meshllm.router.kv_index import BlockMap, SlotKey
+from meshllm.router.kv_index import BlockMap, Capacity, SlotKey, slot_capacity
 
-__all__ = ["PredictedIndex"]
+__all__ = ["PredictedIndex", "RoutedCache"]
 
 
 class PredictedIndex:
-    """Reference-counted (slot, block hash) entries with explicit removal or a TTL."""
+    """Reference-counted (slot, block hash) entries, removed explicitly when their request ends."""
 
-    def __init__(self, *, ttl_s: float | None = None) -> None:
-        self.ttl_s = ttl_s
+    def __init__(self) -> None:
         self.map = BlockMap()
         self._refs: dict[tuple[int, int], int] = {}
         self._entries: dict[str, tuple[SlotKey, tuple[int, ...]]] = {}
-        self._expiry: collections.deque[tuple[float, str]] = collections.deque()
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, key: SlotKey, hashes: Sequence[int], *, entry_id: str | None = None, now: float = 0.0) -> str:
+    def add(self, key: SlotKey, hashes: Sequence[int], *, entry_id: str | None = None) -> str:
         """Record that `key` holds (or will hold) `hashes`; returns the entry id."""
         if entry_id is None or entry_id in self._entries:
             self._seq += 1
@@ -55,8 +59,6 @@ class PredictedIndex:
                 fresh.append(h)
         self.map.add(slot, fresh)
         self._entries[entry_id] = (key, tuple(hashes))
-        if self.ttl_s is not None:
-            self._expiry.append((now + self.ttl_s, entry_id))
         return entry_id
 
     def remove(self, entry_id: str) -> None:
@@ -80,16 +82,6 @@ class PredictedIndex:
                 gone.append(h)
         self.map.remove(slot, gone)
 
-    def expire(self, now: float) -> int:
-        """Remove entries whose TTL passed; returns how many."""
-        n = 0
-        while self._expiry and self._expiry[0][0] <= now:
-            _, entry_id = self._expiry.popleft()
-            if entry_id in self._entries:
-                self.remove(entry_id)
-                n += 1
-        return n
-
     def remove_worker(self, worker_id: str) -> None:
         """Forget every entry of a worker."""
         for entry_id in [e for e, (k, _) in self._entries.items() if k[0] == worker_id]:
@@ -99,6 +91,82 @@ class PredictedIndex:
             for h in self.map.blocks[slot]:
                 self._refs.pop((slot, h), None)
             self.map.drop(key)
+
+    def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
+        return self.map.overlaps(hashes, keys)
+
+    def worker_blocks(self, worker_id: str) -> int:
+        return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
+
+
+class RoutedCache:
+    """approximate mode: each slot's cache simulated from routed prompts (see the module docstring)."""
+
+    def __init__(self, *, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.map = BlockMap()
+        self.totals: dict[SlotKey, int] = {}
+        self._used: dict[int, dict[int, float]] = {}  # slot -> block hash -> when last routed
+
+    def add(self, key: SlotKey, hashes: Sequence[int], *, now: float) -> None:
+        """`hashes` were routed to `key` at `now`: cached there from now on, most recently used."""
+        slot = self.map.slot(key)
+        held = self.map.blocks[slot]
+        reused = 0
+        for h in hashes:
+            if h not in held:
+                break
+            reused += 1
+        self.map.touch(slot, hashes[:reused], reused=True)
+        self.map.add(slot, hashes[reused:])
+        self.map.touch(slot, hashes, reused=False)  # the engine's order: the first block released last
+        used = self._used.setdefault(slot, {})
+        for h in hashes:
+            used[h] = now
+        total = self.totals.get(key, 0)
+        if total > 0 and len(held) > total:
+            self._drop(slot, [h for h, _ in zip(held, range(len(held) - total), strict=False)])
+
+    def expire(self, now: float) -> int:
+        """Forget blocks not routed for `ttl_s`; returns how many."""
+        n = 0
+        cutoff = now - self.ttl_s
+        for slot, used in self._used.items():
+            old = []
+            for h in self.map.blocks[slot]:  # least recently routed first
+                if used.get(h, cutoff) > cutoff:
+                    break
+                old.append(h)
+            self._drop(slot, old)
+            n += len(old)
+        return n
+
+    def _drop(self, slot: int, hashes: list[int]) -> None:
+        if not hashes:
+            return
+        self.map.remove(slot, hashes)
+        used = self._used.get(slot, {})
+        for h in hashes:
+            used.pop(h, None)
+
+    def set_total(self, key: SlotKey, total: int) -> None:
+        """Record how many blocks `key` holds at most (0 = unknown: no capacity bound)."""
+        if total > 0:
+            self.totals[key] = total
+        else:
+            self.totals.pop(key, None)
+
+    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
+        """As `KvIndex.capacity`, on the simulated cache."""
+        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget every block of a worker."""
+        for key in self.map.keys_of(worker_id):
+            self._used.pop(self.map.slot_of[key], None)
+            self.map.drop(key)
+        for key in [k for k in self.totals if k[0] == worker_id]:
+            del self.totals[key]
 
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
         return self.map.overlaps(hashes, keys)

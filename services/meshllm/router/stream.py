@@ -148,6 +148,7 @@ async def _leg(
     entry = None
     if core.mode is RouterMode.KV:
         entry = core.inflight.add(key, hashes, entry_id=leg_id)
+        core.index.touch(key, hashes[: cand.overlap_blocks], reused=True)  # the eviction order the router knows
     elif core.mode is RouterMode.APPROXIMATE:
         core.approx.add(key, hashes, now=now)
     core.metrics.decided(decision.policy, role_name(decision.role), cand.overlap_blocks)
@@ -169,3 +170,4 @@ async def _leg(
         core.sync.completed(leg_id, key)
         if entry is not None:
             core.inflight.remove(entry)
+            core.index.touch(key, hashes, reused=False)  # released now: the engine's most recently used
