@@ -145,3 +145,43 @@ def test_smollm2_special_tokens_in_the_output(smollm2: Tokenizer) -> None:
     ids = [*smollm2.encode("Sure."), 2]
     assert "".join(stream(smollm2, ids, prompt_ids=prompt)) == "Sure."
     assert "".join(stream(smollm2, ids, prompt_ids=prompt, skip_special_tokens=False)) == "Sure.<|im_end|>"
+
+
+# ---------------------------------------------------------------- tokenizers' DecodeStream (HF fast tokenizers)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fast_tokenizer_stream_equals_one_shot_decode(smollm2: Tokenizer, seed: int) -> None:
+    """SmolLM2 (a `tokenizers` tokenizer, so DecodeStream): random text in random chunks joins to the text."""
+    rng = random.Random(seed)
+    alphabet = ["a", "é", "日本", "😀", "👍🏽", " ", "\n", "€", "ü", "def f(x):", " the", "\t"]
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+    ids = smollm2.encode(text)
+    prompt = smollm2.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    pieces = stream(smollm2, ids, [rng.randint(1, 5) for _ in range(len(ids))], prompt_ids=prompt)
+    assert "".join(pieces) == text == smollm2.decode(ids)
+    assert not any(REPLACEMENT in p for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fast_tokenizer_random_ids_stream_like_a_one_shot_decode(smollm2: Tokenizer, seed: int) -> None:
+    """Random ids (byte tokens that make invalid UTF-8, special tokens, words): the stream equals decode(all ids)."""
+    rng = random.Random(seed)
+    ids = [rng.choice([rng.randint(0, 300), rng.randint(0, 16), rng.randint(300, smollm2.vocab_size - 1)]) for _ in range(40)]
+    for skip in (True, False):
+        chunks = [rng.randint(1, 4) for _ in range(len(ids))]
+        assert "".join(stream(smollm2, ids, chunks, skip_special_tokens=skip)) == smollm2.decode(ids, skip_special_tokens=skip)
+
+
+def test_fast_tokenizer_uses_decode_stream_and_flushes_a_held_tail(smollm2: Tokenizer) -> None:
+    """The first bytes of an emoji are held until the rest arrives; a tail that never completes comes out of flush."""
+    ids = smollm2.encode("ok 😀")
+    detok = IncrementalDetokenizer(smollm2)
+    assert detok._stream is not None  # the tokenizers-backed path is the one under test
+    text = "".join(detok.push([i]) for i in ids[:-1])
+    assert text.startswith("ok") and "😀" not in text
+    assert detok.push(ids[-1:]).endswith("😀")
+    detok = IncrementalDetokenizer(smollm2)
+    pushed = detok.push(ids[:-1])
+    flushed = detok.flush()
+    assert REPLACEMENT in flushed and pushed + flushed == smollm2.decode(ids[:-1])

@@ -18,11 +18,19 @@ invalid tail at the end of the stream comes out of `flush`.
 Cost: two decodes of a window of a few ids per push — constant per token,
 never a re-decode of the whole output. For byte-level tokenizers (the built-in
 one, GPT-2 style BPE) the concatenated output equals `tok.decode(all_ids)`.
+
+Tokenizers backed by the `tokenizers` library (HF directories, GGUF-built)
+use its `DecodeStream` instead: the same prefix/read-offset technique in Rust,
+one call per token (about 2 µs against 5.5 µs here). Ids it holds back (an
+unfinished character) come out of `flush` the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.decoders import DecodeStream
 
 from meshllm.frontend.tokenizer import Tokenizer
 
@@ -47,6 +55,12 @@ class IncrementalDetokenizer:
         self._tok = tok
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if PROMPT_CONTEXT_TOKENS else []
+        fast = getattr(tok, "fast", None)
+        self._fast: FastTokenizer | None = fast if isinstance(fast, FastTokenizer) else None
+        self._stream: DecodeStream | None = None
+        self._held: list[int] = []  # ids DecodeStream has not turned into text yet
+        if self._fast is not None:
+            self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         prefix_text = self._decode(context) if context else ""
         if prefix_text.endswith(REPLACEMENT):  # the prompt ends inside a character: no usable context
             context, prefix_text = [], ""
@@ -60,14 +74,32 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         self.token_count += len(ids)
+        if self._stream is not None:
+            return self._push_stream(ids)
         self._window.extend(ids)
         text = self._decode(self._window)
         if text.endswith(REPLACEMENT):
             return self._emit_settled(text)
         return self._emit(text, len(self._window))
 
+    def _push_stream(self, ids: Sequence[int]) -> str:
+        assert self._stream is not None and self._fast is not None
+        step, fast, held = self._stream.step, self._fast, self._held
+        out = []
+        for i in ids:
+            piece = step(fast, i)
+            if piece is None:
+                held.append(i)
+            else:
+                held.clear()
+                out.append(piece)
+        return "".join(out)
+
     def flush(self) -> str:
         """At the end of the stream: the text still held back (an invalid tail decodes to U+FFFD)."""
+        if self._stream is not None:
+            held, self._held = self._held, []
+            return self._decode(held) if held else ""
         text = self._decode(self._window)
         rest = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
         self._window, self._read, self._prefix_text = [], 0, ""

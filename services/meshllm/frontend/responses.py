@@ -28,7 +28,7 @@ from meshllm.protocol.openai import (
     usage_chunk,
 )
 
-__all__ = ["DONE", "collect", "sse_events"]
+__all__ = ["DONE", "collect", "content_event_frame", "sse_events"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -37,12 +37,26 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def content_event_frame(rid: str, created: int, model: str, index: int, include_usage: bool) -> tuple[bytes, bytes]:
+    """The bytes around the content of a chat delta that carries only text (no role, logprobs or finish).
+
+    `prefix + orjson.dumps(text) + suffix` is byte for byte `_event(chat_chunk(..., content=text))`:
+    the per-token event of a stream is built without a dict per token.
+    """
+    marker = "\x00"
+    whole = _event(chat_chunk(rid, created, model, index, content=marker, include_usage=include_usage))
+    prefix, _, suffix = whole.partition(orjson.dumps(marker))
+    return prefix, suffix
+
+
 async def sse_events(c: Completion) -> AsyncIterator[bytes]:
     """The SSE byte events of a streaming response; raises only before the first event."""
     req = c.request
     chat = req.kind == "chat"
     rid, created, model, include_usage = c.id, c.created, req.model, req.include_usage
     started = [False] * len(c.choices)
+    frames: dict[int, tuple[bytes, bytes]] = {}
+    dumps = orjson.dumps
     sent_any = False
     try:
         async for d in c.deltas():
@@ -51,6 +65,13 @@ async def sse_events(c: Completion) -> AsyncIterator[bytes]:
             i = d.index
             first_of_choice = not started[i]
             started[i] = True
+            if chat and not first_of_choice and d.finish_reason is None and d.logprobs is None:
+                frame = frames.get(i)
+                if frame is None:
+                    frame = frames[i] = content_event_frame(rid, created, model, i, include_usage)
+                yield frame[0] + dumps(d.text) + frame[1]
+                sent_any = True
+                continue
             if chat:
                 content = d.text if (d.text or first_of_choice or d.finish_reason is None) else None
                 obj = chat_chunk(
