@@ -11,15 +11,18 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
-__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers", "serve_until_signal"]
+import uvloop
+
+__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers", "run_loop", "serve_until_signal"]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound="AsyncCloseable")
+T = TypeVar("T")
 
 
 class AsyncCloseable:
@@ -159,3 +162,9 @@ async def serve_until_signal(
     finally:
         uninstall()
         shutdown_tracing()
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to completion on uvloop (every service's loop: grpc.aio and the HTTP server cost less on it)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)

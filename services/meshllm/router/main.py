@@ -20,7 +20,7 @@ from typing import Any
 
 from meshllm import __version__
 from meshllm.config import ConfigError
-from meshllm.lifecycle import AsyncCloseable, Shutdown, serve_until_signal
+from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
@@ -149,4 +149,4 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"meshllm router: error: {exc.message}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    return run_loop(serve(config))

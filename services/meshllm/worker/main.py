@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -12,7 +11,7 @@ from collections.abc import Sequence
 from meshllm.config import ConfigError
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.lifecycle import serve_until_signal
+from meshllm.lifecycle import run_loop, serve_until_signal
 from meshllm.worker.runtime import Worker
 
 __all__ = ["main", "run"]
@@ -42,7 +41,7 @@ def run(engine_cls: type[LLMEngine], argv: Sequence[str] | None = None) -> int:
     """Run a worker for `engine_cls` (for engines packaged outside meshllm)."""
     setup_logging()
     try:
-        return asyncio.run(serve(engine_cls, sys.argv[1:] if argv is None else argv))
+        return run_loop(serve(engine_cls, sys.argv[1:] if argv is None else argv))
     except ConfigError as exc:
         print(f"meshllm worker: error: {exc.message}", file=sys.stderr)
         return 2
