@@ -12,10 +12,10 @@ address) and continues after them. A prefill terminal that already ends the
 request (EOS, stop, max_tokens reached, no params) is passed on as the
 stream's terminal.
 
-Cancellation: the caller closing the stream cancels the task running
-`serve` (see `coalesce`), which unwinds through whichever leg is running —
-prefill or decode — and closes its `WorkerClient.generate`, which cancels the
-gRPC call, so that worker's engine frees the request's KV.
+Cancellation: the caller closing the stream (or cancelling the task that
+iterates it) unwinds `serve` through whichever leg is running — prefill or
+decode — and closes its `WorkerClient.generate`, which sends the stream's
+cancel on the worker session, so that worker's engine frees the request's KV.
 """
 
 from __future__ import annotations
