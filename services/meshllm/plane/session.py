@@ -116,6 +116,7 @@ class _ServerSession:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.items: list[tuple[int, GenerateChunk | MeshError]] = []
         self.last: dict[int, int] = {}  # stream id -> index in items of its pending chunk
+        self.ended: set[int] = set()  # streams whose terminal is pushed: nothing more of them is sent
         self.reading = True
         self._waiter: asyncio.Future[None] | None = None
 
@@ -125,6 +126,8 @@ class _ServerSession:
             w.set_result(None)
 
     def push(self, sid: int, item: GenerateChunk | MeshError) -> None:
+        if sid in self.ended:
+            return
         i = self.last.get(sid)
         if i is not None and not isinstance(item, MeshError) and mergeable(item):
             pending = self.items[i][1]
@@ -215,15 +218,18 @@ class _ServerSession:
                 if deadline is None:
                     await self._pump(sid, stream)
                 else:
-                    async with asyncio.timeout(op.timeout_s):
-                        await self._pump(sid, stream)
+                    try:
+                        async with asyncio.timeout(op.timeout_s) as scope:
+                            await self._pump(sid, stream)
+                    except TimeoutError:
+                        if not scope.expired():
+                            raise  # the handler's own TimeoutError: unexpected, Unknown below
+                        raise ResponseTimeout("the stream's deadline passed") from None
             finally:
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()
-        except TimeoutError:
-            self.push(sid, ResponseTimeout("the stream's deadline passed"))
         except MeshError as exc:
             self.push(sid, exc)
         except asyncio.CancelledError:
@@ -237,6 +243,7 @@ class _ServerSession:
             if span is not None:
                 span.end()
             self.tasks.pop(sid, None)
+            self.ended.discard(sid)
             if self._ended():
                 self.wake()
 
@@ -247,7 +254,8 @@ class _ServerSession:
         async for chunk in stream:
             if not ended:
                 self.push(sid, chunk)
-                ended = "finish_reason" in chunk
+                if ended := "finish_reason" in chunk:
+                    self.ended.add(sid)
         if not ended:
             raise StreamIncomplete("the stream ended without a terminal chunk")
 
@@ -360,6 +368,11 @@ class _ClientSession:
             self._kick()
             self._writer.cancel()
 
+    @property
+    def closed_down(self) -> bool:
+        """Whether its reader and writer have both ended (nothing left to close)."""
+        return self._reader.done() and self._writer.done()
+
     async def aclose(self) -> None:
         self.dead = True
         self.call.cancel()
@@ -391,6 +404,7 @@ class SessionClient(AsyncCloseable):
         s = self._session
         if s is None or s.dead:
             if s is not None:
+                self._dead = [d for d in self._dead if not d.closed_down]
                 self._dead.append(s)
             s = self._session = _ClientSession(self._open_call(), self.peer, self.stats)
         return s
