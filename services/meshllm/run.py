@@ -2,7 +2,7 @@
 
     meshllm run [--workers 2] [--engine mocker] [--router-mode kv] [--prefill-workers N]
                 [--http-port 8000] [--grpc-port P] [--router-port P] [--model-path PATH] [--model-name NAME]
-                [-- ENGINE FLAGS...]
+                [--frontend-workers 1] [-- ENGINE FLAGS...]
 
 One in-memory discovery store and one in-memory event broker are shared by
 every service; requests travel over real gRPC on 127.0.0.1. Flags after `--`
@@ -10,6 +10,10 @@ go to every worker's engine. With `--prefill-workers N` the layout is
 disaggregated: N prefill workers and `--workers` decode workers. It prints one
 line per server and a ready-to-paste curl command, and on Ctrl-C / SIGTERM
 stops in order: the frontend stops admitting → the router → the workers.
+
+`--frontend-workers` accepts only 1: the frontend processes of `meshllm
+frontend --workers N` agree through discovery and an event bus shared between
+processes (etcd, NATS), and `meshllm run` keeps both in memory in one process.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from meshllm.config import (
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.frontend.config import ROUTER_MODES, FrontendConfig, check_model_path
-from meshllm.frontend.main import Frontend, run_loop, setup_logging
-from meshllm.lifecycle import AsyncCloseable, serve_until_signal
+from meshllm.frontend.config import ROUTER_MODES, FrontendConfig, check_frontend_workers, check_model_path
+from meshllm.frontend.main import Frontend, setup_logging
+from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.transport import GrpcServer, start_server
@@ -68,6 +72,7 @@ class RunConfig:
     namespace: str = "meshllm"
     max_inflight: int = 4096
     otlp_endpoint: str | None = None
+    frontend_workers: int = 1
     frontend_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,13 @@ class RunConfig:
         for name, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--router-port", self.router_port)):
             if not 0 <= port < 65536:
                 raise ConfigError(f"{name} {port} is out of range 0..65535")
+        check_frontend_workers(self.frontend_workers, flag="--frontend-workers")
+        if self.frontend_workers > 1:
+            raise ConfigError(
+                f"--frontend-workers {self.frontend_workers}: meshllm run keeps discovery and events in memory in one "
+                "process, which other frontend processes cannot share; run `meshllm frontend --workers N` with "
+                "etcd + NATS instead"
+            )
 
     def frontend_config(self) -> FrontendConfig:
         return FrontendConfig(
@@ -128,6 +140,10 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
     g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
     g.add_argument("--namespace", default="meshllm", help="deployment namespace")
     g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
+    g.add_argument(
+        "--frontend-workers", type=int, default=1,
+        help="frontend processes (only 1: the in-memory planes cannot be shared; see meshllm frontend --workers)",
+    )  # fmt: skip
     add_tracing_args(parser)
     return parser
 
@@ -157,6 +173,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         namespace=ns.namespace,
         max_inflight=ns.max_inflight,
         otlp_endpoint=ns.otlp_endpoint or None,
+        frontend_workers=ns.frontend_workers,
     )
 
 

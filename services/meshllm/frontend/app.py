@@ -262,10 +262,15 @@ class HttpServer(AsyncCloseable):
         self.host, self.port = sock.getsockname()[:2]
 
     @classmethod
-    async def start(cls, app: OpenAIApp, host: str, port: int, *, graceful_s: float = 10.0) -> HttpServer:
+    async def start(
+        cls, app: OpenAIApp, host: str, port: int, *, graceful_s: float = 10.0, reuse_port: bool = False
+    ) -> HttpServer:
+        """Serve `app` on host:port; `reuse_port` shares the port with the other processes of `--workers N`."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

@@ -5,7 +5,9 @@ Flags default to their `MESHLLM_*` variable. Three ways to reach workers:
 routing core (`--router-mode`, the default), or static mode
 (`--static-endpoint ns.component.endpoint --static-workers host:port[,...]
 --model-name NAME [--model-path PATH]`), which needs neither etcd nor NATS.
-Every bad value is refused with one line before anything starts.
+`--workers N` (`--frontend-workers`) runs N frontend processes on the same
+ports (`meshllm.frontend.procs`). Every bad value is refused with one line
+before anything starts.
 """
 
 from __future__ import annotations
@@ -29,10 +31,25 @@ from meshllm.config import (
 )
 from meshllm.router.config import RouterMode
 
-__all__ = ["ROUTER_MODES", "FrontendConfig", "check_model_path", "frontend_arg_parser", "parse_static_endpoint"]
+__all__ = [
+    "MAX_FRONTEND_WORKERS",
+    "ROUTER_MODES",
+    "FrontendConfig",
+    "check_frontend_workers",
+    "check_model_path",
+    "frontend_arg_parser",
+    "parse_static_endpoint",
+]
 
 ROUTER_MODES = tuple(m.value for m in RouterMode)  # the routing core owns the list
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+MAX_FRONTEND_WORKERS = 256  # a bound that catches typos (--workers 4000), far above any core count we serve on
+
+
+def check_frontend_workers(n: int, *, flag: str = "--workers") -> None:
+    """A one-line ConfigError unless 1 <= n <= MAX_FRONTEND_WORKERS."""
+    if not 1 <= n <= MAX_FRONTEND_WORKERS:
+        raise ConfigError(f"{flag} must be between 1 and {MAX_FRONTEND_WORKERS} frontend processes, got {n}")
 
 
 def parse_static_endpoint(value: str) -> tuple[str, str, str]:
@@ -72,8 +89,17 @@ class FrontendConfig:
     tokenizer_cache_dir: Path | None = None
     metrics_enabled: bool = True
     otlp_endpoint: str | None = None
+    # `--workers N`: N processes serve the same ports (meshllm.frontend.procs supervises them).
+    workers: int = 1
+    # Set only in the processes a `--workers N` supervisor starts: the process's index, and the
+    # prometheus_client multiprocess directory its /metrics view sums over.
+    process_index: int | None = None
+    shared_metrics_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        check_frontend_workers(self.workers)
+        if self.process_index is not None and self.shared_metrics_dir is None:
+            raise ConfigError("a frontend process of a --workers group needs its shared metrics directory")
         if not 0 <= self.http_port < 65536:
             raise ConfigError(f"--http-port {self.http_port} is out of range 0..65535")
         if self.router_mode not in ROUTER_MODES:
@@ -136,6 +162,7 @@ class FrontendConfig:
             static_workers=workers,
             tokenizer_cache_dir=Path(ns.tokenizer_cache_dir) if ns.tokenizer_cache_dir else None,
             otlp_endpoint=ns.otlp_endpoint or None,
+            workers=ns.workers,
         )
 
 
@@ -160,6 +187,10 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     g.add_argument("--model-name", default=None, help="serve this model name (static mode: required)")
     g.add_argument("--model-path", default=None, help="HF directory or .gguf file: tokenizer and chat template")
     g.add_argument("--tokenizer-cache-dir", default="", help="where fetched/converted tokenizers are cached")
+    g.add_argument(
+        "--frontend-workers", "--workers", dest="workers", type=int, default=1,
+        help="frontend processes serving the same HTTP and gRPC ports (SO_REUSEPORT), each with its own routing core",
+    )  # fmt: skip
     s = parser.add_argument_group("static mode (no etcd, no NATS)")
     s.add_argument("--static-endpoint", default="", help="namespace.component.endpoint of the workers")
     s.add_argument("--static-workers", default=None, help="comma-separated worker host:port list")

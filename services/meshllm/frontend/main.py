@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from meshllm.config import ConfigError
@@ -33,8 +36,9 @@ from meshllm.frontend.grpc_api import inference_binding
 from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
+from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
 from meshllm.frontend.upstream import RouterReplicas, Upstream
-from meshllm.lifecycle import AsyncCloseable, Shutdown, serve_until_signal
+from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
@@ -43,7 +47,7 @@ from meshllm.router.config import StaticEndpoint
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
-__all__ = ["Frontend", "main", "run_loop", "serve", "static_records"]
+__all__ = ["Frontend", "die_with_parent", "group_member", "main", "serve", "static_records"]
 
 log = logging.getLogger("meshllm.frontend")
 T = TypeVar("T")
@@ -89,7 +93,8 @@ class Frontend(AsyncCloseable):
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
-        self.metrics = FrontendMetrics()
+        shared = config.shared_metrics_dir
+        self.metrics = FrontendMetrics(registry=SharedMetricsRegistry(shared)) if shared is not None else FrontendMetrics()
         self.channels = ChannelCache()
         self.discovery: Discovery | None = None
         self.bus: EventBus | None = None
@@ -140,7 +145,10 @@ class Frontend(AsyncCloseable):
             self.registry, self.upstream, self.metrics, max_inflight=cfg.max_inflight, retry_after_s=cfg.retry_after_s
         )
         app = OpenAIApp(self.core, max_body_bytes=cfg.max_body_bytes)
-        self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port)
+        if cfg.process_index is None:
+            self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port)
+        else:  # one of `--workers N`: the port is shared with the group (the gRPC server sets SO_REUSEPORT itself)
+            self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port, reuse_port=True)
         if cfg.grpc is not None:
             self.grpc = await start_server(cfg.grpc, [inference_binding(self.core)])
         log.info("frontend serving HTTP on %s, Inference gRPC on %s", self.url, self.grpc_address or "(off)")
@@ -209,19 +217,10 @@ class Frontend(AsyncCloseable):
 # ---------------------------------------------------------------- entry point
 
 
-def setup_logging() -> None:
+def setup_logging(process_index: int | None = None) -> None:
     level = os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on uvloop when available (the fast path), else the default loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    who = "%(name)s" if process_index is None else f"%(name)s[{process_index}]"
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {who}: %(message)s", stream=sys.stderr)
 
 
 async def serve(config: FrontendConfig) -> int:
@@ -238,13 +237,42 @@ async def serve(config: FrontendConfig) -> int:
     )
 
 
+def group_member(config: FrontendConfig, env: dict[str, str] | os._Environ[str]) -> FrontendConfig:
+    """`config` as process i of a `--workers N` group when the supervisor's variables say so (else unchanged)."""
+    index = env.get(INDEX_ENV)
+    if index is None:
+        return config
+    if not index.isdigit() or not env.get(METRICS_DIR_ENV):
+        raise ConfigError(f"{INDEX_ENV}={index!r} is set by `meshllm frontend --workers N` for its processes only")
+    return dataclasses.replace(config, process_index=int(index), shared_metrics_dir=Path(env[METRICS_DIR_ENV]))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when the supervisor goes away, even by SIGKILL (Linux); no orphaned frontends."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: Sequence[str]) -> int:
-    """`meshllm frontend [flags]`: exit 2 with one line on a bad flag, before anything starts."""
+    """`meshllm frontend [flags]`: exit 2 with one line on a bad flag, before anything starts.
+
+    `--workers N` (N > 1) makes this process the supervisor of N frontend processes (`meshllm.frontend.procs`).
+    """
     ns = frontend_arg_parser().parse_args(list(argv))
     try:
-        config = FrontendConfig.from_namespace(ns)
+        config = group_member(FrontendConfig.from_namespace(ns), os.environ)
     except ConfigError as exc:
         print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
         return 2
-    setup_logging()
+    setup_logging(config.process_index)
+    if config.workers > 1:
+        return run_loop(supervise(argv, config))
+    if config.process_index is not None and os.environ.get(PARENT_ENV, "").isdigit():
+        die_with_parent(int(os.environ[PARENT_ENV]))
     return run_loop(serve(config))
