@@ -2,15 +2,20 @@
 
     meshllm bench --url http://127.0.0.1:8000 --model mocker --concurrency 1,8,32,64 --requests 256 \\
                   --isl 600 --isl-spread 200 --osl 150 --osl-spread 25 [--json out.json] [--plot out.png]
+    meshllm bench --url ... --model mocker --trace conversation_trace.jsonl --trace-tokens-per-block 16 \\
+                  --trace-speedup 10 --trace-limit 500 --trace-max-osl 32 [--trace-mode closed --concurrency 8]
 
 For each concurrency level, that many simulated users each hold one
 keep-alive connection and send streaming requests back to back until the
 level's requests are done. A progress bar goes to stderr, the results table
-to stdout (see `meshllm.bench.report` for the definitions).
+to stdout (see `meshllm.bench.report` for the definitions). With `--trace`,
+the requests are a scaled Mooncake trace (`meshllm.bench.trace`) replayed
+open loop or closed loop (`meshllm.bench.replay`) through /v1/completions.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import os
@@ -21,11 +26,13 @@ from collections.abc import Sequence
 import orjson
 
 from meshllm.bench.http import Connection, Endpoint, HttpError
+from meshllm.bench.replay import ReplayMode, ReplayResult, replay
 from meshllm.bench.report import LevelResult, RequestRecord, format_table, plot, summarize
+from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, trace_stats
 from meshllm.bench.workload import BenchRequest, Workload, WorkloadSpec
 from meshllm.config import EnvArgumentParser
 
-__all__ = ["bench_arg_parser", "main", "run_bench", "run_level"]
+__all__ = ["HttpSender", "bench_arg_parser", "main", "run_bench", "run_level", "run_trace"]
 
 
 class Progress:
@@ -109,6 +116,9 @@ async def _exchange(conn: Connection, req: BenchRequest, rec: RequestRecord, t0:
         if usage:
             rec.prompt_tokens = usage.get("prompt_tokens", 0)
             rec.completion_tokens = usage.get("completion_tokens", 0)
+            if (details := usage.get("prompt_tokens_details")) and "cached_tokens" in details:
+                rec.cached_tokens = details["cached_tokens"]
+    rec.events = events
     if not rec.completion_tokens:
         rec.completion_tokens = events
 
@@ -162,6 +172,76 @@ async def run_bench(
     return results
 
 
+class HttpSender:
+    """Sends trace requests to an OpenAI endpoint: POST /v1/completions, `prompt` = the token ids, streaming.
+
+    `max_tokens` is the request's output length, with `ignore_eos` (as for
+    the synthetic workload) unless `ignore_eos=False`; the record carries the
+    usage's `prompt_tokens_details.cached_tokens` when the endpoint sends it.
+    Keep-alive connections are pooled, so overlapping requests each get one.
+    A replay `Send`; `aclose()` closes the pool.
+    """
+
+    def __init__(
+        self, endpoint: Endpoint, model: str, *, ignore_eos: bool = True, temperature: float | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:  # fmt: skip
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self._fields: dict[str, object] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+        if ignore_eos:
+            self._fields["ignore_eos"] = True
+        if temperature is not None:
+            self._fields["temperature"] = temperature
+        self._idle: list[Connection] = []
+
+    def request(self, req: TraceRequest) -> BenchRequest:
+        body = orjson.dumps({**self._fields, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens})
+        return BenchRequest("/completions", body, req.max_tokens)
+
+    async def __call__(self, req: TraceRequest) -> RequestRecord:
+        conn = self._idle.pop() if self._idle else Connection(self.endpoint)
+        try:
+            rec = await one_request(conn, self.request(req), self.timeout_s)
+        except BaseException:  # cancelled mid-stream: the connection is in an unknown state
+            await conn.close()
+            raise
+        self._idle.append(conn)
+        return rec
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.close()
+
+
+async def run_trace(
+    endpoint: Endpoint,
+    model: str,
+    requests: Sequence[TraceRequest],
+    *,
+    mode: ReplayMode = ReplayMode.OPEN,
+    concurrency: int = 1,
+    ignore_eos: bool = True,
+    temperature: float | None = None,
+    timeout_s: float = 600.0,
+    deadline_s: float | None = 3600.0,
+    progress: bool = True,
+) -> ReplayResult:
+    """Replay trace requests against an OpenAI endpoint (see `HttpSender` and `meshllm.bench.replay.replay`)."""
+    sender = HttpSender(endpoint, model, ignore_eos=ignore_eos, temperature=temperature, timeout_s=timeout_s)
+    label = f"{mode.value:<6}" if mode is ReplayMode.OPEN else f"c={concurrency:<4}"
+    bar = Progress(label, len(requests), enabled=progress)
+    try:
+        result = await replay(
+            requests, sender, mode=mode, concurrency=concurrency, deadline_s=deadline_s, on_done=lambda _: bar.tick()
+        )
+    finally:
+        await sender.aclose()
+    if bar.enabled and bar.tty and bar.done < bar.total:
+        sys.stderr.write("\n")  # a stopped run leaves its bar unfinished
+    return result
+
+
 def _levels(value: str) -> list[int]:
     try:
         levels = [int(v) for v in value.split(",") if v.strip()]
@@ -197,11 +277,27 @@ def bench_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
     p.add_argument("--json", default=None, help="write the results as JSON to this path ('-' = stdout)")
     p.add_argument("--plot", default=None, help="write throughput/latency plots to this PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    t = p.add_argument_group("trace replay (--trace; --concurrency applies to closed mode, --seed to the token runs)")
+    t.add_argument("--trace", default=None, help="replay this Mooncake JSONL trace through /v1/completions")
+    modes = [m.value for m in ReplayMode]
+    t.add_argument("--trace-mode", choices=modes, default="open", help="open: at the timestamps; closed: --concurrency users")
+    t.add_argument("--trace-tokens-per-block", type=int, default=16, help="tokens each hash id becomes (the trace's are 512)")
+    t.add_argument("--trace-speedup", type=float, default=1.0, help="divide arrival times by this")
+    t.add_argument("--trace-limit", type=int, default=None, help="replay only the first N rows (after the window)")
+    t.add_argument("--trace-start", type=float, default=0.0, help="window start, trace seconds")
+    t.add_argument("--trace-duration", type=float, default=None, help="window length, trace seconds (default: to the end)")
+    t.add_argument("--trace-max-isl", type=int, default=None, help="cap on the scaled prompt length (tokens)")
+    t.add_argument("--trace-max-osl", type=int, default=None, help="cap on the output length (tokens)")
+    t.add_argument("--trace-token-offset", type=int, default=1000, help="lowest token id used (keeps clear of special tokens)")
+    t.add_argument("--trace-vocab-size", type=int, default=32000, help="token ids stay below this")
+    t.add_argument("--trace-deadline", type=float, default=3600.0, help="seconds a replay may take in all (0 = no limit)")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     ns = bench_arg_parser().parse_args(list(argv))
+    if ns.trace:
+        return _trace_main(ns)
     try:
         levels = _levels(ns.concurrency)
         if ns.requests < 1:
@@ -235,3 +331,62 @@ def main(argv: Sequence[str]) -> int:
     if ns.plot:
         plot(results, ns.plot)
     return 1 if any(r.errors for r in results) else 0
+
+
+def _trace_main(ns: argparse.Namespace) -> int:
+    """`meshllm bench --trace`: load and scale the trace, replay it (once open loop, per level closed loop), report."""
+    try:
+        scale = TraceScale(
+            tokens_per_block=ns.trace_tokens_per_block, speedup=ns.trace_speedup, limit=ns.trace_limit,
+            start_s=ns.trace_start, duration_s=ns.trace_duration, max_isl=ns.trace_max_isl, max_osl=ns.trace_max_osl,
+            token_offset=ns.trace_token_offset, vocab_size=ns.trace_vocab_size, seed=ns.seed,
+        )  # fmt: skip
+        mode = ReplayMode(ns.trace_mode)
+        levels = _levels(ns.concurrency) if mode is ReplayMode.CLOSED else [1]
+        endpoint = Endpoint.parse(ns.url, ns.api_key)
+        requests = load_trace(ns.trace, scale)
+        if not requests:
+            raise ValueError(f"--trace {ns.trace}: no rows in the selected window")
+    except (ValueError, OSError) as exc:
+        print(f"meshllm bench: error: {exc}", file=sys.stderr)
+        return 2
+    if ns.plot and importlib.util.find_spec("matplotlib") is None:
+        print("meshllm bench: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    stats = trace_stats(requests)
+    header = f"{os.path.basename(ns.trace)}: {stats.describe()}\n{scale.describe()}"
+    if ns.json != "-":
+        print(header)
+    import uvloop
+
+    deadline = ns.trace_deadline or None
+    results: list[ReplayResult] = []
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        for c in levels:
+            job = run_trace(
+                endpoint, ns.model, requests, mode=mode, concurrency=c, ignore_eos=not ns.no_ignore_eos,
+                temperature=ns.temperature, timeout_s=ns.timeout, deadline_s=deadline, progress=not ns.quiet,
+            )  # fmt: skip
+            results.append(runner.run(job))
+    summaries = [r.summary() for r in results]
+    if ns.json != "-":
+        print(format_table(summaries))
+        for r in results:
+            print(f"  c={r.concurrency}: {r.describe()}" if len(results) > 1 else r.describe())
+    if ns.json:
+        runs = [
+            {**s.to_dict(), "mode": r.mode.value, "ttft_p90_ms": r.ttft_ms(90), "e2e_p90_ms": r.e2e_ms(90),
+             "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate, "max_lag_s": r.max_lag_s,
+             "stopped": r.stopped}
+            for r, s in zip(results, summaries, strict=True)
+        ]  # fmt: skip
+        doc = {"trace": ns.trace, "scale": scale.describe(), "stats": stats.describe(), "runs": runs}
+        data = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+        if ns.json == "-":
+            sys.stdout.write(data.decode() + "\n")
+        else:
+            with open(ns.json, "wb") as f:
+                f.write(data)
+    if ns.plot:
+        plot(summaries, ns.plot)
+    return 1 if any(s.errors for s in summaries) or any(r.stopped for r in results) else 0

@@ -3,8 +3,10 @@
 Definitions: TTFT = request sent → first event with text; ITL = the gaps
 between successive events with text, pooled over every request (a server
 that coalesces tokens under load sends fewer, larger events; TPOT, the mean
-time per output token after the first, is reported beside it); output tok/s
-= completion tokens the server counted (usage) / wall time of the level.
+time per output token after the first, is reported beside it, and
+`events_per_request` is the mean number of events with text per successful
+response); output tok/s = completion tokens the server counted (usage) /
+wall time of the level.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class RequestRecord:
     gaps: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the endpoint reports it
+    events: int = 0  # SSE events that carried text
     error: str | None = None
 
 
@@ -61,6 +65,9 @@ class LevelResult:
     mean_isl: float
     mean_osl: float
     first_error: str | None = None
+    ttft_p90_ms: float = math.nan
+    itl_p90_ms: float = math.nan
+    events_per_request: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -93,6 +100,9 @@ def summarize(concurrency: int, records: Sequence[RequestRecord], duration_s: fl
         mean_isl=in_tokens / len(ok) if ok else math.nan,
         mean_osl=out_tokens / len(ok) if ok else math.nan,
         first_error=errors[0].error if errors else None,
+        ttft_p90_ms=percentile(ttfts, 90) * ms,
+        itl_p90_ms=percentile(gaps, 90) * ms,
+        events_per_request=sum(r.events for r in ok) / len(ok) if ok else math.nan,
     )
 
 
