@@ -23,6 +23,11 @@ from meshllm.v1 import events_pb2, worker_pb2
 __all__ = ["WorkerSink"]
 
 LOAD_INTERVAL_S = 0.1
+# KV events made within this long of the last batch wait and go in the next
+# one: a fast engine's steps cost one NATS message (and one parse at every
+# router) per interval, not one per step. The first events after a quiet
+# period go at once.
+KV_FLUSH_INTERVAL_S = 0.005
 
 
 class WorkerSink:
@@ -48,6 +53,7 @@ class WorkerSink:
         self._blocks: dict[int, dict[int, int]] = collections.defaultdict(dict)  # dp -> block_hash -> tokens_hash
         self._pending: list[tuple[int, events_pb2.KvEvent]] = []
         self._flush_scheduled = False
+        self._flushed_at = 0.0
         self._latest_load: LoadMetrics | None = None
         self._load_sent_at = 0.0
         self._load_timer: asyncio.TimerHandle | None = None
@@ -116,12 +122,18 @@ class WorkerSink:
         self._pending.append((dp_rank, event))
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop = asyncio.get_running_loop()
+            wait = self._flushed_at + KV_FLUSH_INTERVAL_S - time.monotonic()
+            if wait <= 0:
+                loop.call_soon(self._flush)
+            else:
+                loop.call_later(wait, self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._pending:
             return
+        self._flushed_at = time.monotonic()
         pending, self._pending = self._pending, []
         batch: events_pb2.KvEventBatch | None = None
         for dp, ev in pending:
