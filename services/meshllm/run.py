@@ -44,6 +44,7 @@ from meshllm.frontend.main import Frontend, setup_logging
 from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
+from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import GrpcServer, start_server
 from meshllm.router import RouterCore
 from meshllm.router.service import router_binding
@@ -184,6 +185,7 @@ class Mesh(AsyncCloseable):
         self.config = config
         self.store = MemoryStore()
         self.broker = MemoryBroker()
+        self.local = LocalPeers()  # the request plane in memory too: workers called directly
         self.workers: list[Worker] = []
         self.frontend: Frontend | None = None
         self.router_server: GrpcServer | None = None
@@ -208,8 +210,12 @@ class Mesh(AsyncCloseable):
             await engine_cls.from_args(cfg.worker_argv(role, simulate=simulate)) for role in roles
         ]
         for engine, wcfg in built:
-            self.workers.append(await Worker.start(engine, wcfg, memory_store=self.store, memory_broker=self.broker))
-        self.frontend = await Frontend.start(cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker)
+            self.workers.append(
+                await Worker.start(engine, wcfg, memory_store=self.store, memory_broker=self.broker, local=self.local)
+            )
+        self.frontend = await Frontend.start(
+            cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker, local=self.local
+        )
         self.router_server = await _serve_router(self.frontend.router, cfg.router_port)
         assert self.frontend.registry is not None
         for name in {w.model_card.name for w in self.workers if w.model_card is not None}:

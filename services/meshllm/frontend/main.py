@@ -41,6 +41,7 @@ from meshllm.frontend.upstream import RouterReplicas, Upstream
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
+from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
 from meshllm.router.config import StaticEndpoint
@@ -91,11 +92,11 @@ async def static_records(
 class Frontend(AsyncCloseable):
     """A started frontend. Use `Frontend.start`."""
 
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, *, local: LocalPeers | None = None) -> None:
         self.config = config
         shared = config.shared_metrics_dir
         self.metrics = FrontendMetrics(registry=SharedMetricsRegistry(shared)) if shared is not None else FrontendMetrics()
-        self.channels = ChannelCache()
+        self.channels = ChannelCache(local=local)
         self.discovery: Discovery | None = None
         self.bus: EventBus | None = None
         self.router: RouterCore | None = None
@@ -114,9 +115,13 @@ class Frontend(AsyncCloseable):
         memory_store: MemoryStore | None = None,
         memory_broker: MemoryBroker | None = None,
         upstream: Upstream | None = None,
+        local: LocalPeers | None = None,
     ) -> Frontend:
-        """Open planes and the upstream, follow models, serve HTTP and gRPC. Cleans up on failure."""
-        self = cls(config)
+        """Open planes and the upstream, follow models, serve HTTP and gRPC. Cleans up on failure.
+
+        `local` (meshllm run): workers of this process, called directly by the routing core (plane/local.py).
+        """
+        self = cls(config, local=local)
         self._plan_shutdown()
         try:
             await self._start(memory_store, memory_broker, upstream)

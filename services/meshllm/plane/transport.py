@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,6 +37,9 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.protocol.convert import chunk_from_proto
 from meshllm.protocol.types import GenerateChunk
 from meshllm.tracing import otel_active
+
+if TYPE_CHECKING:
+    from meshllm.plane.local import LocalPeers
 
 __all__ = [
     "ERROR_TRAILER",
@@ -277,9 +280,7 @@ class GrpcServer(AsyncCloseable):
         await self.server.stop(self.grace_s)
 
 
-async def start_server(
-    config: ServerConfig, services: Sequence[ServiceBinding], *, serving: bool = True
-) -> GrpcServer:
+async def start_server(config: ServerConfig, services: Sequence[ServiceBinding], *, serving: bool = True) -> GrpcServer:
     """Build, bind and start a server; reflection and health are always on."""
     server = grpc.aio.server(
         interceptors=[_ErrorMapping()],
@@ -315,12 +316,15 @@ class ChannelCache(AsyncCloseable):
 
     `shared` keeps one more object per address and key over that channel (the
     Generate session of `meshllm.plane.session`); it is closed with the channel.
+    `local` (meshllm run) names the peers that live in this process
+    (`meshllm.plane.local`): clients call those directly instead of over gRPC.
     """
 
-    def __init__(self, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, *, max_message_bytes: int = 64 * 1024 * 1024, local: LocalPeers | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._shared: dict[tuple[str, str], AsyncCloseable] = {}
         self._options = channel_options(max_message_bytes)
+        self.local = local
 
     def get(self, address: str) -> grpc.aio.Channel:
         if self.closed:

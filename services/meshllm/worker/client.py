@@ -37,9 +37,15 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks, then one terminal, over the process's one session to this worker (plane/session.py)."""
-        session = self._channels.shared(self.address, SESSION, _session_of(self.address))
+        """Stream chunks, then one terminal, over the process's one session to this worker (plane/session.py).
+
+        A worker in this very process (meshllm run) is called directly (plane/local.py).
+        """
         info = call or CallInfo()
+        local = self._channels.local.get(self.address) if self._channels.local is not None else None
+        if local is not None:
+            return local.generate(request, info)
+        session = self._channels.shared(self.address, SESSION, _session_of(self.address))
         return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)
 
     async def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:

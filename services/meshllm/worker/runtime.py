@@ -25,6 +25,7 @@ from meshllm.engine.base import DisaggregationMode, EngineConfig, LLMEngine, Loa
 from meshllm.lifecycle import AsyncCloseable, Shutdown
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
+from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.types import GenerateRequest
 from meshllm.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
@@ -52,6 +53,7 @@ class Worker(AsyncCloseable):
         self.config = config
         self.id = worker_id
         self.metrics = WorkerMetrics(worker_id)
+        self._local: LocalPeers | None = None
         self.engine_config: EngineConfig | None = None
         self.server: GrpcServer | None = None
         self.servicer: WorkerServicer | None = None
@@ -75,10 +77,15 @@ class Worker(AsyncCloseable):
         *,
         memory_store: MemoryStore | None = None,
         memory_broker: MemoryBroker | None = None,
+        local: LocalPeers | None = None,
     ) -> Worker:
-        """Open planes, start the engine, serve, register. Cleans up on failure."""
+        """Open planes, start the engine, serve, register. Cleans up on failure.
+
+        `local` (meshllm run): also serve Generate to clients of this process directly (plane/local.py).
+        """
         worker_id = config.instance_id or f"{config.engine}-{uuid.uuid4().hex[:12]}"
         self = cls(engine, config, worker_id)
+        self._local = local
         try:
             await self._start(memory_store, memory_broker)
         except BaseException:
@@ -111,6 +118,13 @@ class Worker(AsyncCloseable):
         self.server = await start_server(cfg.server, [binding])
         self.instance = self._instance(self.server.port)
         self.model_card = await self._model_card(self.engine_config)
+        if self._local is not None:
+            servicer = self.servicer
+            self._local.register(
+                self.address,
+                lambda req, call: servicer.run_request(req, call.traceparent),
+                "/meshllm.v1.Worker/Generate",
+            )
         if not cfg.static:
             await self.discovery.register_instance(self.instance)
             await self.discovery.register_model(self.model_card)
@@ -275,6 +289,8 @@ class Worker(AsyncCloseable):
         self.metrics.cleanup_time.set(time.monotonic() - t0)
 
     async def _stop_server(self) -> None:
+        if self._local is not None and self.instance is not None:
+            self._local.unregister(self.address)
         if self.server is not None:
             await self.server.aclose()
         if self._metrics_server is not None:
