@@ -252,6 +252,16 @@ def _levels(value: str) -> list[int]:
     return levels
 
 
+def write_json(doc: object, target: str) -> None:
+    """`--json` output: indented JSON to stdout ("-") or to a file."""
+    data = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+    if target == "-":
+        sys.stdout.write(data.decode() + "\n")
+    else:
+        with open(target, "wb") as f:
+            f.write(data)
+
+
 def bench_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
     p = EnvArgumentParser(
         prog="meshllm bench", env=os.environ if env is None else env, description="load generator for OpenAI endpoints"
@@ -322,12 +332,7 @@ def main(argv: Sequence[str]) -> int:
     if ns.json != "-":
         print(format_table(results))
     if ns.json:
-        data = orjson.dumps([r.to_dict() for r in results], option=orjson.OPT_INDENT_2)
-        if ns.json == "-":
-            sys.stdout.write(data.decode() + "\n")
-        else:
-            with open(ns.json, "wb") as f:
-                f.write(data)
+        write_json([r.to_dict() for r in results], ns.json)
     if ns.plot:
         plot(results, ns.plot)
     return 1 if any(r.errors for r in results) else 0
@@ -381,12 +386,7 @@ def _trace_main(ns: argparse.Namespace) -> int:
             for r, s in zip(results, summaries, strict=True)
         ]  # fmt: skip
         doc = {"trace": ns.trace, "scale": scale.describe(), "stats": stats.describe(), "runs": runs}
-        data = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
-        if ns.json == "-":
-            sys.stdout.write(data.decode() + "\n")
-        else:
-            with open(ns.json, "wb") as f:
-                f.write(data)
+        write_json(doc, ns.json)
     if ns.plot:
         plot(summaries, ns.plot)
     return 1 if any(s.errors for s in summaries) or any(r.stopped for r in results) else 0
