@@ -1,0 +1,338 @@
+"""The "## Split mesh" section of docs/benchmarks.md, built from what bench/mesh.py measured.
+
+Every figure is the median over repeats; ratios are against the run's baseline (Dynamo when it ran, else the first
+meshllm system). CPU-ms per request is a process's utime + stime (all threads, and its child processes) over the
+measured level only, divided by the level's requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh_profile import Profile
+from mesh_systems import LABELS, dynamo_venv
+
+__all__ = ["Results", "build_info", "section"]
+
+ROOT = Path(__file__).resolve().parent.parent
+Row = dict[str, Any]
+PACKAGES = ("grpcio", "protobuf", "uvloop", "uvicorn", "tokenizers", "orjson", "nats-py", "aetcd", "py-spy")
+
+
+@dataclass(slots=True)
+class Results:
+    """Everything one bench/mesh.py run measured and how it was run."""
+
+    argv: str
+    systems: list[str]
+    speedups: list[float]
+    levels: list[int]
+    requests: int
+    warmup: int
+    repeats: int
+    workers: int
+    router_mode: str
+    load: str
+    extra: str = ""  # extra flags given to meshllm commands, as typed
+    rows: dict[tuple[float, str, int], list[Row]] = field(default_factory=dict)
+    profiles: dict[tuple[float, str], dict[str, Profile]] = field(default_factory=dict)
+    profile_level: tuple[int, int] | None = None  # (concurrency, requests) of the profiled level
+    overhead: dict[str, Row] = field(default_factory=dict)
+    overhead_requests: int = 0
+    failures: list[str] = field(default_factory=list)  # systems that did not start or broke, with the error
+    load_avg: list[float] = field(default_factory=list)
+    info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> str:
+        return "dynamo" if "dynamo" in self.systems else self.systems[0]
+
+
+def code_fingerprint() -> str:
+    """A hash of the code the services run: HEAD, uncommitted changes and untracked files under services/."""
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=False).stdout
+
+    h = hashlib.sha1(git("rev-parse", "HEAD") + git("diff", "HEAD", "--", "services"))
+    for name in sorted(git("ls-files", "--others", "--exclude-standard", "--", "services").decode().splitlines()):
+        with contextlib.suppress(OSError):
+            h.update(name.encode() + (ROOT / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_info() -> dict[str, str]:
+    """Python, machine, git commit and package versions, read from this run."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return out.stdout.strip()
+
+    versions = []
+    for name in PACKAGES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    dyn = dynamo_venv() / "bin" / "python"
+    if dyn.exists():
+        code = "import importlib.metadata as m; print(m.version('ai-dynamo'))"
+        out = subprocess.run([str(dyn), "-c", code], capture_output=True, text=True, check=False).stdout.strip()
+        if out:
+            versions.append(f"ai-dynamo {out}")
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "commit": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
+        "packages": ", ".join(versions),
+        "fingerprint": code_fingerprint(),
+    }
+
+
+def _med(rows: Sequence[Row], key: str) -> float:
+    vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return statistics.median(vals) if vals else math.nan
+
+
+def _cpu(rows: Sequence[Row], proc: str) -> float:
+    vals = [r["cpu_ms"][proc] for r in rows if proc in r["cpu_ms"]]
+    return statistics.median(vals) if vals else math.nan
+
+
+def _mesh_cpu(rows: Sequence[Row]) -> float:
+    return statistics.median(sum(r["cpu_ms"].values()) for r in rows) if rows else math.nan
+
+
+def _f(v: float, fmt: str = "{:.1f}") -> str:
+    return "–" if v is None or math.isnan(v) else fmt.format(v)
+
+
+def _ratio(a: float, b: float) -> str:
+    return "–" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}×"
+
+
+def _triple(rows: Sequence[Row], what: str, fmt: str) -> str:
+    return " / ".join(_f(_med(rows, f"{what}_{p}_ms"), fmt) for p in ("p50", "p90", "p99"))
+
+
+def _process_columns(res: Results) -> list[str]:
+    seen: list[str] = []
+    for rows in res.rows.values():
+        for name in rows[0]["cpu_ms"]:
+            if name not in seen:
+                seen.append(name)
+    order = ["frontend", "router", "meshllm run"]
+    head = [n for n in order if n in seen]
+    workers = sorted((n for n in seen if n.startswith("worker ")), key=lambda n: int(n.split()[1]))
+    return head + workers + [n for n in seen if n not in head and n not in workers]
+
+
+def _speed_tables(res: Results, speedup: float) -> str:
+    base = res.baseline
+    procs = _process_columns(res)
+    t1 = [
+        f"| system | conc | req/s | req/s × {LABELS[base]} | output tok/s | TTFT p50 / p90 / p99 ms | "
+        "ITL p50 / p90 / p99 ms | SSE chunks per response | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    t2 = [
+        "| system | conc | " + " | ".join(procs) + f" | whole mesh | mesh × {LABELS[base]} | frontend µs per output token | "
+        "load generator (whole process) |",
+        "|---|---:|" + "---:|" * (len(procs) + 4),
+    ]
+    for c in res.levels:
+        base_rows = res.rows.get((speedup, base, c), [])
+        for kind in res.systems:
+            rows = res.rows.get((speedup, kind, c))
+            if not rows:
+                continue
+            rps = _med(rows, "req_per_s")
+            spread = ""
+            if len(rows) > 1:
+                spread = f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})"
+            errors = sum(r["errors"] for r in rows)
+            t1.append(
+                f"| {LABELS[kind]} | {c} | {rps:.1f}{spread} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
+                f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
+                f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | {errors} |"
+            )
+            mesh = _mesh_cpu(rows)
+            fe = _cpu(rows, "frontend")
+            per_token = fe * 1000 / _med(rows, "mean_osl") if not math.isnan(fe) else math.nan
+            cells = " | ".join(_f(_cpu(rows, p), "{:.2f}") for p in procs)
+            t2.append(
+                f"| {LABELS[kind]} | {c} | {cells} | {mesh:.2f} | {_ratio(mesh, _mesh_cpu(base_rows))} | "
+                f"{_f(per_token, '{:.0f}')} | {_f(_med(rows, 'loadgen_cpu_ms'), '{:.2f}')} |"
+            )
+    return "\n".join(t1) + "\n\nCPU-ms per request, by process:\n\n" + "\n".join(t2)
+
+
+def _verdict(ok: bool) -> str:
+    return "meets" if ok else "misses"
+
+
+def _targets(res: Results) -> list[str]:
+    """Issue 15's targets that this run measured (the req/s and TTFT ones only when Dynamo ran in it too)."""
+    lines = ["| target (issue 15) | measured | |", "|---|---|---|"]
+
+    def rps(s: float, kind: str, c: int) -> float:
+        return _med(res.rows.get((s, kind, c), []), "req_per_s")
+
+    for s in res.speedups:
+        for c in res.levels:
+            d = rps(s, "dynamo", c)
+            goals = (("split", 1.0), ("router", 0.9), ("run", 1.0)) if s >= 100 else (("split", 0.7),)
+            for kind, goal in goals:
+                r = rps(s, kind, c)
+                if not math.isnan(r) and not math.isnan(d):
+                    lines.append(f"| {LABELS[kind]} ≥ {goal}× Dynamo req/s, speedup {s:g}, c={c} | {r / d:.2f}× | "
+                                 f"{_verdict(r / d >= goal)} |")  # fmt: skip
+            split = res.rows.get((s, "split", c), [])
+            if split and s >= 100:
+                fe = _cpu(split, "frontend")
+                worst = max(_cpu(split, p) for p in split[0]["cpu_ms"] if p.startswith("worker "))
+                lines.append(f"| frontend ≤ 4 CPU-ms/request, speedup {s:g}, c={c} | {fe:.2f} | {_verdict(fe <= 4)} |")
+                lines.append(f"| each worker ≤ 2 CPU-ms/request, speedup {s:g}, c={c} | {worst:.2f} (max) | "
+                             f"{_verdict(worst <= 2)} |")  # fmt: skip
+            router = res.rows.get((s, "router", c), [])
+            if router and s >= 100:
+                hop = _cpu(router, "router")
+                lines.append(f"| router process < 1.5 CPU-ms/request, speedup {s:g}, c={c} | {hop:.2f} | "
+                             f"{_verdict(hop < 1.5)} |")  # fmt: skip
+    if "engine" in res.overhead:
+        eng = res.overhead["engine"]
+        for kind in ("split", "router", "run"):
+            row = res.overhead.get(kind)
+            if row is None:
+                continue
+            for what in ("ttft", "itl"):
+                delta = row[f"{what}_p50_ms"] - eng[f"{what}_p50_ms"]
+                lines.append(f"| {LABELS[kind]}: {what.upper()} p50 within 1 ms of the engine alone (speedup 1, c=1) | "
+                             f"{delta:+.2f} ms | {_verdict(delta <= 1.0)} |")  # fmt: skip
+        if "split" in res.overhead and "dynamo" in res.overhead:
+            a, b = res.overhead["split"]["ttft_p50_ms"], res.overhead["dynamo"]["ttft_p50_ms"]
+            lines.append(f"| split mesh TTFT p50 ≤ Dynamo's at c=1 (speedup 1) | {a:.1f} vs {b:.1f} ms | {_verdict(a <= b)} |")
+    return lines if len(lines) > 2 else []
+
+
+def _overhead(res: Results) -> str:
+    eng = res.overhead.get("engine")
+    out = [
+        "| path | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | SSE chunks per response | "
+        "TTFT p50 − engine | ITL p50 − engine |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind, row in res.overhead.items():
+        label = "mocker engine alone (in-process LLMEngine API)" if kind == "engine" else LABELS[kind]
+        d_ttft = d_itl = "–"
+        if eng is not None and kind != "engine":
+            d_ttft = f"{row['ttft_p50_ms'] - eng['ttft_p50_ms']:+.2f} ms"
+            d_itl = f"{row['itl_p50_ms'] - eng['itl_p50_ms']:+.3f} ms"
+        out.append(f"| {label} | {_triple([row], 'ttft', '{:.1f}')} | {_triple([row], 'itl', '{:.2f}')} | "
+                   f"{_f(row.get('events_per_request', math.nan))} | {d_ttft} | {d_itl} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def _profiles(res: Results) -> str:
+    parts = []
+    for (s, kind), procs in res.profiles.items():
+        for name, prof in procs.items():
+            if not prof.samples:
+                parts.append(f"*{LABELS[kind]}, speedup {s:g}, {name}*: no samples (py-spy could not attach)\n")
+                continue
+            rows = "\n".join(f"| {pct:.1f} | `{frame}` |" for pct, frame in prof.self_top)
+            incl = "; ".join(f"`{f.removeprefix('meshllm/')}` {p:.0f} %" for p, f in prof.meshllm_inclusive[:6])
+            pkgs = "; ".join(f"{f} {p:.0f} %" for p, f in prof.by_package[:8])
+            parts.append(
+                f"*{LABELS[kind]}, speedup {s:g}, {name}* ({prof.samples:,} samples), self time:\n\n"
+                f"| % | frame |\n|---:|---|\n{rows}\n\nself time by package: {pkgs}\n\n"
+                f"meshllm frames, inclusive (below the event loop): {incl or '–'}\n"
+            )
+    return "\n".join(parts)
+
+
+def section(res: Results, heading: str) -> str:
+    info = res.info
+    la = res.load_avg or [math.nan]
+    loads = f"{min(la):.1f}–{max(la):.1f} (median {statistics.median(la):.1f})"
+    isl = statistics.median(r["mean_isl"] for rows in res.rows.values() for r in rows) if res.rows else math.nan
+    osl = statistics.median(r["mean_osl"] for rows in res.rows.values() for r in rows) if res.rows else math.nan
+    text = [
+        heading,
+        "",
+        f"`{res.argv}` on {info.get('date', '')} ({info['machine']}, Python {info['python']}, commit {info['commit']}; "
+        f"{info['packages']}).",
+        f"Load: `meshllm bench` in its own process, {res.load}; measured mean ISL {_f(isl, '{:.0f}')} and OSL "
+        f"{_f(osl, '{:.0f}')} tokens (server-counted, SmolLM2 tokenizer). Each system in turn, never two at once, "
+        f"freshly started per speedup and repeat: {res.workers} mocker workers, {res.router_mode} routing"
+        f"{'; extra flags: ' + res.extra if res.extra else ''}; per "
+        f"level {res.warmup} warm-up requests (unmeasured, other prompts), then {res.requests} measured requests; "
+        f"{res.repeats} repeat(s), medians shown (req/s range in brackets when repeated). 1-minute load average "
+        f"during the run: {loads} (the 2 cores are shared with the load generator and with other jobs, so absolute "
+        "figures are noisy; compare the ratios).",
+        "",
+    ]
+    if res.failures:
+        text += ["**Failed** (no figures from these):", "", *(f"- {f}" for f in res.failures), ""]
+    if info.get("fingerprint_end", info["fingerprint"]) != info["fingerprint"]:
+        text += ["**The code under services/ changed while this ran** (someone edited the tree): systems started "
+                 "later ran newer code, so the figures mix versions.", ""]  # fmt: skip
+    for s in res.speedups if res.rows else []:
+        text += [f"**--speedup-ratio {s:g}**", "", _speed_tables(res, s), ""]
+    if targets := _targets(res):
+        text += targets + [""]
+    if res.overhead:
+        text += [
+            f"**Overhead at --speedup-ratio 1, concurrency 1** ({res.overhead_requests} requests each; the engine "
+            "alone is the mocker driven in-process through its LLMEngine API with the same chat-templated, "
+            "tokenized prompts; TTFT = call → first chunk with tokens, ITL = gaps between chunks with tokens):",
+            "",
+            _overhead(res),
+            "",
+        ]
+    if res.profiles:
+        c, n = res.profile_level or (0, 0)
+        text += [
+            f"**Profiles** (py-spy record -f raw --nonblocking --subprocesses on each meshllm process during an "
+            f"extra, unmeasured level of {n} requests at concurrency {c}; percent of that process's samples; "
+            "py-spy sees Python frames only, so time in native code lands on the innermost Python frame: under "
+            "uvloop the C event loop, its transports and grpc's C core show as `asyncio/runners.py Runner.run`, "
+            "under the stdlib loop native callbacks show as `asyncio/events.py Handle._run`):",
+            "",
+            _profiles(res),
+        ]
+    text += [
+        "Systems: *meshllm split* = etcd + nats-server + `meshllm frontend` (embedded routing core) + "
+        "`meshllm worker --engine mocker` processes, each its own OS process on loopback; *+ router process* puts "
+        "`meshllm router` between the frontend (`--router-address`) and the workers; *meshllm run* is all of it in "
+        "one process; *Dynamo 1.6.1* is ../shared/anchors/dynamo/up.sh agg (its frontend with the embedded router, "
+        "mocker processes, its own etcd and NATS). Every meshllm side tokenizes with the SmolLM2 directory Dynamo "
+        "serves (`--model-path`).",
+        "",
+        "SSE chunks per response count the events that carried text. TTFT is request sent → first event with "
+        "text, ITL the gaps between such events (a server that coalesces sends fewer, larger events; an ITL p50 "
+        "near 0 means events reach the client several per read, in bursts). The load "
+        "generator column is the whole `meshllm bench` process's CPU (start-up included) per measured request.",
+    ]
+    return "\n".join(text) + "\n"
+
+
+def summary_line(kind: str, c: int, row: Mapping[str, Any]) -> str:
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in row["cpu_ms"].items())
+    return (
+        f"    {LABELS[kind]}, c={c}: {row['req_per_s']:.1f} req/s, {row['output_tok_per_s']:,.0f} tok/s, TTFT p50 "
+        f"{row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms']:.2f} ms, {row.get('events_per_request') or 0:.1f} "
+        f"chunks/resp, errors {row['errors']}; CPU-ms/req: {cpu}; whole mesh {sum(row['cpu_ms'].values()):.2f}"
+    )

@@ -1,0 +1,338 @@
+"""The systems bench/mesh.py measures, each started as real OS processes on loopback and torn down after.
+
+- `split`: etcd + nats-server + N `meshllm worker --engine mocker` + `meshllm frontend` (embedded routing core);
+- `router`: the same with a `meshllm router` process between the frontend (`--router-address`) and the workers;
+- `run`: `meshllm run` (frontend, routing core and workers in one process; in-memory planes);
+- `dynamo`: NVIDIA Dynamo 1.6.1 through ../shared/anchors/dynamo/up.sh agg (its etcd, NATS, frontend with
+  embedded router, N mocker processes), stopped by down.sh; PIDs from the pids file up.sh writes.
+
+Readiness is observed, never slept for: ready lines on stdout, the frontend's /health, the router's worker
+gauge, and, for the split layouts, a probe request per worker until every worker's request counter moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from meshllm.bench.http import Connection, Endpoint
+from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.testing.processes import MeshllmProcess
+from meshllm.testing.servers import EtcdServer, NatsServer, free_port
+
+__all__ = ["DYNAMO_DIR", "LABELS", "MODEL_DIR", "Running", "SystemSpec", "dynamo_venv", "start_system"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DYNAMO_DIR = ROOT.parent / "shared" / "anchors" / "dynamo"
+MODEL_DIR = DYNAMO_DIR / "models" / "smollm2-135m-instruct"
+LABELS = {
+    "split": "meshllm split",
+    "router": "meshllm split + router process",
+    "run": "meshllm run (one process)",
+    "dynamo": "Dynamo 1.6.1",
+}
+ENV = {"MESHLLM_LOG_LEVEL": "WARNING"}
+READY_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SystemSpec:
+    """What every system is started with: same workers, policy, speedup and model."""
+
+    speedup: float
+    workers: int = 2
+    router_mode: str = "round-robin"
+    model_path: Path = MODEL_DIR
+    model_name: str = "smollm2-135m-instruct"
+    extra: Mapping[str, Sequence[str]] = field(default_factory=dict)  # command → extra flags (frontend, router, ...)
+
+
+@dataclass(slots=True)
+class Running:
+    """A started system: where to send load, and the processes to meter (name → root pid)."""
+
+    kind: str
+    url: str
+    model: str
+    processes: dict[str, int]
+    python: dict[str, int] = field(default_factory=dict)  # meshllm processes py-spy can sample
+
+
+@asynccontextmanager
+async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
+    """Start `kind` (a key of LABELS), wait until it serves on every worker, stop it on exit."""
+    if kind in ("split", "router"):
+        async with _split(spec, router=kind == "router") as running:
+            yield running
+    elif kind == "run":
+        async with _run(spec) as running:
+            yield running
+    elif kind == "dynamo":
+        async with _dynamo(spec) as running:
+            yield running
+    else:
+        raise ValueError(f"unknown system {kind!r}")
+
+
+# ---------------------------------------------------------------- readiness probes
+
+
+async def http_get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    """A one-shot HTTP/1.0 GET on 127.0.0.1; (0, b'') when nothing answers."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout_s)
+    except (OSError, TimeoutError):
+        return 0, b""
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(), timeout_s)
+    except (OSError, TimeoutError):
+        return 0, b""
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        return int(head.split(b" ", 2)[1]), body
+    except (IndexError, ValueError):
+        return 0, b""
+
+
+def metric_sum(text: bytes, name: str) -> float:
+    """Sum of every sample of metric `name` (any labels) in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.decode(errors="replace").splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = READY_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)  # polling a readiness probe, not synchronising on time
+    raise RuntimeError(f"not ready within {timeout_s:g}s: {what}")
+
+
+async def _healthy(url: str) -> None:
+    port = Endpoint.parse(url).port
+
+    async def check() -> bool:
+        status, _ = await http_get(port, "/health")
+        return status == 200
+
+    await _until(f"{url}/health answers 200", check)
+
+
+async def _every_worker_serves(url: str, model: str, metrics_ports: Sequence[int]) -> None:
+    """Send tiny requests through the frontend until each worker's request counter has moved."""
+
+    async def counts() -> list[float]:
+        return [metric_sum((await http_get(p, "/metrics"))[1], "meshllm_worker_requests_total") for p in metrics_ports]
+
+    start = await counts()
+    conn = Connection(Endpoint.parse(url))
+    sent = 0
+
+    async def check() -> bool:
+        nonlocal sent
+        sent += 1  # a new prompt each time: a cache-aware policy must not pin every probe to one worker
+        content = f"probe {sent} " * (1 + sent % 16)
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1})
+        resp = await conn.post("/chat/completions", body)
+        data = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"probe request failed: HTTP {resp.status} {data[:300]!r}")
+        return all(now > before for now, before in zip(await counts(), start, strict=True))
+
+    try:
+        await _until("every worker served a probe request", check)
+    finally:
+        await conn.close()
+
+
+async def _ready_line(proc: MeshllmProcess, pattern: str) -> re.Match[str]:
+    while True:
+        if m := re.search(pattern, await proc.line(READY_S)):
+            return m
+
+
+# ---------------------------------------------------------------- meshllm
+
+
+def simulated_model_flags(model_path: Path) -> list[str]:
+    """The mocker simulates the tokenizer's model: its vocabulary size and EOS id (as `meshllm run` does)."""
+    tok = load_tokenizer(str(model_path))
+    flags = ["--vocab-size", str(tok.vocab_size)]
+    if tok.eos_token_ids:
+        flags += ["--eos-token-id", str(tok.eos_token_ids[0])]
+    return flags
+
+
+async def _stop_all(procs: Sequence[MeshllmProcess]) -> None:
+    for p in procs:  # the caller lists the frontend first: it stops sending before the workers go
+        await p.stop()
+
+
+@asynccontextmanager
+async def _split(spec: SystemSpec, *, router: bool) -> AsyncIterator[Running]:
+    async with EtcdServer() as etcd, NatsServer() as nats:
+        planes = ("--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url)
+        sim = await asyncio.to_thread(simulated_model_flags, spec.model_path)
+        procs: list[MeshllmProcess] = []
+        try:
+            ports = [free_port() for _ in range(spec.workers)]
+            argv = [
+                "worker", "--engine", "mocker", "--host", "127.0.0.1", "--port", "0", "--model-name", spec.model_name,
+                *planes, "--speedup-ratio", f"{spec.speedup:g}", *sim, *spec.extra.get("worker", ()),
+            ]  # fmt: skip
+            workers = [MeshllmProcess(*argv, "--metrics-port", str(port), env=ENV) for port in ports]
+            procs[:0] = workers
+            for w in workers:
+                await w.address(READY_S)
+            processes = {f"worker {i + 1}": w.proc.pid for i, w in enumerate(workers)}
+            upstream: tuple[str, ...] = ()
+            if router:
+                rport = free_port()
+                rp = MeshllmProcess(
+                    "router", "--host", "127.0.0.1", "--port", "0", "--router-mode", spec.router_mode,
+                    "--metrics-port", str(rport), *planes, *spec.extra.get("router", ()), env=ENV,
+                )  # fmt: skip
+                procs.insert(0, rp)
+                address = await rp.address(READY_S)
+
+                async def pool_full() -> bool:
+                    return metric_sum((await http_get(rport, "/metrics"))[1], "meshllm_router_workers") >= spec.workers
+
+                await _until(f"the router sees {spec.workers} workers", pool_full)
+                upstream = ("--router-address", address)
+                processes = {"router": rp.proc.pid, **processes}
+            fe = MeshllmProcess(
+                "frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
+                "--router-mode", spec.router_mode, "--model-path", str(spec.model_path), *planes, *upstream,
+                *spec.extra.get("frontend", ()), env=ENV,
+            )  # fmt: skip
+            procs.insert(0, fe)
+            url = (await _ready_line(fe, r"OpenAI HTTP API on (\S+)/v1"))[1]
+            await _healthy(url)
+            await _every_worker_serves(url, spec.model_name, ports)
+            meshllm = {"frontend": fe.proc.pid, **processes}
+            assert etcd.pid is not None and nats.pid is not None
+            yield Running(
+                kind="router" if router else "split", url=url, model=spec.model_name,
+                processes={**meshllm, "etcd": etcd.pid, "nats": nats.pid}, python=meshllm,
+            )  # fmt: skip
+        except BaseException:
+            for p in procs:
+                if p.proc.poll() is not None:
+                    print(f"  {p.proc.args!r} exited {p.proc.returncode}: {p.stderr_tail(1500)}", flush=True)
+            raise
+        finally:
+            await _stop_all(procs)
+
+
+@asynccontextmanager
+async def _run(spec: SystemSpec) -> AsyncIterator[Running]:
+    proc = MeshllmProcess(
+        "run", "--workers", str(spec.workers), "--router-mode", spec.router_mode, "--http-host", "127.0.0.1",
+        "--http-port", "0", "--grpc-port", "0", "--router-port", "0", "--model-path", str(spec.model_path),
+        "--model-name", spec.model_name, *spec.extra.get("run", ()), "--", "--speedup-ratio", f"{spec.speedup:g}",
+        env=ENV,
+    )  # fmt: skip
+    try:
+        url = (await _ready_line(proc, r"OpenAI HTTP API\s+(\S+)/v1"))[1]
+        await _ready_line(proc, r"^try:")  # the last ready line: nothing more will sit in the pipe
+        await _healthy(url)
+        yield Running(kind="run", url=url, model=spec.model_name, processes={"meshllm run": proc.proc.pid},
+                      python={"meshllm run": proc.proc.pid})  # fmt: skip
+    except BaseException:
+        if proc.proc.poll() is not None:
+            print(f"  meshllm run exited {proc.proc.returncode}: {proc.stderr_tail(1500)}", flush=True)
+        raise
+    finally:
+        await proc.stop()
+
+
+# ---------------------------------------------------------------- Dynamo
+
+
+def dynamo_venv() -> Path:
+    """Where up.sh looks for Dynamo's virtualenv ($DYN_VENV, else $ANCHOR_HOME/dyn, else /tmp/meshllm-anchor/dyn)."""
+    if os.environ.get("DYN_VENV"):
+        return Path(os.environ["DYN_VENV"])
+    home = os.environ.get("ANCHOR_HOME") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "meshllm-anchor")
+    return Path(home) / "dyn"
+
+
+def read_pids(path: Path) -> dict[str, int]:
+    """up.sh's pids file ('name pid' per line) → our process names (mockerN → 'worker N')."""
+    out = {}
+    for line in path.read_text().splitlines():
+        name, _, pid = line.strip().partition(" ")
+        if pid.strip().isdigit():
+            m = re.fullmatch(r"mocker(\d+)", name)
+            out[f"worker {m[1]}" if m else name] = int(pid)
+    return out
+
+
+async def _script(script: str, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """Run up.sh / down.sh; output to a file, not a pipe: the services up.sh leaves running would hold a pipe open."""
+    with tempfile.TemporaryFile() as out:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", str(DYNAMO_DIR / script), *(["agg"] if script == "up.sh" else []), env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        out.seek(0)
+        return proc.returncode or 0, out.read().decode(errors="replace")
+
+
+@asynccontextmanager
+async def _dynamo(spec: SystemSpec) -> AsyncIterator[Running]:
+    if not (dynamo_venv() / "bin" / "python").exists():
+        raise RuntimeError(f"Dynamo is not installed at {dynamo_venv()} (run {DYNAMO_DIR}/install.sh)")
+    run_dir = Path(tempfile.mkdtemp(prefix="meshllm-bench-dynamo-"))
+    http_port = free_port()
+    env = {
+        **os.environ, "RUN_DIR": str(run_dir), "DYN_VENV": str(dynamo_venv()), "HTTP_PORT": str(http_port),
+        "ETCD_PORT": str(free_port()), "ETCD_PEER_PORT": str(free_port()), "NATS_PORT": str(free_port()),
+        "NATS_MON_PORT": str(free_port()), "NUM_WORKERS": str(spec.workers), "ROUTER_MODE": spec.router_mode,
+        "SPEEDUP": f"{spec.speedup:g}", "MODEL_DIR": str(spec.model_path), "MODEL_NAME": spec.model_name,
+        "DYN_LOG": "warn",
+    }  # fmt: skip
+    try:
+        rc, out = await _script("up.sh", env, 600)
+        if rc != 0:
+            raise RuntimeError(f"Dynamo up.sh failed ({rc}): {out[-2000:]}")
+        processes = read_pids(run_dir / "pids")
+        url = f"http://127.0.0.1:{http_port}"
+        await _healthy_dynamo(url, spec.model_name)
+        yield Running(kind="dynamo", url=url, model=spec.model_name, processes=processes)
+    finally:
+        await _script("down.sh", env, 120)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _healthy_dynamo(url: str, model: str) -> None:
+    port = Endpoint.parse(url).port
+
+    async def check() -> bool:
+        status, body = await http_get(port, "/v1/models")
+        return status == 200 and model.encode() in body
+
+    await _until(f"Dynamo lists {model}", check)

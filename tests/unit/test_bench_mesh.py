@@ -1,0 +1,141 @@
+"""The pure helpers of bench/mesh.py: /proc CPU parsing and process trees, py-spy summaries, up.sh's pids file.
+
+Locks: CPU is read from the right /proc fields even when the command name holds spaces and parentheses; a tree
+counts a process, its live descendants and its reaped children, and nothing else; a gone root is an error, not
+zero CPU; py-spy's collapsed stacks become self-time percentages by frame and package, and inclusive meshllm
+frames only below the event loop; Dynamo's mockerN processes are named like our workers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> tuple[ModuleType, ModuleType, ModuleType]:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # as when run as `python bench/mesh.py` (its sibling imports)
+    import mesh_cpu
+    import mesh_profile
+    import mesh_systems
+
+    return mesh_cpu, mesh_profile, mesh_systems
+
+
+def _stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0, cstime: int = 0) -> str:
+    # proc(5): pid (comm) state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
+    return f"{pid} ({comm}) S {ppid} 1 1 0 -1 4194560 10 0 0 0 {utime} {stime} {cutime} {cstime} 20 0 3 0 100 0 0\n"
+
+
+def test_parse_stat_reads_ppid_and_cpu_fields_even_when_the_name_has_spaces_and_parens(bench: tuple) -> None:
+    mesh_cpu = bench[0]
+    s = mesh_cpu.parse_stat(_stat(4242, "python (x) -m meshllm", 7, utime=100, stime=20, cutime=3, cstime=4))
+    assert (s.pid, s.ppid, s.ticks) == (4242, 7, 127)
+
+
+def test_parse_stat_of_this_process_names_it_and_its_parent(bench: tuple) -> None:
+    s = bench[0].parse_stat(Path("/proc/self/stat").read_text())
+    assert (s.pid, s.ppid) == (os.getpid(), os.getppid())
+    assert s.ticks >= 0
+
+
+def _fake_proc(root: Path, stats: list[str]) -> Path:
+    for line in stats:
+        d = root / line.split(" ", 1)[0]
+        d.mkdir()
+        (d / "stat").write_text(line)
+    (root / "self").mkdir()  # not a pid: skipped
+    (root / "999").mkdir()  # a process that exited while /proc was read: no stat file, skipped
+    return root
+
+
+def test_a_tree_counts_the_process_its_live_descendants_and_nothing_else(bench: tuple, tmp_path: Path) -> None:
+    mesh_cpu = bench[0]
+    proc = _fake_proc(
+        tmp_path,
+        [
+            _stat(100, "frontend", 1, 50, 10, cutime=5),  # 5 ticks of reaped children
+            _stat(101, "helper", 100, 7, 3),
+            _stat(102, "grandchild", 101, 1, 1),
+            _stat(200, "other", 1, 1000, 1000),
+            _stat(201, "other child", 200, 9, 9),
+        ],
+    )
+    stats = mesh_cpu.read_stats(proc)
+    assert set(stats) == {100, 101, 102, 200, 201}
+    assert mesh_cpu.tree_ticks(100, stats) == 65 + 10 + 2
+    assert mesh_cpu.tree_ticks(102, stats) == 2
+    with pytest.raises(KeyError):
+        mesh_cpu.tree_ticks(300, stats)
+
+
+def test_cpu_meter_samples_named_trees_in_seconds_and_subtracts(bench: tuple, tmp_path: Path) -> None:
+    mesh_cpu = bench[0]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _fake_proc(tmp_path / "a", [_stat(10, "fe", 1, 100, 0), _stat(11, "w", 1, 0, 50)])
+    _fake_proc(tmp_path / "b", [_stat(10, "fe", 1, 130, 10), _stat(11, "w", 1, 0, 60)])
+    before = mesh_cpu.CpuMeter({"frontend": 10, "worker 1": 11}, proc=tmp_path / "a").sample()
+    after = mesh_cpu.CpuMeter({"frontend": 10, "worker 1": 11}, proc=tmp_path / "b").sample()
+    delta = mesh_cpu.CpuMeter.delta(before, after)
+    assert delta == pytest.approx({"frontend": 40 / mesh_cpu.TICK, "worker 1": 10 / mesh_cpu.TICK})
+
+
+def test_short_frame_drops_the_line_and_the_install_prefix(bench: tuple) -> None:
+    short = bench[1].short_frame
+    assert short("_read (/v/lib/python3.11/site-packages/grpc/aio/_call.py:410)") == "grpc/aio/_call.py _read"
+    assert short("feed (/work/main/services/meshllm/frontend/postprocess.py:88)") == "meshllm/frontend/postprocess.py feed"
+    assert short("_run (/usr/lib/python3.11/asyncio/events.py:84)") == "asyncio/events.py _run"
+    assert short("<native>") == "<native>"
+
+
+def test_summarise_raw_gives_self_time_by_frame_and_package_and_meshllm_inclusive_below_the_loop(bench: tuple) -> None:
+    mesh_profile = bench[1]
+    p = "/v/lib/python3.11/site-packages"
+    m = "/work/main/services/meshllm"
+    loop = f"<module> ({m}/__main__.py:3);main ({m}/cli.py:40);Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"
+    raw = "\n".join(
+        [
+            f'process 77:"python -m meshllm frontend";{loop};_chat ({m}/frontend/app.py:10);_read ({p}/grpc/aio/_call.py:410) 6',
+            f"{loop};_chat ({m}/frontend/app.py:12);feed ({m}/frontend/postprocess.py:88) 3",
+            f"_bootstrap (/usr/lib/python3.11/threading.py:1002);encode ({m}/frontend/tokenizer_hf.py:50) 1",
+            "garbage line without a count",
+        ]
+    )
+    prof = mesh_profile.summarise_raw(raw)
+    assert prof.samples == 10
+    assert prof.self_top == [
+        (60.0, "grpc/aio/_call.py _read"),
+        (30.0, "meshllm/frontend/postprocess.py feed"),
+        (10.0, "meshllm/frontend/tokenizer_hf.py encode"),
+    ]
+    assert dict((f, pct) for pct, f in prof.by_package) == {"grpc": 60.0, "meshllm/frontend": 40.0}
+    inclusive = dict((f, pct) for pct, f in prof.meshllm_inclusive)
+    assert inclusive["meshllm/frontend/app.py _chat"] == 90.0  # counted once per sample, lines merged
+    assert "meshllm/cli.py main" not in inclusive  # above the event loop: in every sample, says nothing
+    assert mesh_profile.summarise_raw("").samples == 0
+
+
+def test_read_pids_names_dynamo_mockers_like_our_workers(bench: tuple, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    pids.write_text("etcd 11\nnats 12\nfrontend 13\nmocker1 14\nmocker2 15\n\n")
+    assert bench[2].read_pids(pids) == {"etcd": 11, "nats": 12, "frontend": 13, "worker 1": 14, "worker 2": 15}
+
+
+def test_metric_sum_adds_every_labelled_sample_of_exactly_that_metric(bench: tuple) -> None:
+    text = (
+        b"# HELP meshllm_worker_requests_total Generate requests accepted\n"
+        b'meshllm_worker_requests_total{worker_id="a"} 3.0\n'
+        b'meshllm_worker_requests_created{worker_id="a"} 1.7e9\n'
+        b"meshllm_router_workers 2.0\n"
+    )
+    assert bench[2].metric_sum(text, "meshllm_worker_requests_total") == 3.0
+    assert bench[2].metric_sum(text, "meshllm_router_workers") == 2.0
+    assert bench[2].metric_sum(text, "meshllm_router_worker") == 0.0
