@@ -215,10 +215,11 @@ CPU-ms/req is the frontend process alone, i.e. HTTP + JSON + tokenizer + templat
 Baseline: the same two static workers driven directly by `WorkerClient`s over gRPC (token ids, no HTTP, no
 tokenizer) at concurrency 32 from the benchmark process: {base:,.0f} output tok/s; the split frontend delivers
 {split32['output_tok_per_s'] / base:.2f}× that through HTTP/SSE. TTFT is request sent → first SSE event with text;
-ITL is the gap between SSE events with text: under load the worker and the router coalesce tokens that pile up
-while the consumer is busy, so one event often carries several tokens (TPOT = e2e time per output token is far
-below ITL at high concurrency). Throughput is bounded by the 2 cores shared by the load generator, the frontend,
-the router and both simulated engines.
+ITL is the gap between SSE events with text. Engine steps closer together than the stream interval (1 ms) travel
+as one message, and tokens that pile up while a consumer is busy are merged where they wait (the worker's session
+outbox, the stream's pipe; in `meshllm run`, the engine's own stream), so one event can carry several tokens and
+TPOT (e2e time per output token) can be below ITL. Throughput is bounded by the 2 cores shared by the load
+generator, the frontend, the router and both simulated engines.
 """
 
 
