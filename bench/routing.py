@@ -3,6 +3,12 @@
     .venv/bin/python bench/routing.py                # every scenario × cache size × mode, update docs/benchmarks.md
     .venv/bin/python bench/routing.py --quick        # fewer requests (development), prints only
     .venv/bin/python bench/routing.py --scenarios docs-seq --modes kv,round-robin --no-write
+    .venv/bin/python bench/routing.py --http         # only docs-http: through `meshllm run`'s HTTP API
+
+Every row runs `--repeats` times (default 3), the modes of a cache size
+interleaved so they share the machine's noise; figures are medians over the
+repeats. Writing replaces the `### scenario` parts of the Routing section
+this run measured and keeps the others.
 
 Scenarios (each at a tight and a roomy cache size, on fresh workers per mode):
 
@@ -19,6 +25,10 @@ Scenarios (each at a tight and a roomy cache size, on fresh workers per mode):
   first private hash id is equal, kept or dropped together, so conversations
   stay whole), hash ids of fewer tokens, arrivals sped up, lengths capped —
   the scaling is printed with the figures. Open loop (trace arrivals).
+- `docs-http` (ISSUE 12): the shared-preamble documents as chat requests
+  through the OpenAI HTTP API of a fresh `meshllm run` per row, with the
+  built-in byte tokenizer and ChatML template (bench/routing_http.py); sent
+  one after another; tight cache = 2 prompts of a document.
 
 Workers: 4 mocker workers (block size 16), `--speedup-ratio 1` (real
 simulated timing), routed by an embedded `RouterCore` over real gRPC to the
@@ -37,12 +47,16 @@ import datetime
 import os
 import platform
 import random
+import re
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchdoc import write_section
+from routing_http import HttpDocs, http_docs, run_http_mode
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig
@@ -58,7 +72,7 @@ from meshllm.worker.runtime import Worker
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 MODES = ("kv", "approximate", "round-robin", "random", "least-loaded")
-SCENARIOS = ("distinct", "docs-seq", "docs-c8", "mooncake")
+SCENARIOS = ("distinct", "docs-seq", "docs-c8", "mooncake", "docs-http")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
@@ -134,6 +148,7 @@ class Scenario:
     cache_unit: tuple[str, int]  # ("documents", blocks per document) to state the cache sizes in
     ceiling: float  # best hit rate any router can reach with unbounded caches
     context_length: int = 2048
+    http: HttpDocs | None = None  # sent through `meshllm run`'s HTTP API instead of an embedded core
 
 
 async def run_mode(mode: str, setup: Setup = Setup(), workload: Workload = Workload()) -> Result:
@@ -265,10 +280,26 @@ def docs_scenario(name: str, n: int, concurrency: int) -> Scenario:
         ),
         requests=reqs,
         concurrency=concurrency,
-        caches=(("tight", 128), ("roomy", 640)),
+        caches=(("tight", 150), ("roomy", 640)),
         cache_unit=("documents", 50),
         ceiling=ceiling,
         context_length=1024,
+    )
+
+
+def docs_http_scenario(n: int, setup: Setup) -> Scenario:
+    docs = http_docs(n, block_size=setup.block_size)
+    per = round(docs.prompt_blocks)  # a cache of k documents holds k whole prompts
+    return Scenario(
+        name="docs-http",
+        describe=docs.describe,
+        requests=[],
+        concurrency=1,
+        caches=(("tight", 2 * per), ("roomy", 640)),
+        cache_unit=("documents", docs.doc_blocks),
+        ceiling=docs.ceiling,
+        context_length=1024,
+        http=docs,
     )
 
 
@@ -316,59 +347,99 @@ def mooncake_scenario(quick: bool, setup: Setup, speedup: float) -> Scenario:
 
 @dataclass(slots=True)
 class Row:
+    """One (scenario, cache size, mode): a result per repeat, and the load average after each."""
+
     scenario: Scenario
     cache: str
     blocks: int
-    result: Result
+    mode: str
+    results: list[Result] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+
+    def median(self, figure: Callable[[Result], float]) -> float:
+        return statistics.median(figure(r) for r in self.results)
+
+    def span(self, figure: Callable[[Result], float]) -> str:
+        values = [figure(r) for r in self.results]
+        return f"{min(values):,.0f}–{max(values):,.0f}" if len(values) > 1 else ""
+
+
+def _p(q: float) -> Callable[[Result], float]:
+    return lambda r: r.p(r.ttft_ms, q)
+
+
+def _hit(r: Result) -> float:
+    return r.hit_rate
+
+
+def _e2e50(r: Result) -> float:
+    return r.p(r.e2e_ms, 0.5)
 
 
 async def run_matrix(
-    names: list[str], modes: list[str], setup: Setup, workload: Workload, quick: bool, trace_speedup: float
+    names: list[str], modes: list[str], setup: Setup, workload: Workload, quick: bool, trace_speedup: float, repeats: int
 ) -> list[Row]:
+    """Every scenario × cache size, `repeats` rounds of every mode (interleaved, so they share the machine's noise)."""
     builders = {
         "distinct": lambda: distinct_scenario(replace(workload, per_group=8) if quick else workload, setup),
         "docs-seq": lambda: docs_scenario("docs-seq", 48 if quick else 96, 1),
         "docs-c8": lambda: docs_scenario("docs-c8", 48 if quick else 96, 8),
         "mooncake": lambda: mooncake_scenario(quick, setup, trace_speedup),
+        "docs-http": lambda: docs_http_scenario(48 if quick else 96, setup),
     }
     rows = []
     for name in names:
         sc = builders[name]()
         print(f"{sc.name}: {sc.describe}; ceiling {sc.ceiling:.1%}", file=sys.stderr)
         for label, blocks in sc.caches:
-            for mode in modes:
-                r = await run_requests(
-                    mode, replace(setup, num_gpu_blocks=blocks), sc.requests, sc.concurrency, context_length=sc.context_length
-                )
-                spread = "/".join(str(v) for _, v in sorted(r.per_worker.items()))
-                print(
-                    f"  {label:>5} {blocks:>5} {mode:>13}: hit {r.hit_rate:6.1%}  ttft p50 {r.p(r.ttft_ms, 0.5):7.1f} "
-                    f"p90 {r.p(r.ttft_ms, 0.9):7.1f} ms  {spread}  {r.seconds:.1f}s",
-                    file=sys.stderr,
-                )
-                rows.append(Row(sc, label, blocks, r))
+            group = [Row(sc, label, blocks, mode) for mode in modes]
+            for rep in range(repeats):
+                for row in group:
+                    r = await _run_row(row, setup)
+                    row.results.append(r)
+                    row.loads.append(os.getloadavg()[0])
+                    spread = "/".join(str(v) for _, v in sorted(r.per_worker.items()))
+                    print(
+                        f"  {label:>5} {blocks:>5} {row.mode:>13} #{rep + 1}: hit {r.hit_rate:6.1%}  ttft p50 "
+                        f"{r.p(r.ttft_ms, 0.5):7.1f} p90 {r.p(r.ttft_ms, 0.9):7.1f} p99 {r.p(r.ttft_ms, 0.99):7.1f} ms  "
+                        f"{spread}  {r.seconds:.1f}s  load {row.loads[-1]:.1f}",
+                        file=sys.stderr,
+                    )
+            rows.extend(group)
     return rows
 
 
-def render(rows: list[Row], setup: Setup) -> str:
-    load = os.getloadavg()[0]
-    parts = [
-        f"""## Routing
+async def _run_row(row: Row, setup: Setup) -> Result:
+    sc = row.scenario
+    if sc.http is not None:
+        r = Result(row.mode)
+        await run_http_mode(
+            row.mode, sc.http, r, workers=setup.workers, block_size=setup.block_size, num_gpu_blocks=row.blocks,
+            speedup_ratio=setup.speedup_ratio, context_length=sc.context_length,
+        )  # fmt: skip
+        return r
+    return await run_requests(
+        row.mode, replace(setup, num_gpu_blocks=row.blocks), sc.requests, sc.concurrency, context_length=sc.context_length
+    )
 
-`.venv/bin/python bench/routing.py` on {datetime.date.today().isoformat()} ({platform.machine()}, {os.cpu_count()} cores,
-Python {platform.python_version()}). {setup.workers} mocker workers, block size {setup.block_size},
---speedup-ratio {setup.speedup_ratio:g}; fresh workers per row; embedded RouterCore (default `kv` weights:
---kv-overlap-weight 1, --kv-capacity-weight 1), real gRPC to the workers. One run per row (no repeats):
-TTFT figures are noisy on this shared machine. 1-minute load average {load:.1f} when the run ended.
-"vs rr" is the hit rate and TTFT p90 against round-robin in the same scenario and cache size: a hit
-ratio below 1.0× or a TTFT ratio above 1.0× favours round-robin.
+
+def render(rows: list[Row], setup: Setup, repeats: int) -> tuple[str, dict[str, str]]:
+    """The section's head, and one `### scenario` part per scenario run."""
+    head = f"""## Routing
+
+`.venv/bin/python bench/routing.py` ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}):
+{setup.workers} mocker workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}; fresh
+workers per run; embedded RouterCore (default `kv` weights: --kv-overlap-weight 1, --kv-capacity-weight 1), real
+gRPC to the workers; `docs-http` goes through `meshllm run` instead (see its part). Each scenario states its date,
+its repeats and the 1-minute load average during its runs: every row is run that many times, the modes of a
+cache size interleaved (kv, approximate, round-robin, … then again) so they share the machine's noise, and each
+figure is the median over the repeats; "p90 range" is the lowest–highest TTFT p90 of the repeats. This machine is
+shared with other work: TTFT figures move by tens of percent between repeats (see the ranges). "vs rr" is the
+median hit rate and TTFT p90 against round-robin's in the same scenario and cache size: a hit ratio below 1.0×
+or a TTFT ratio above 1.0× favours round-robin.
 """
-    ]
-    seen: list[str] = []
-    for row in rows:
-        if row.scenario.name not in seen:
-            seen.append(row.scenario.name)
-    for name in seen:
+    parts: dict[str, str] = {}
+    for name in dict.fromkeys(r.scenario.name for r in rows):
         group = [r for r in rows if r.scenario.name == name]
         sc = group[0].scenario
         unit, per = sc.cache_unit
@@ -378,36 +449,48 @@ ratio below 1.0× or a TTFT ratio above 1.0× favours round-robin.
             else f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1%} {unit} per worker)"
             for label, blocks in sc.caches
         )
+        loads = [x for r in group for x in r.loads]
         lines = [
             f"### {name}",
             "",
-            f"{sc.describe}. Caches: {sizes}. Ceiling (unbounded caches, every reusable token hit): {sc.ceiling:.1%}.",
+            f"{sc.describe}. Caches: {sizes}. Ceiling (unbounded caches, every reusable token hit): {sc.ceiling:.1%}. "
+            f"Run on {datetime.date.today().isoformat()}, {repeats} repeat{'s' if repeats > 1 else ''} per row, "
+            f"1-minute load average {min(loads):.1f}–{max(loads):.1f}.",
             "",
-            "| cache | mode | hit rate | hit vs rr | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | p90 vs rr | e2e p50 ms "
-            "| requests per worker |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| cache | mode | hit rate | hit vs rr | TTFT p50 ms | TTFT p90 ms | p90 range | TTFT p99 ms | p90 vs rr "
+            "| e2e p50 ms | requests per worker (1st run) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in group:
-            r = row.result
-            rr = next((x.result for x in group if x.cache == row.cache and x.result.mode == "round-robin"), None)
-            hit_ratio = f"{r.hit_rate / rr.hit_rate:.1f}×" if rr is not None and rr.hit_rate else "–"
-            p90 = r.p(r.ttft_ms, 0.9)
-            p90_ratio = f"{p90 / rr.p(rr.ttft_ms, 0.9):.2f}×" if rr is not None and rr.ttft_ms else "–"
-            spread = "/".join(str(v) for _, v in sorted(r.per_worker.items()))
+            rr = next((x for x in group if x.cache == row.cache and x.mode == "round-robin"), None)
+            hit, p90 = row.median(_hit), row.median(_p(0.9))
+            hit_ratio = f"{hit / rr.median(_hit):.1f}×" if rr is not None and rr.median(_hit) else "–"
+            p90_ratio = f"{p90 / rr.median(_p(0.9)):.2f}×" if rr is not None and rr.median(_p(0.9)) else "–"
+            spread = "/".join(str(v) for _, v in sorted(row.results[0].per_worker.items())) or "–"
             lines.append(
-                f"| {row.cache} | {r.mode} | {r.hit_rate:.1%} | {hit_ratio} | {r.p(r.ttft_ms, 0.5):,.1f} | {p90:,.1f} "
-                f"| {r.p(r.ttft_ms, 0.99):,.1f} | {p90_ratio} | {r.p(r.e2e_ms, 0.5):,.0f} | {spread} |"
+                f"| {row.cache} | {row.mode} | {hit:.1%} | {hit_ratio} | {row.median(_p(0.5)):,.1f} | {p90:,.1f} "
+                f"| {row.span(_p(0.9)) or '–'} | {row.median(_p(0.99)):,.1f} | {p90_ratio} | {row.median(_e2e50):,.0f} "
+                f"| {spread} |"
             )
-        parts.append("\n".join(lines) + "\n")
-    parts.append(
-        """`kv` prices each candidate by the prefill it would compute, its decode load, and what the request
+        parts[name] = "\n".join(lines) + "\n"
+    return head, parts
+
+
+FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, and what the request
 would do to its cache: the pressure of adding the request's new blocks to a fuller cache and the reused
 blocks it would have to evict (docs/routing.md); `approximate` does the same from what it routed (no
 events). Round-robin and random ignore the cache; least-loaded ignores it too, and at light load its
-tie-break sends most requests to the same few workers.
+tie-break sends most requests to the same few workers. `docs-http` sends its requests one after another,
+so its TTFT reflects prefill and the machine's noise, not load balance.
 """
-    )
-    return "\n".join(parts)
+
+
+def merge(old: str, head: str, parts: dict[str, str]) -> str:
+    """The Routing section: `head`, then every scenario's part — this run's, else the one `old` already had."""
+    kept = dict(re.findall(r"^### (\S+)\n(.*?)(?=^### |^`kv` prices|\Z)", old, re.S | re.M))
+    order = [n for n in SCENARIOS if n in parts or n in kept] + [n for n in parts if n not in SCENARIOS]
+    body = [parts.get(n) or f"### {n}\n{kept[n]}".rstrip("\n") + "\n" for n in order]
+    return "\n".join([head, *body, FOOT])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,17 +501,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=3.0, help="distinct: arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-speedup", type=float, default=150.0, help="mooncake: arrivals this many times faster")
+    parser.add_argument("--http", action="store_true", help="only the docs-http scenario (same as --scenarios docs-http)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (development); implies --no-write")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every row (figures are medians)")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     setup = Setup(speedup_ratio=args.speedup_ratio)
     workload = Workload(rate=args.rate, seed=args.seed)
-    scenarios, modes = args.scenarios.split(","), args.modes.split(",")
-    rows = asyncio.run(run_matrix(scenarios, modes, setup, workload, args.quick, args.trace_speedup))
-    section = render(rows, setup)
+    scenarios, modes = ["docs-http"] if args.http else args.scenarios.split(","), args.modes.split(",")
+    rows = asyncio.run(run_matrix(scenarios, modes, setup, workload, args.quick, args.trace_speedup, args.repeats))
+    head, parts = render(rows, setup, args.repeats)
+    old = re.search(r"^## Routing\n.*?(?=^## |\Z)", DOC.read_text(), re.S | re.M) if DOC.exists() else None
+    section = merge(old.group(0) if old else "", head, parts)
     print(section)
     if not (args.no_write or args.quick):
-        write_section("## Routing", section)
+        write_section("## Routing", section)  # scenarios not run this time keep their previous part
         print(f"updated {DOC}", file=sys.stderr)
     return 0
 

@@ -187,3 +187,37 @@ def test_eviction_order_follows_events_and_routing_and_capacity_counts_hot_victi
     assert index.capacity(key, set(), 50) == Capacity(total=0, resident=4, evicted_hot=0)
     index.remove_worker("a")
     assert index.totals == {}
+
+
+def test_hot_victims_skips_the_prompts_own_blocks_and_counts_reused_ones_among_the_least_recently_used() -> None:
+    m = BlockMap()
+    s = m.slot(("a", 0))
+    m.add(s, range(1, 11))  # 1 least recently used … 10 most
+    m.touch(s, [2, 4, 9], reused=True)  # most recently used, the first last: 1 3 5 6 7 8 10 9 4 2; reused
+    m.touch(s, [5, 6, 7, 8, 10], reused=False)
+    assert list(m.blocks[s]) == [1, 3, 9, 4, 2, 10, 8, 7, 6, 5]
+    assert m.hot_victims(s, 2) == 0  # 1, 3
+    assert m.hot_victims(s, 4) == 2  # 1, 3, 9, 4
+    assert m.hot_victims(s, 50) == 3  # all of them
+    # the prompt's own blocks are never victims: the next ones in order are taken instead
+    assert m.hot_victims(s, 2, keep={1}) == 1  # 3, 9
+    assert m.hot_victims(s, 4, keep={9, 4}) == 1  # 1, 3, 2, 10
+    assert m.hot_victims(s, 3, keep={7}) == 1  # 1, 3, 9 (7 is not among them)
+    assert m.hot_victims(s, 0, keep={1}) == 0
+
+
+def test_hot_victims_agrees_with_walking_the_eviction_order() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        m = BlockMap()
+        s = m.slot(("a", 0))
+        m.add(s, rng.sample(range(100), rng.randrange(0, 40)))
+        held = list(m.blocks[s])
+        if held:
+            m.touch(s, rng.sample(held, rng.randrange(0, len(held))), reused=True)
+        keep = set(rng.sample(range(100), rng.randrange(0, 30)))
+        k = rng.randrange(0, 45)
+        victims = [h for h in m.blocks[s] if h not in keep][:k]
+        assert m.hot_victims(s, k, keep) == sum(1 for h in victims if m.blocks[s][h]), (k, keep)
