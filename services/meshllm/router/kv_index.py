@@ -214,7 +214,38 @@ class _WorkerState:
     overflowed: bool = False
 
 
-class KvIndex:
+class SlotCapacities:
+    """What a cache view needs for the capacity terms: each slot's total blocks, and the room query.
+
+    Shared by `KvIndex` (fed by events) and the approximate mode's `RoutedCache`
+    (fed by what was routed); both keep their blocks in `self.map`.
+    """
+
+    map: BlockMap
+    totals: dict[SlotKey, int]
+
+    def set_total(self, key: SlotKey, total: int) -> None:
+        """Record how many blocks `key` holds at most (0 = unknown: no capacity bound)."""
+        if total > 0:
+            self.totals[key] = total
+        else:
+            self.totals.pop(key, None)
+
+    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
+        """How `new_blocks` more blocks of a prompt (its block hashes: `prompt`) fit into `key`'s cache.
+
+        `pending` counts blocks routed to `key` and not computed yet: they
+        take room before this prompt's do. The victims are the least
+        recently used blocks outside the prompt itself.
+        """
+        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
+
+    def _forget_totals(self, worker_id: str) -> None:
+        for key in [k for k in self.totals if k[0] == worker_id]:
+            del self.totals[key]
+
+
+class KvIndex(SlotCapacities):
     """The event-fed index of every worker's resident KV blocks (see the module docstring).
 
     `applied` counts block-events applied (one per stored or removed block);
@@ -243,8 +274,7 @@ class KvIndex:
         self._workers.pop(worker_id, None)
         for key in self.map.keys_of(worker_id):
             self.map.drop(key)
-        for key in [k for k in self.totals if k[0] == worker_id]:
-            del self.totals[key]
+        self._forget_totals(worker_id)
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers
@@ -359,22 +389,7 @@ class KvIndex:
         """Blocks of `worker_id` in the index (all dp ranks)."""
         return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
 
-    # ------------------------------------------------------------ capacity and eviction order
-    def set_total(self, key: SlotKey, total: int) -> None:
-        """Record how many blocks `key` holds at most (0 = unknown)."""
-        if total > 0:
-            self.totals[key] = total
-        else:
-            self.totals.pop(key, None)
-
-    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
-        """How `new_blocks` more blocks of a prompt (its block hashes: `prompt`) fit into `key`'s cache.
-
-        `pending` counts blocks routed to `key` and not computed yet: they
-        take room before this prompt's do. The victims are the least
-        recently used blocks outside the prompt itself.
-        """
-        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
+    # ------------------------------------------------------------ eviction order
 
     def touch(self, key: SlotKey, hashes: Sequence[int], *, reused: bool) -> None:
         """A prompt routed to `key` (or ending there) used its cached `hashes`: most recently used now."""

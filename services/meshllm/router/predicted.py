@@ -24,9 +24,8 @@ The prefix walk of both is `BlockMap.overlaps`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
 
-from meshllm.router.kv_index import BlockMap, Capacity, SlotKey, slot_capacity
+from meshllm.router.kv_index import BlockMap, SlotCapacities, SlotKey
 
 __all__ = ["PredictedIndex", "RoutedCache"]
 
@@ -99,7 +98,7 @@ class PredictedIndex:
         return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
 
 
-class RoutedCache:
+class RoutedCache(SlotCapacities):
     """approximate mode: each slot's cache simulated from routed prompts (see the module docstring)."""
 
     def __init__(self, *, ttl_s: float) -> None:
@@ -149,24 +148,12 @@ class RoutedCache:
         for h in hashes:
             used.pop(h, None)
 
-    def set_total(self, key: SlotKey, total: int) -> None:
-        """Record how many blocks `key` holds at most (0 = unknown: no capacity bound)."""
-        if total > 0:
-            self.totals[key] = total
-        else:
-            self.totals.pop(key, None)
-
-    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
-        """As `KvIndex.capacity`, on the simulated cache."""
-        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
-
     def remove_worker(self, worker_id: str) -> None:
         """Forget every block of a worker."""
         for key in self.map.keys_of(worker_id):
             self._used.pop(self.map.slot_of[key], None)
             self.map.drop(key)
-        for key in [k for k in self.totals if k[0] == worker_id]:
-            del self.totals[key]
+        self._forget_totals(worker_id)
 
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
         return self.map.overlaps(hashes, keys)
