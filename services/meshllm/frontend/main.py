@@ -150,10 +150,8 @@ class Frontend(AsyncCloseable):
             self.registry, self.upstream, self.metrics, max_inflight=cfg.max_inflight, retry_after_s=cfg.retry_after_s
         )
         app = OpenAIApp(self.core, max_body_bytes=cfg.max_body_bytes)
-        if cfg.process_index is None:
-            self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port)
-        else:  # one of `--workers N`: the port is shared with the group (the gRPC server sets SO_REUSEPORT itself)
-            self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port, reuse_port=True)
+        # One of `--workers N` shares the port with its group (the gRPC server sets SO_REUSEPORT itself).
+        self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port, reuse_port=cfg.process_index is not None)
         if cfg.grpc is not None:
             self.grpc = await start_server(cfg.grpc, [inference_binding(self.core)])
         log.info("frontend serving HTTP on %s, Inference gRPC on %s", self.url, self.grpc_address or "(off)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from meshllm.errors import MeshError, StreamIncomplete, Unknown
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, GenerateHandler
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import tracer, tracing_enabled
 
@@ -40,7 +40,7 @@ __all__ = ["LocalHandler", "LocalPeer", "LocalPeers", "Ticker", "local_generate"
 
 log = logging.getLogger(__name__)
 
-LocalHandler = Callable[[GenerateRequest, CallInfo], AsyncIterator[GenerateChunk]]
+LocalHandler = GenerateHandler
 
 
 class Ticker:
@@ -74,7 +74,7 @@ class LocalPeers:
     steps faster has its tokens merged; slower engines' tokens go at once.
     """
 
-    def __init__(self, *, min_interval_s: float = 0.001) -> None:
+    def __init__(self, *, min_interval_s: float = DEFAULT_STREAM_INTERVAL_S) -> None:
         self._handlers: dict[str, LocalPeer] = {}
         self.ticker = Ticker(min_interval_s) if min_interval_s > 0 else None
 

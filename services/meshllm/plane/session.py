@@ -53,19 +53,26 @@ from meshllm.errors import (
     error_from_code,
 )
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.transport import CallInfo, mesh_error
+from meshllm.plane.local import LocalPeers
+from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, GenerateHandler, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, chunk_into_proto, request_from_proto, request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import tracer, tracing_enabled
 from meshllm.v1 import session_pb2
 
-__all__ = ["SessionClient", "SessionHandler", "SessionServer"]
+__all__ = ["DEFAULT_INTERVAL_S", "SessionClient", "SessionHandler", "SessionServer", "generate_to", "session_key"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 0.001
-SessionHandler = Callable[[GenerateRequest, CallInfo], AsyncIterator[GenerateChunk]]
+DEFAULT_INTERVAL_S = DEFAULT_STREAM_INTERVAL_S
+SessionHandler = GenerateHandler
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    """Resolve a task's waiter, if it is waiting."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 # ---------------------------------------------------------------- server
@@ -81,7 +88,7 @@ class SessionServer:
     """
 
     def __init__(self, handler: SessionHandler, method: str, *, min_interval_s: float = DEFAULT_INTERVAL_S) -> None:
-        self._handler = handler
+        self.handler = handler
         self.min_interval_s = min_interval_s
         self.method = method  # the span name of each stream when tracing records, e.g. "/meshllm.v1.Worker/Generate"
         self._sessions: set[_ServerSession] = set()
@@ -121,9 +128,7 @@ class _ServerSession:
         self._waiter: asyncio.Future[None] | None = None
 
     def wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        _wake(self._waiter)
 
     def push(self, sid: int, item: GenerateChunk | MeshError) -> None:
         if sid in self.ended:
@@ -213,7 +218,7 @@ class _ServerSession:
             token = otel_context.attach(trace.set_span_in_context(span))
         try:
             deadline = time.monotonic() + op.timeout_s if op.timeout_s > 0 else None
-            stream = self.server._handler(request_from_proto(op.request), CallInfo(tp, deadline))
+            stream = self.server.handler(request_from_proto(op.request), CallInfo(tp, deadline))
             try:
                 if deadline is None:
                     await self._pump(sid, stream)
@@ -287,9 +292,7 @@ class _Pipe:
         self._wake()
 
     def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        _wake(self.waiter)
 
 
 class _ClientSession:
@@ -320,9 +323,7 @@ class _ClientSession:
             self._kick()
 
     def _kick(self) -> None:
-        w = self._send_waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        _wake(self._send_waiter)
 
     async def _write(self) -> None:
         loop = asyncio.get_running_loop()
@@ -466,3 +467,38 @@ class SessionClient(AsyncCloseable):
         sessions = [s for s in (self._session, *self._dead) if s is not None]
         self._session, self._dead = None, []
         await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+
+
+# ---------------------------------------------------------------- choosing the way
+
+
+def session_key(service: str) -> str:
+    """The `ChannelCache.shared` key of a process's session to a `service` ("Worker", "Router")."""
+    return f"{service.lower()}-session"
+
+
+def generate_to(
+    channels: ChannelCache, address: str, service: str, request: GenerateRequest, call: CallInfo | None = None
+) -> AsyncIterator[GenerateChunk]:
+    """One Generate stream to `meshllm.v1.<service>` at `address`.
+
+    A peer living in this very process (`channels.local`, meshllm run) is
+    called directly (plane/local.py); any other goes over the process's one
+    GenerateSession call to it.
+    """
+    info = call or CallInfo()
+    local: LocalPeers | None = channels.local
+    peer = local.get(address) if local is not None else None
+    if peer is not None:
+        return peer.generate(request, info)
+
+    def make(channel: grpc.aio.Channel) -> SessionClient:
+        open_call = channel.stream_stream(
+            f"/meshllm.v1.{service}/GenerateSession",
+            request_serializer=session_pb2.SessionUp.SerializeToString,
+            response_deserializer=session_pb2.SessionDown.FromString,
+        )
+        return SessionClient(open_call, f"{service.lower()} {address}", f"/meshllm.v1.{service}/Generate")
+
+    session = channels.shared(address, session_key(service), make)
+    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)

@@ -34,18 +34,20 @@ from meshllm.errors import (
     spec_of,
 )
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.protocol.convert import chunk_from_proto
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.convert import chunk_from_proto, request_to_proto
+from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import otel_active
 
 if TYPE_CHECKING:
     from meshllm.plane.local import LocalPeers
 
 __all__ = [
+    "DEFAULT_STREAM_INTERVAL_S",
     "ERROR_TRAILER",
     "TRACEPARENT",
     "CallInfo",
     "ChannelCache",
+    "GenerateHandler",
     "GrpcServer",
     "ServiceBinding",
     "abort_with",
@@ -55,6 +57,7 @@ __all__ = [
     "start_server",
     "translate_errors",
     "translate_stream",
+    "unary_generate",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,14 @@ async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[GenerateChunk]:
     if terminal is None:
         raise StreamIncomplete(f"{peer} ended the stream without a terminal chunk")
     yield terminal
+
+
+async def unary_generate(method: Any, request: GenerateRequest, call: CallInfo | None, peer: str) -> AsyncIterator[GenerateChunk]:
+    """One Generate stream as a unary-stream call of its own (`method` = a stub's `Generate`)."""
+    info = call or CallInfo()
+    rpc = method(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
+    async for chunk in generate_stream(rpc, peer):
+        yield chunk
 
 
 async def translate_stream(call: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -232,6 +243,13 @@ class CallInfo:
         if not self.traceparent or otel_active():
             return ()
         return ((TRACEPARENT, self.traceparent),)
+
+
+# Least time between two messages (or in-process chunks) of one stream peer (--stream-interval-ms).
+DEFAULT_STREAM_INTERVAL_S = 0.001
+
+# What serves one Generate stream in process: a servicer's request runner, a routing core's generate.
+GenerateHandler = Callable[[GenerateRequest, CallInfo], AsyncIterator[GenerateChunk]]
 
 
 # ---------------------------------------------------------------- server

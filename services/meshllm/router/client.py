@@ -4,30 +4,22 @@
 frontend can use either (remote router or embedded core). Chunks and
 requests are the internal TypedDicts; errors are `meshllm.errors` classes
 (the class the router raised). Dropping a `generate` iterator cancels the
-gRPC call, and with it the worker call behind the router.
+stream, and with it the worker stream behind the router.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
-import grpc
-
-from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo, ChannelCache, generate_stream, translate_errors
+from meshllm.plane.session import generate_to, session_key
+from meshllm.plane.transport import CallInfo, ChannelCache, translate_errors, unary_generate
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
 from meshllm.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["RouterClient"]
 
-SESSION = "router-session"
-
-
-def _session_of(address: str) -> Callable[[grpc.aio.Channel], SessionClient]:
-    return lambda channel: SessionClient(
-        router_pb2_grpc.RouterStub(channel).GenerateSession, f"router {address}", "/meshllm.v1.Router/Generate"
-    )
+SESSION = session_key("Router")
 
 
 class RouterClient:
@@ -39,17 +31,12 @@ class RouterClient:
         self._stub = router_pb2_grpc.RouterStub(channels.get(address))
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks, then one terminal, over the process's one session to this router (plane/session.py)."""
-        session = self._channels.shared(self.address, SESSION, _session_of(self.address))
-        info = call or CallInfo()
-        return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)
+        """Stream chunks, then one terminal, over the process's session to this router (`generate_to`)."""
+        return generate_to(self._channels, self.address, "Router", request, call)
 
-    async def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
         """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
-        info = call or CallInfo()
-        rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
-        async for chunk in generate_stream(rpc, f"router {self.address}"):
-            yield chunk
+        return unary_generate(self._stub.Generate, request, call, f"router {self.address}")
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None

@@ -13,7 +13,7 @@ from typing import cast
 
 import grpc
 
-from meshllm.plane.session import SessionServer
+from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo, ServiceBinding
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, RoutingHints
@@ -31,7 +31,7 @@ def hints_from_proto(m: generate_pb2.RoutingHints) -> RoutingHints:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves one RouterCore."""
 
-    def __init__(self, core: RouterCore, *, stream_interval_s: float = 0.001) -> None:
+    def __init__(self, core: RouterCore, *, stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.core = core
         self.sessions = SessionServer(
             lambda req, call: core.generate(req, call=call), "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s
@@ -66,7 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return self.core.list_workers(request.model or None)
 
 
-def router_binding(core: RouterCore, *, stream_interval_s: float = 0.001) -> ServiceBinding:
+def router_binding(core: RouterCore, *, stream_interval_s: float = DEFAULT_INTERVAL_S) -> ServiceBinding:
     """The Router service over `core`, ready for `start_server` (its sessions end before the server stops)."""
     servicer = RouterServicer(core, stream_interval_s=stream_interval_s)
     return ServiceBinding("meshllm.v1.Router", servicer, router_pb2_grpc.add_RouterServicer_to_server, servicer.sessions.close)

@@ -2,30 +2,23 @@
 
 Chunks and requests are the internal TypedDicts; errors are `meshllm.errors`
 classes (the same class the worker raised). Dropping a `generate` iterator
-cancels the gRPC call, which cancels the request on the worker.
+cancels the stream, which cancels the request on the worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
-from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo, ChannelCache, generate_stream, mesh_error, translate_errors
-from meshllm.protocol.convert import request_to_proto
+from meshllm.plane.session import generate_to, session_key
+from meshllm.plane.transport import CallInfo, ChannelCache, mesh_error, translate_errors, unary_generate
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerClient"]
 
-SESSION = "worker-session"
-
-
-def _session_of(address: str) -> Callable[[grpc.aio.Channel], SessionClient]:
-    return lambda channel: SessionClient(
-        worker_pb2_grpc.WorkerStub(channel).GenerateSession, f"worker {address}", "/meshllm.v1.Worker/Generate"
-    )
+SESSION = session_key("Worker")
 
 
 class WorkerClient:
@@ -37,23 +30,12 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks, then one terminal, over the process's one session to this worker (plane/session.py).
+        """Stream chunks, then one terminal: in process or over the process's session to this worker (`generate_to`)."""
+        return generate_to(self._channels, self.address, "Worker", request, call)
 
-        A worker in this very process (meshllm run) is called directly (plane/local.py).
-        """
-        info = call or CallInfo()
-        local = self._channels.local.get(self.address) if self._channels.local is not None else None
-        if local is not None:
-            return local.generate(request, info)
-        session = self._channels.shared(self.address, SESSION, _session_of(self.address))
-        return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)
-
-    async def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
         """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
-        info = call or CallInfo()
-        rpc = self._stub.Generate(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
-        async for chunk in generate_stream(rpc, f"worker {self.address}"):
-            yield chunk
+        return unary_generate(self._stub.Generate, request, call, f"worker {self.address}")
 
     async def abort(self, request_id: str) -> bool:
         resp = await translate_errors(self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id)))

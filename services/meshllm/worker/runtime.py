@@ -119,12 +119,7 @@ class Worker(AsyncCloseable):
         self.instance = self._instance(self.server.port)
         self.model_card = await self._model_card(self.engine_config)
         if self._local is not None:
-            servicer = self.servicer
-            self._local.register(
-                self.address,
-                lambda req, call: servicer.run_request(req, call.traceparent),
-                "/meshllm.v1.Worker/Generate",
-            )
+            self._local.register(self.address, self.servicer.sessions.handler, self.servicer.sessions.method)
         if not cfg.static:
             await self.discovery.register_instance(self.instance)
             await self.discovery.register_model(self.model_card)

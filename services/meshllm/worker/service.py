@@ -21,7 +21,7 @@ import grpc
 
 from meshllm.engine.base import Context, EngineConfig, LLMEngine
 from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
-from meshllm.plane.session import SessionServer
+from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
@@ -48,7 +48,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         info: Callable[[], worker_pb2.WorkerInfo],
         validate_streams: bool = False,
-        stream_interval_s: float = 0.001,
+        stream_interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self.engine = engine
         self.sink = sink
