@@ -25,6 +25,8 @@ HTTP in the frontend (status + OpenAI error body from `openai_error_body`).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,6 +34,7 @@ import grpc
 
 __all__ = [
     "ERROR_TABLE",
+    "MAX_MESSAGE_CHARS",
     "Cancelled",
     "CannotConnect",
     "ConnectionTimeout",
@@ -51,8 +54,25 @@ __all__ = [
     "Unknown",
     "error_from_code",
     "error_from_status",
+    "log_unexpected",
     "openai_error_body",
+    "shorten",
 ]
+
+
+# A message travels as the grpc-message header (percent-encoded, up to 12 bytes
+# a character) whose default limit is 8 KiB: longer ones would turn the status
+# into RESOURCE_EXHAUSTED. Echoed input (a model name, a prompt) is cut to fit.
+MAX_MESSAGE_CHARS = 500
+
+
+def shorten(text: str, limit: int = 100) -> str:
+    """`text`, or its head and tail around a marker saying how much was cut, in at most about `limit` characters."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - len(f"…[{len(text)} characters cut]…"), 2)
+    head, tail = keep - keep // 4, keep // 4
+    return f"{text[:head]}…[{len(text) - head - tail} characters cut]…{text[len(text) - tail :]}"
 
 
 class MeshError(Exception):
@@ -61,6 +81,7 @@ class MeshError(Exception):
     code: ClassVar[str] = "MeshError"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
+        message = shorten(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -207,3 +228,42 @@ def openai_error_body(err: MeshError) -> dict[str, Any]:
             "code": err.code,
         }
     }
+
+
+# ---------------------------------------------------------------- logging unexpected errors
+
+_SEEN: dict[tuple[str, str, int], list[float]] = {}  # distinct error -> [last logged at, repeats since]
+_MAX_SEEN = 1024
+
+
+def _error_key(exc: BaseException) -> tuple[str, str, int]:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ("", 0)
+    return (type(exc).__qualname__, *where)
+
+
+def log_unexpected(logger: logging.Logger, what: str, exc: BaseException, *, repeat_interval_s: float = 60.0) -> None:
+    """Log an unexpected exception, its traceback once per distinct error (type + where raised).
+
+    Repeats are counted and reported in one line at most every
+    `repeat_interval_s`, so input that triggers a bug on every call cannot
+    flood the log (or fill the disk).
+    """
+    key = _error_key(exc)
+    now = time.monotonic()
+    seen = _SEEN.get(key)
+    if seen is None:
+        if len(_SEEN) >= _MAX_SEEN:
+            _SEEN.pop(next(iter(_SEEN)))
+        _SEEN[key] = [now, 0.0]
+        logger.error("%s", what, exc_info=exc)
+        return
+    seen[1] += 1
+    if now - seen[0] >= repeat_interval_s:
+        logger.error(
+            "%s: %s: %s (%d times since the last report; traceback logged the first time)",
+            what, type(exc).__name__, shorten(str(exc)), int(seen[1]),
+        )  # fmt: skip
+        seen[0], seen[1] = now, 0.0

@@ -102,12 +102,14 @@ class ChatTemplate:
         """The prompt text for `messages`, byte for byte what transformers would produce.
 
         `extra` reaches the template as variables (e.g. `documents`,
-        `enable_thinking`, `pad_token`); it may override bos_token / eos_token.
+        `enable_thinking`, `pad_token`); it may override bos_token / eos_token,
+        never `messages`, `tools` or `add_generation_prompt` (the arguments win).
         """
         variables: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token, "documents": None}
         variables.update(extra)
+        variables.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(variables)
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"chat template error: {exc.message or type(exc).__name__}", param="messages") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as exc:

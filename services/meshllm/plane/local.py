@@ -31,7 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from meshllm.errors import MeshError, StreamIncomplete, Unknown
+from meshllm.errors import MeshError, StreamIncomplete, Unknown, log_unexpected
 from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, GenerateHandler
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import tracer, tracing_enabled
@@ -78,9 +78,13 @@ class LocalPeers:
         self._handlers: dict[str, LocalPeer] = {}
         self.ticker = Ticker(min_interval_s) if min_interval_s > 0 else None
 
-    def register(self, address: str, handler: LocalHandler, method: str) -> None:
-        """Serve `address` in process; `method` names its spans (e.g. "/meshllm.v1.Worker/Generate")."""
-        self._handlers[address] = LocalPeer(handler, method, self.ticker)
+    def register(self, address: str, handler: LocalHandler, method: str, *, service: str | None = None) -> None:
+        """Serve `address` in process; `method` names its spans (e.g. "/meshllm.v1.Worker/Generate").
+
+        `service` is the service.name of the peer's SERVER spans (the caller's
+        process may hold several roles).
+        """
+        self._handlers[address] = LocalPeer(handler, method, self.ticker, service)
 
     def unregister(self, address: str) -> None:
         self._handlers.pop(address, None)
@@ -96,19 +100,26 @@ class LocalPeer:
     handler: LocalHandler
     method: str
     ticker: Ticker | None = None
+    service: str | None = None
 
     def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
-        return local_generate(self.handler, self.method, request, call, ticker=self.ticker)
+        return local_generate(self.handler, self.method, request, call, ticker=self.ticker, service=self.service)
 
 
 async def local_generate(
-    handler: LocalHandler, method: str, request: GenerateRequest, call: CallInfo, *, ticker: Ticker | None = None
+    handler: LocalHandler,
+    method: str,
+    request: GenerateRequest,
+    call: CallInfo,
+    *,
+    ticker: Ticker | None = None,
+    service: str | None = None,
 ) -> AsyncIterator[GenerateChunk]:
     """One Generate stream through an in-process handler (see the module docstring)."""
     spans = None
     if tracing_enabled():
         client = tracer().start_span(method, kind=SpanKind.CLIENT, attributes={"rpc.transport": "in-process"})
-        server = tracer().start_span(
+        server = tracer(service).start_span(
             method, context=trace.set_span_in_context(client), kind=SpanKind.SERVER, attributes={"rpc.transport": "in-process"}
         )
         spans = (client, server)
@@ -141,7 +152,7 @@ async def local_generate(
     except MeshError:
         raise
     except Exception as exc:
-        log.exception("unexpected error in an in-process Generate stream", exc_info=exc)
+        log_unexpected(log, "unexpected error in an in-process Generate stream", exc)
         raise Unknown(f"{type(exc).__name__}: {exc}") from None
     finally:
         if spans is not None:

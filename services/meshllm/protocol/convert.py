@@ -6,8 +6,10 @@ service edge. Round trips are lossless for every field the protos define.
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Iterable
+from typing import Any, cast
 
+from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import (
     DisaggParams,
     FinishReason,
@@ -69,7 +71,10 @@ def disagg_to_proto(d: DisaggParams) -> pb.DisaggParams:
 def disagg_from_proto(m: pb.DisaggParams) -> DisaggParams:
     d: DisaggParams = {}
     if m.request_type:
-        d["request_type"] = _RTYPE_FROM_PB[m.request_type]
+        rtype = _RTYPE_FROM_PB.get(m.request_type)
+        if rtype is None:  # proto3 enums are open: any int32 arrives
+            raise InvalidArgument(f"'disagg.request_type': unknown value {m.request_type}", param="disagg.request_type")
+        d["request_type"] = rtype
     if m.kv_handle:
         d["kv_handle"] = m.kv_handle
     if m.prefill_worker_id:
@@ -90,6 +95,14 @@ def disagg_from_proto(m: pb.DisaggParams) -> DisaggParams:
 
 
 def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+    """Internal → proto; a value the proto cannot hold (e.g. top_k >= 2^31) is InvalidArgument, not a crash."""
+    try:
+        return _request_to_proto(r)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidArgument(f"a request value is out of range for the wire format: {exc}") from None
+
+
+def _request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
     m = pb.GenerateRequest(
         request_id=r["request_id"],
         model=r.get("model", ""),
@@ -119,6 +132,7 @@ def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         if "prompt_logprobs" in o:
             m.output.prompt_logprobs = o["prompt_logprobs"]
         m.output.skip_special_tokens = o.get("skip_special_tokens", False)
+        m.output.embedding = o.get("embedding", False)
     if h := r.get("routing"):
         for k in _HINTS_OPT:
             if k in h:
@@ -157,6 +171,8 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
             r["output"]["logprobs"] = o.logprobs
         if o.HasField("prompt_logprobs"):
             r["output"]["prompt_logprobs"] = o.prompt_logprobs
+        if o.embedding:
+            r["output"]["embedding"] = True
     if m.eos_token_ids:
         r["eos_token_ids"] = list(m.eos_token_ids)
     if m.HasField("routing"):
@@ -196,10 +212,10 @@ def chunk_into_proto(m: pb.GenerateChunk, c: GenerateChunk) -> None:
         m.usage.prompt_tokens = u["prompt_tokens"]
         m.usage.completion_tokens = u["completion_tokens"]
         m.usage.cached_tokens = u["cached_tokens"]
-    for lp in c.get("logprobs", ()):
-        e = m.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"])
-        for tid, p in lp.get("top", ()):
-            e.top.add(token_id=tid, logprob=p)
+    _logprobs_into(m.logprobs, c.get("logprobs", ()))
+    _logprobs_into(m.prompt_logprobs, c.get("prompt_logprobs", ()))
+    if emb := c.get("embedding"):
+        m.embedding.extend(emb)
     if "disagg" in c:
         m.disagg.CopyFrom(disagg_to_proto(c["disagg"]))
     if err := c.get("error"):
@@ -222,12 +238,24 @@ def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:
             cached_tokens=m.usage.cached_tokens,
         )
     if m.logprobs:
-        c["logprobs"] = [
-            TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=[(t.token_id, t.logprob) for t in e.top])
-            for e in m.logprobs
-        ]
+        c["logprobs"] = _logprobs_from(m.logprobs)
+    if m.prompt_logprobs:
+        c["prompt_logprobs"] = _logprobs_from(m.prompt_logprobs)
+    if m.embedding:
+        c["embedding"] = list(m.embedding)
     if m.HasField("disagg"):
         c["disagg"] = disagg_from_proto(m.disagg)
     if m.HasField("error"):
         c["error"] = {"code": m.error.code, "message": m.error.message}
     return c
+
+
+def _logprobs_into(field: Any, entries: Iterable[TokenLogprob]) -> None:
+    for lp in entries:
+        e = field.add(token_id=lp["token_id"], logprob=lp["logprob"])
+        for tid, p in lp.get("top", ()):
+            e.top.add(token_id=tid, logprob=p)
+
+
+def _logprobs_from(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=[(t.token_id, t.logprob) for t in e.top]) for e in entries]

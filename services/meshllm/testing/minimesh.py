@@ -1,0 +1,89 @@
+"""A small in-process mesh with every gRPC server of meshllm: a mocker worker, a router server, a frontend.
+
+All on shared memory planes, with real gRPC (and the frontend's HTTP) on
+loopback ports, so tests can talk to each server over the wire: the fuzz
+tests (tests/faults) and the status-discipline component tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig, ServerConfig
+from meshllm.engine.base import WorkerConfig
+from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.frontend.config import FrontendConfig
+from meshllm.frontend.main import Frontend
+from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.discovery import MemoryStore
+from meshllm.plane.events import MemoryBroker
+from meshllm.router.config import RouterConfig
+from meshllm.router.main import RouterServer
+from meshllm.worker.runtime import Worker
+
+__all__ = ["CONTEXT_LENGTH", "MODEL", "VOCAB_SIZE", "MiniMesh", "start_mini_mesh"]
+
+PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
+MODEL = "mocker"
+CONTEXT_LENGTH = 2048
+VOCAB_SIZE = 32000
+
+
+@dataclass
+class MiniMesh:
+    """One mocker worker, a router server and a frontend on shared memory planes."""
+
+    worker: Worker
+    router: RouterServer
+    frontend: Frontend
+
+    @property
+    def worker_address(self) -> str:
+        return self.worker.address
+
+    @property
+    def router_address(self) -> str:
+        return self.router.address
+
+    @property
+    def frontend_grpc(self) -> str:
+        address = self.frontend.grpc_address
+        assert address is not None
+        return address
+
+    async def aclose(self) -> None:
+        await self.frontend.aclose()
+        await self.router.aclose()
+        await self.worker.aclose()
+
+
+async def start_mini_mesh() -> MiniMesh:
+    """Start the three servers; returns once the frontend and the router know the worker."""
+    store, broker = MemoryStore(), MemoryBroker()
+    engine = MockerEngine(
+        MockerConfig(
+            block_size=16, num_gpu_blocks=4096, speedup_ratio=1000.0, context_length=CONTEXT_LENGTH, vocab_size=VOCAB_SIZE
+        )
+    )
+    worker = await Worker.start(
+        engine,
+        WorkerConfig(engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600),
+        memory_store=store,
+        memory_broker=broker,
+    )
+    started: list[AsyncCloseable] = [worker]
+    try:
+        router = await RouterServer.start(RouterConfig(plane=PLANE), memory_store=store, memory_broker=broker)
+        started.append(router)
+        config = FrontendConfig(plane=PLANE, http_port=0, grpc=ServerConfig(port=0), router_mode="round-robin", max_inflight=256)
+        frontend = await Frontend.start(config, memory_store=store, memory_broker=broker)
+        started.append(frontend)
+        assert frontend.registry is not None and router.core is not None
+        await frontend.registry.wait_for(MODEL, timeout_s=30)
+        core = router.core
+        await core.pool.wait_until(lambda: len(core.pool.all()) == 1)
+    except BaseException:
+        for s in reversed(started):
+            await s.aclose()
+        raise
+    return MiniMesh(worker, router, frontend)

@@ -1,0 +1,170 @@
+"""Fuzz: 1,000+ generated HTTP requests against a real frontend over real HTTP.
+
+A mocker worker and a frontend run in-process on memory planes, with real
+HTTP and gRPC on loopback (tests/faults/fuzz_support.py). hypothesis builds
+request bodies that are mostly valid chat/completions requests with some
+fields replaced by boundary values (2^31, 2^64, -1, huge floats, ...) or
+arbitrary JSON, plus raw garbage bodies and odd paths and methods.
+
+Locks: no response has a status >= 500 (every bad input is a 4xx with an
+OpenAI-shaped error body), no traceback is logged twice for the same error,
+and afterwards the frontend is healthy and serves a normal request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshllm.testing.minimesh import MODEL, MiniMesh, start_mini_mesh
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fuzz_support import Loop, TracebackLog, capture_tracebacks
+
+pytestmark = pytest.mark.timeout(120)
+
+EXAMPLES = 1000
+
+INTS = st.sampled_from([-(2**64), -(2**63) - 1, -(2**31) - 1, -2, -1, 0, 1, 2, 20, 21, 128, 129, 2047, 2048,
+                        2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30])  # fmt: skip
+FLOATS = st.sampled_from([-0.0, 0.0, 1e-45, 0.5, 1.0, 1.0000001, 2.0, 2.0000001, -2.0000001, 1e38, 3.5e38, 1e308, -1e308])
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+VALUE = st.one_of(INTS, FLOATS, JSON)
+FIELDS = [
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p",
+    "seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "min_tokens", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "tools", "chat_template_kwargs",
+    "add_generation_prompt", "response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+    "request_id", "skip_special_tokens", "tool_choice", "parallel_tool_calls", "structured_outputs",
+    "continue_final_message", "user", "x_unknown",
+]  # fmt: skip
+TEMPLATE_KWARGS = st.dictionaries(
+    st.sampled_from(["add_generation_prompt", "tools", "messages", "bos_token", "documents", "enable_thinking", "x"]),
+    VALUE,
+    max_size=3,
+)
+TEXT = st.text(max_size=40)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]), "content": TEXT | VALUE}
+)
+OVERRIDES = (
+    st.dictionaries(
+        st.sampled_from(FIELDS),
+        VALUE,
+        max_size=4,
+    )
+    | st.fixed_dictionaries({"chat_template_kwargs": TEMPLATE_KWARGS})
+    | st.fixed_dictionaries({"model": st.text(min_size=1000, max_size=30_000)})
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, str, bytes]:
+    """(method, path, body): mostly a chat or completion request with a few fields replaced."""
+    kind = draw(st.sampled_from(["chat", "chat", "completion", "completion", "raw", "path"]))
+    if kind == "raw":
+        return "POST", draw(st.sampled_from(["/v1/chat/completions", "/v1/completions"])), draw(st.binary(max_size=200))
+    if kind == "path":
+        method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
+        path = draw(
+            st.sampled_from(
+                ["/v1/chat/completions", "/v1/models", "/health", "/v1/x", "/", "/%00", "//v1/completions"]
+                + ["/v1/models/mocker", "/v1/models/a/b", "/v1/tokenize", "/detokenize"]
+            )
+        )
+        return method, path, b"{}"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8}
+    if kind == "chat":
+        body["messages"] = draw(st.lists(MESSAGE, min_size=1, max_size=3))
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = draw(TEXT | st.lists(st.integers(min_value=0, max_value=40000), min_size=1, max_size=20))
+        path = "/v1/completions"
+    body.update(draw(OVERRIDES))
+    if draw(st.booleans()):
+        body["stream"] = True
+    return "POST", path, json.dumps(body, allow_nan=True).encode()
+
+
+async def http(url: str, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on a fresh connection: (status, raw response)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        raw = await reader.read()
+    finally:
+        writer.close()
+    status_line = raw.split(b"\r\n", 1)[0].split()
+    return int(status_line[1]), raw
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[Loop]:
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def fuzz_mesh(loop: Loop) -> Iterator[MiniMesh]:
+    m = loop.run(start_mini_mesh(), timeout_s=60)
+    yield m
+    loop.run(m.aclose(), timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def tracebacks() -> Iterator[TracebackLog]:
+    yield from capture_tracebacks()
+
+
+STATUSES: dict[int, int] = {}
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+@given(req=requests())
+def test_no_request_gets_a_5xx(loop: Loop, fuzz_mesh: MiniMesh, tracebacks: TracebackLog, req: tuple[str, str, bytes]) -> None:
+    method, path, body = req
+    status, raw = loop.run(http(fuzz_mesh.frontend.url, method, path, body))
+    STATUSES[status] = STATUSES.get(status, 0) + 1
+    assert status < 500, f"{method} {path} {body[:300]!r} -> {raw[:600]!r}"
+    if 400 <= status < 500 and path in ("/v1/chat/completions", "/v1/completions") and method == "POST":
+        error = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["message"] and error["type"] and len(error["message"]) <= 600
+
+
+def test_the_frontend_is_healthy_afterwards_and_logged_each_traceback_at_most_once(
+    loop: Loop, fuzz_mesh: MiniMesh, tracebacks: TracebackLog
+) -> None:
+    assert sum(STATUSES.values()) >= EXAMPLES, STATUSES  # the fuzz above ran in this module
+    assert STATUSES.get(200, 0) > 50 and sum(n for s, n in STATUSES.items() if 400 <= s < 500) > 200, STATUSES
+    status, _ = loop.run(http(fuzz_mesh.frontend.url, "GET", "/health", b""))
+    assert status == 200
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    status, raw = loop.run(http(fuzz_mesh.frontend.url, "POST", "/v1/chat/completions", json.dumps(ok).encode()))
+    assert status == 200, raw
+    assert tracebacks.repeated() == []
