@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -18,7 +19,16 @@ from typing import Any, Self, TypeVar
 
 import uvloop
 
-__all__ = ["AsyncCloseable", "Shutdown", "ShutdownStep", "install_signal_handlers", "run_loop", "serve_until_signal"]
+__all__ = [
+    "FORCED_EXIT_STATUS",
+    "AsyncCloseable",
+    "Shutdown",
+    "ShutdownStep",
+    "forced_exit",
+    "install_signal_handlers",
+    "run_loop",
+    "serve_until_signal",
+]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound="AsyncCloseable")
@@ -119,6 +129,16 @@ def install_signal_handlers(callback: Callable[[signal.Signals], None]) -> Calla
     return uninstall
 
 
+FORCED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
+
+
+def forced_exit(command: str) -> None:
+    """A second Ctrl-C during a graceful shutdown: one line, exit at once (no further cleanup)."""
+    print(f"meshllm {command}: forced exit", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(FORCED_EXIT_STATUS)
+
+
 async def serve_until_signal(
     command: str,
     start: Callable[[], Awaitable[C]],
@@ -131,9 +151,12 @@ async def serve_until_signal(
     """The body of every long-running `meshllm` command.
 
     Enable tracing, install SIGTERM/SIGINT handlers, `start()` the service (a
-    MeshError becomes one line on stderr: exit 2 for a ConfigError, else 1),
-    print its ready lines, wait for a signal (or for `closing(service)` to
-    return, e.g. a worker drained by RPC), then close it in its own order.
+    MeshError becomes one line on stderr: exit 2 for a ConfigError, else 1;
+    any other startup failure is one line too, exit 1, its traceback logged
+    at DEBUG only), print its ready lines, wait for a signal (or for
+    `closing(service)` to return, e.g. a worker drained by RPC), then close it
+    in its own order. A SIGINT after the first signal (a second Ctrl-C while
+    draining) exits at once with FORCED_EXIT_STATUS and one line.
     """
     from meshllm.config import ConfigError
     from meshllm.errors import MeshError
@@ -141,13 +164,23 @@ async def serve_until_signal(
 
     setup_tracing(service_name, otlp_endpoint=otlp_endpoint)
     stop = asyncio.Event()
-    uninstall = install_signal_handlers(lambda sig: stop.set())
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set() and sig == signal.SIGINT:
+            forced_exit(command)
+        stop.set()
+
+    uninstall = install_signal_handlers(on_signal)
     try:
         try:
             service = await start()
         except MeshError as exc:
             print(f"meshllm {command}: error: {exc.message}", file=sys.stderr)
             return 2 if isinstance(exc, ConfigError) else 1
+        except Exception as exc:
+            log.debug("meshllm %s failed to start", command, exc_info=True)
+            print(f"meshllm {command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
         async with service:
             for line in ready_lines(service):
                 print(line, flush=True)
@@ -158,6 +191,7 @@ async def serve_until_signal(
             for w in waits:
                 w.cancel()
             log.info("meshllm %s shutting down (%s)", command, "signal" if stop.is_set() else "requested")
+            stop.set()  # from here on a SIGINT forces the exit
         return 0
     finally:
         uninstall()
@@ -165,6 +199,13 @@ async def serve_until_signal(
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` to completion on uvloop (every service's loop: grpc.aio and the HTTP server cost less on it)."""
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    """Run `coro` to completion on uvloop (every service's loop: grpc.aio and the HTTP server cost less on it).
+
+    A Ctrl-C before the service installed its own handlers (while importing or
+    loading) exits with FORCED_EXIT_STATUS and no traceback.
+    """
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except KeyboardInterrupt:
+        raise SystemExit(FORCED_EXIT_STATUS) from None

@@ -64,7 +64,12 @@ async def test_reflection_lists_meshllm_and_health_services(server: tuple[GrpcSe
         names = set()
         async for resp in call:
             names |= {s.name for s in resp.list_services_response.service}
-    assert {"meshllm.v1.Worker", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {
+        "meshllm.v1.Worker",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
+    } <= names
 
 
 async def test_health_answers_serving_then_not_serving(server: tuple[GrpcServer, _Worker]) -> None:

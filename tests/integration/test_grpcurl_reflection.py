@@ -5,7 +5,9 @@ for descriptors, builds messages from them, and speaks JSON. This module does
 the same with `ProtoReflectionDescriptorDatabase` + a private DescriptorPool
 + `message_factory`, and never imports meshllm's generated code. Locks:
 every server lists its services (and health + reflection); GenerateRequest
-can be described; Router.Route answers a prompt's token ids with a decision
+can be described; a method symbol (`grpcurl describe meshllm.v1.Router.Route`)
+resolves over reflection v1 and v1alpha (and through a real grpcurl binary
+when one is on PATH); Router.Route answers a prompt's token ids with a decision
 and per-candidate scores, and after Router.Generate the chosen worker shows
 the prompt's blocks as overlap; Worker.GetInfo describes a worker;
 grpc.health.v1.Health/Check answers SERVING.
@@ -14,6 +16,7 @@ grpc.health.v1.Health/Check answers SERVING.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +25,8 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import descriptor, descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from mesh_run import ROOT, MeshRun, clean_env
 
@@ -122,7 +126,34 @@ def prompt_token_ids() -> list[int]:
     return ids
 
 
-STANDARD = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+STANDARD = {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+REFLECTION_VERSIONS = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
+
+
+def describe_method(address: str, reflection: str, symbol: str) -> descriptor.MethodDescriptor:
+    """What `grpcurl describe SYMBOL` asks: the file containing a method symbol, over one reflection version.
+
+    The v1 and v1alpha messages are wire-identical, so v1alpha's classes speak both.
+    """
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            f"/{reflection}/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+        (response,) = list(call(iter([request]), timeout=10))
+    assert response.WhichOneof("message_response") == "file_descriptor_response", response
+    pool = descriptor_pool.DescriptorPool()
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in response.file_descriptor_response.file_descriptor_proto]
+    pending = {f.name: f for f in files}
+    while pending:  # add each file after its dependencies (the response lists the symbol's file first)
+        ready = [f for f in pending.values() if all(d not in pending for d in f.dependency)]
+        assert ready, f"dependency cycle or missing file among {list(pending)}"
+        for f in ready:
+            pool.Add(f)
+            del pending[f.name]
+    return pool.FindMethodByName(symbol)
 
 
 def test_list_services_on_the_frontend_router_and_a_worker(mesh: MeshRun, grpcurl: Any) -> None:
@@ -130,6 +161,27 @@ def test_list_services_on_the_frontend_router_and_a_worker(mesh: MeshRun, grpcur
     assert set(grpcurl(mesh.router_address).list()) == {"meshllm.v1.Router", *STANDARD}
     for w in mesh.workers:
         assert set(grpcurl(w.address).list()) == {"meshllm.v1.Worker", *STANDARD}
+
+
+@pytest.mark.parametrize("reflection", REFLECTION_VERSIONS)
+def test_describe_a_method_resolves_it_over_reflection_v1_and_v1alpha(mesh: MeshRun, reflection: str) -> None:
+    route = describe_method(mesh.router_address, reflection, "meshllm.v1.Router.Route")
+    assert (route.input_type.full_name, route.output_type.full_name) == ("meshllm.v1.RouteRequest", "meshllm.v1.RouteDecision")
+    assert not route.server_streaming
+    generate = describe_method(mesh.router_address, reflection, "meshllm.v1.Router.Generate")
+    assert generate.server_streaming and generate.output_type.full_name == "meshllm.v1.GenerateChunk"
+    chat = describe_method(mesh.inference_address, reflection, "meshllm.v1.Inference.ChatCompletion")
+    assert chat.input_type.full_name == "meshllm.v1.ChatRequest"
+    info = describe_method(mesh.workers[0].address, reflection, "meshllm.v1.Worker.GetInfo")
+    assert info.output_type.full_name == "meshllm.v1.WorkerInfo"
+
+
+@pytest.mark.skipif(shutil.which("grpcurl") is None, reason="no grpcurl binary on PATH")
+def test_real_grpcurl_describes_a_method(mesh: MeshRun) -> None:
+    done = subprocess.run(["grpcurl", "-plaintext", mesh.router_address, "describe", "meshllm.v1.Router.Route"],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "rpc Route ( .meshllm.v1.RouteRequest ) returns ( .meshllm.v1.RouteDecision );" in done.stdout
 
 
 def test_describe_generate_request_shows_every_field_with_its_type(mesh: MeshRun, grpcurl: Any) -> None:

@@ -13,6 +13,7 @@ from meshllm.config import ConfigError
 from meshllm.frontend.config import MAX_FRONTEND_WORKERS, FrontendConfig, frontend_arg_parser
 from meshllm.frontend.main import group_member
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, reserve_port, sync_note
+from meshllm.ports import PortInUse
 from meshllm.run import parse_run_args
 
 STATIC = ["--static-endpoint", "ns.worker.generate", "--static-workers", "127.0.0.1:1", "--model-name", "m"]
@@ -59,7 +60,7 @@ def test_the_supervisors_variables_make_a_process_a_group_member(tmp_path: Path)
 
 
 def test_a_reserved_port_is_shared_by_reuse_port_listeners_and_refused_to_others() -> None:
-    held = reserve_port("127.0.0.1", 0, what="HTTP")
+    held = reserve_port("127.0.0.1", 0, flag="--http-port")
     port = held.getsockname()[1]
     with socket.socket() as member, socket.socket() as stranger:
         member.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -70,13 +71,20 @@ def test_a_reserved_port_is_shared_by_reuse_port_listeners_and_refused_to_others
     held.close()
 
 
-def test_reserving_a_port_held_by_a_plain_listener_is_one_config_error() -> None:
+@pytest.mark.parametrize("foreign_reuse_port", [False, True], ids=["plain", "so_reuseport"])
+def test_reserving_a_port_another_process_listens_on_is_one_line_naming_the_flag(foreign_reuse_port: bool) -> None:
+    # A foreign listener with SO_REUSEPORT (any gRPC server's default) would share the port with our
+    # SO_REUSEPORT reservation; the probe without SO_REUSEPORT sees it.
     with socket.socket() as taken:
+        if foreign_reuse_port:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port} \\(HTTP\\)"):
-            reserve_port("127.0.0.1", port, what="HTTP")
+        with pytest.raises(PortInUse) as caught:
+            reserve_port("127.0.0.1", port, flag="--grpc-port")
+    assert caught.value.message == f"port {port} is already in use; choose another with --grpc-port or MESHLLM_GRPC_PORT"
+    assert isinstance(caught.value, ConfigError)
 
 
 def test_the_startup_note_warns_when_the_routing_cores_have_no_bus_to_sync_over() -> None:

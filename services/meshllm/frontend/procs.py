@@ -5,7 +5,8 @@
       (bound with SO_REUSEPORT, never listening)  its own embedded routing core, replica sync over the events plane
     ─ start N children, wait until each has    ─ /metrics: every child's metrics summed (prometheus_client
       printed its ready lines, print them once    multiprocess files in one shared directory)
-    ─ SIGTERM/SIGINT → SIGTERM to every child, wait for all, exit 0 when every child exited 0, else 1
+    ─ SIGTERM/SIGINT → SIGTERM to every child, wait for all, exit 0 when every child exited 0, else 1;
+      a second Ctrl-C meanwhile SIGKILLs them and exits 130 at once ("meshllm frontend: forced exit")
       (children run in their own session, so a terminal's Ctrl-C reaches the supervisor only; a child
       gets SIGTERM when the supervisor dies, even by SIGKILL: `meshllm.frontend.main.die_with_parent`)
     ─ a child that dies is logged and restarted; more than MAX_RESTARTS deaths within RESTART_WINDOW_S
@@ -48,7 +49,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from meshllm.config import ConfigError, EventsKind
 from meshllm.frontend.config import FrontendConfig
-from meshllm.lifecycle import install_signal_handlers
+from meshllm.lifecycle import forced_exit, install_signal_handlers
+from meshllm.ports import bind_error, check_free
 
 __all__ = [
     "INDEX_ENV",
@@ -75,12 +77,14 @@ STOP_TIMEOUT_S = 75.0  # above the sum of a frontend's own bounded shutdown step
 READY_MARK = "OpenAI HTTP API on"
 
 
-def reserve_port(host: str, port: int, *, what: str) -> socket.socket:
+def reserve_port(host: str, port: int, *, flag: str) -> socket.socket:
     """A socket bound to host:port with SO_REUSEPORT and never listening: the children bind the same port.
 
-    Port 0 picks a free port (read it from `getsockname()`). ConfigError (one line) when the port is taken
-    by a socket without SO_REUSEPORT, or the host cannot be bound.
+    Port 0 picks a free port (read it from `getsockname()`). PortInUse (one line naming `flag`) when
+    any other process holds the port, even one that set SO_REUSEPORT itself (it is probed without it
+    first); ConfigError when the host cannot be bound.
     """
+    check_free(host, port, flag)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -89,7 +93,7 @@ def reserve_port(host: str, port: int, *, what: str) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}") from None
+        raise bind_error(host, port, flag, exc) from None
     return sock
 
 
@@ -311,6 +315,13 @@ class FrontendGroup:
                       STOP_TIMEOUT_S)  # fmt: skip
             return await self._kill(child)
 
+    def kill_all(self) -> None:
+        """SIGKILL every child now (a forced exit of the supervisor)."""
+        for c in self.children:
+            if c is not None and c.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+
     @staticmethod
     async def _kill(child: Child) -> int:
         with contextlib.suppress(ProcessLookupError):
@@ -345,10 +356,10 @@ async def supervise(argv: Sequence[str], config: FrontendConfig) -> int:
     held: list[socket.socket] = []
     own_dir: Path | None = None
     try:
-        held.append(reserve_port(config.http_host, config.http_port, what="HTTP"))
+        held.append(reserve_port(config.http_host, config.http_port, flag="--http-port"))
         grpc_port: int | None = None
         if config.grpc is not None:
-            held.append(reserve_port(config.grpc.host, config.grpc.port, what="Inference gRPC"))
+            held.append(reserve_port(config.grpc.host, config.grpc.port, flag="--grpc-port"))
             grpc_port = held[-1].getsockname()[1]
     except ConfigError as exc:
         for s in held:
@@ -358,7 +369,14 @@ async def supervise(argv: Sequence[str], config: FrontendConfig) -> int:
     metrics_dir, own_dir = shared_metrics_dir(os.environ.get(METRICS_DIR_ENV))
     stop = asyncio.Event()
     group = FrontendGroup(argv, config, metrics_dir, (held[0].getsockname()[1], grpc_port), stop)
-    uninstall = install_signal_handlers(lambda sig: stop.set())
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set() and sig == signal.SIGINT:  # a second Ctrl-C: no draining, no waiting
+            group.kill_all()
+            forced_exit("frontend")
+        stop.set()
+
+    uninstall = install_signal_handlers(on_signal)
     try:
         if (note := sync_note(config)) is not None:
             log.log(note[0], note[1])

@@ -42,9 +42,12 @@ class WorkerSink:
         component: str,
         ring_size: int = 4096,
         on_load: Callable[[LoadMetrics], None] | None = None,
+        on_published: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_load(sample)` sees every load sample; `on_published(n)` counts the KV events of each published batch."""
         self.worker_id = worker_id
         self._on_load = on_load
+        self._on_published = on_published
         self._bus = bus
         self._kv_subject = kv_subject(namespace, component)
         self._load_subject = load_subject(namespace, component)
@@ -63,9 +66,7 @@ class WorkerSink:
     def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
         if not blocks:
             return
-        stored = events_pb2.BlocksStored(
-            blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks]
-        )
+        stored = events_pb2.BlocksStored(blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks])
         if parent_hash is not None:
             stored.parent_hash = parent_hash
         resident = self._blocks[dp_rank]
@@ -148,6 +149,8 @@ class WorkerSink:
     def _publish_batch(self, batch: events_pb2.KvEventBatch) -> None:
         self._bus.publish(self._kv_subject, batch)
         self.events_published += len(batch.events)
+        if self._on_published is not None:
+            self._on_published(len(batch.events))
 
     def _send_load(self) -> None:
         self._load_timer = None
