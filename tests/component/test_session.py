@@ -129,6 +129,29 @@ async def test_the_first_message_never_waits_for_the_interval() -> None:
             await close(stream)
 
 
+async def test_a_streams_first_chunk_never_waits_for_the_interval_of_a_busy_session() -> None:
+    """Locks: stream A's token has just gone (interval 60 s running); stream B's first token still goes at once (TTFT)."""
+
+    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+        yield {"token_ids": [1 if request["request_id"] == "a" else 9]}
+        await asyncio.Event().wait()  # never ends: only the early tokens matter
+        yield done(1)
+
+    servicer = SessionWorker(handler, min_interval_s=60.0)
+    async with await serve(servicer) as srv, ChannelCache() as channels:
+        client = session_client(channels, srv.address)
+        a = client.generate(req("a"))
+        try:
+            assert await asyncio.wait_for(anext(a), WAIT_S) == {"token_ids": [1]}
+            b = client.generate(req("b"))
+            try:
+                assert await asyncio.wait_for(anext(b), WAIT_S) == {"token_ids": [9]}
+            finally:
+                await close(b)
+        finally:
+            await close(a)
+
+
 # ---------------------------------------------------------------- a slow reader
 
 

@@ -43,9 +43,21 @@ def test_usage_reports_the_original_prompt_and_cumulative_completion_tokens() ->
 
 def test_migration_stops_at_the_limit() -> None:
     state = MigrationState(request(), limit=2)
+    state.observe({"token_ids": [7]})
     assert state.can_migrate()
     state.migrate("a")
     state.migrate("b")
+    assert not state.can_migrate()
+
+
+def test_a_request_that_streamed_nothing_may_always_be_resent() -> None:
+    """Locks docs/routing.md: a resend before the first chunk ignores the limit (the excluded workers bound it)."""
+    state = MigrationState(request(), limit=0)
+    assert state.can_migrate()
+    state.migrate("a")
+    state.migrate("b")
+    assert state.can_migrate()
+    state.observe({"token_ids": [7]})
     assert not state.can_migrate()
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from meshllm import errors
 from meshllm.engine.base import terminal
-from meshllm.plane.session import SessionServer, _Pipe, _ServerSession
+from meshllm.plane.session import SessionServer, _ServerSession
+from meshllm.plane.session_client import _Pipe
 from meshllm.protocol.types import GenerateChunk, Usage
 
 USAGE: Usage = {"prompt_tokens": 1, "completion_tokens": 3, "cached_tokens": 0}

@@ -8,22 +8,51 @@ workers directly; the router picks them.
 Contract (the router's): the stream ends with exactly one terminal chunk;
 an unknown model raises `NotFound`, no live worker `Unavailable`; dropping the
 iterator cancels the request all the way to the engine.
+
+`RouterReplicas` keeps a request alive across router processes:
+
+- Before a replica's first chunk, a replica that fails (`Unavailable`,
+  `StreamIncomplete`) is skipped for the next one, round-robin.
+- When no replica can be reached (connection refused, a replica draining or
+  restarting), the request waits for one — at most `wait_s`
+  (`--router-wait-s`), waking as soon as a connection is up — then fails with
+  `Unavailable` (HTTP 503). A replica that answered with an error of its own
+  (e.g. no live worker) is not waited for.
+- A router stream that breaks after its first chunk resumes on another replica
+  (the one that broke last in line) with the rules of the router's worker
+  migration, `meshllm.router.migration.MigrationState`: the original prompt
+  plus every token already streamed, `max_tokens`/`min_tokens` lowered by
+  that many, at most the model's migration limit times, never for guided
+  decoding once a token was streamed. The caller sees one stream: the same
+  tokens as an unbroken run and usage with the original prompt length.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from typing import Protocol
 
-from meshllm.errors import CannotConnect, Unavailable
+from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.router.migration import MIGRATABLE, MigrationState, migrating
 
-__all__ = ["RouterReplicas", "Upstream"]
+__all__ = ["DEFAULT_MIGRATION_LIMIT", "DEFAULT_ROUTER_WAIT_S", "RouterReplicas", "Upstream"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_ROUTER_WAIT_S = 5.0
+DEFAULT_MIGRATION_LIMIT = 3  # a model whose card is not known yet: the router's and worker's default
+FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.05, 0.5  # between rounds while no replica answers (a connection wakes it sooner)
+GONE: tuple[type[MeshError], ...] = (CannotConnect, Disconnected, EngineShutdown, StreamIncomplete)
+# What a broken connection can surface as (gRPC's bare UNAVAILABLE / UNKNOWN "Internal error from Core"):
+# from a replica that is no longer reachable, these mean the replica is gone, not that it refused.
+TRANSPORT: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete, Unknown)
 
 
 class Upstream(Protocol):
@@ -32,60 +61,146 @@ class Upstream(Protocol):
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]: ...
 
 
-class _Generating(Protocol):
+class Replica(Protocol):
+    """One router replica as `RouterReplicas` uses it (`meshllm.router.RouterClient`)."""
+
     address: str
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]: ...
 
+    def reachable(self) -> bool: ...
 
-async def _first_of(
-    candidates: Sequence[_Generating], request: GenerateRequest, call: CallInfo | None
-) -> AsyncIterator[GenerateChunk]:
-    """Stream from the first candidate that answers; fail over on connection errors before the first chunk."""
-    last: Unavailable | None = None
-    for target in candidates:
-        stream = target.generate(request, call=call)
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            return
-        except (CannotConnect, Unavailable) as exc:  # includes EngineShutdown: a draining peer
-            log.debug("upstream %s unavailable: %s", target.address, exc.message)
-            last = exc
-            await _aclose(stream)
-            continue
-        try:
-            yield first
+    async def wait_reachable(self) -> None: ...
+
+
+class RouterReplicas:
+    """Router replicas (`--router-address a,b`): round-robin, failover, bounded wait, resume (module docstring)."""
+
+    def __init__(
+        self,
+        clients: Sequence[Replica],
+        *,
+        wait_s: float = DEFAULT_ROUTER_WAIT_S,
+        migration_limit: Callable[[str], int] | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("RouterReplicas needs at least one client")
+        self._clients = list(clients)
+        self._next = itertools.count()
+        self.wait_s = wait_s
+        self._limit = migration_limit or (lambda _model: DEFAULT_MIGRATION_LIMIT)
+        self.resumed = 0  # router streams resumed on another replica (tests, logs)
+
+    @classmethod
+    def connect(
+        cls,
+        channels: ChannelCache,
+        addresses: Sequence[str],
+        client: Callable[[ChannelCache, str], Replica],
+        *,
+        wait_s: float = DEFAULT_ROUTER_WAIT_S,
+        migration_limit: Callable[[str], int] | None = None,
+    ) -> RouterReplicas:
+        return cls([client(channels, a) for a in addresses], wait_s=wait_s, migration_limit=migration_limit)
+
+    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+        state = MigrationState(request, limit=self._limit(request.get("model", "")))
+        return self._resume(state, call)
+
+    async def _resume(self, state: MigrationState, call: CallInfo | None) -> AsyncIterator[GenerateChunk]:
+        """Attempts until one ends with its terminal chunk; `state.current_worker` is the replica streaming now."""
+
+        def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
+            self.resumed += resent
+
+        attempts = migrating(
+            state, lambda req: self._open(req, call, state), peer="router replica", on_failure=failure, errors_as_terminal=False
+        )
+        async with aclosing(attempts) as stream:
             async for chunk in stream:
                 yield chunk
-        finally:
-            await _aclose(stream)
-        return
-    raise last if last is not None else Unavailable("no upstream is configured")
+
+    def _order(self, excluded: set[str]) -> list[Replica]:
+        start = next(self._next) % len(self._clients)
+        order = self._clients[start:] + self._clients[:start]
+        return [c for c in order if c.address not in excluded] + [c for c in order if c.address in excluded]
+
+    async def _open(
+        self, req: GenerateRequest, call: CallInfo | None, state: MigrationState
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """The stream of the first replica that answers with a chunk; waits (bounded) while none can be reached."""
+        state.current_worker = None
+        deadline: float | None = None
+        pause = FIRST_PAUSE_S
+        while True:
+            last: MeshError | None = None
+            gone: list[Replica] = []
+            for target in self._order(state.excluded):
+                stream = target.generate(req, call=call)
+                try:
+                    first = await anext(stream)
+                except StopAsyncIteration:
+                    last = StreamIncomplete(f"router {target.address} ended the stream without a chunk")
+                    gone.append(target)
+                    continue
+                except MeshError as exc:
+                    await _aclose(stream)
+                    if _gone(exc, target):
+                        gone.append(target)
+                    elif not isinstance(exc, MIGRATABLE):
+                        raise  # the replica's own answer (bad request, unknown model, ...)
+                    log.debug("router %s did not take request %s: %s", target.address, req["request_id"], exc.message)
+                    last = exc
+                    continue
+                state.current_worker = target.address
+                try:
+                    yield first
+                    async for chunk in stream:
+                        yield chunk
+                except MeshError as exc:
+                    if not isinstance(exc, MIGRATABLE) and _gone(exc, target):
+                        raise Disconnected(f"router {target.address} went away: {exc.message}") from None
+                    raise
+                finally:
+                    await _aclose(stream)
+                return
+            assert last is not None
+            if not gone:
+                raise last  # every replica answered with an error of its own: waiting would not help
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.wait_s
+                if call is not None and call.deadline is not None:
+                    deadline = min(deadline, call.deadline)
+            if now >= deadline:
+                where = ", ".join(c.address for c in self._clients)
+                raise Unavailable(
+                    f"no router replica could be reached within {self.wait_s:g} s ({where}): {last.message}"
+                ) from None
+            await _any_reachable(gone, min(pause, deadline - now))
+            pause = min(2 * pause, LONGEST_PAUSE_S)
+
+
+def _gone(exc: MeshError, target: Replica) -> bool:
+    """Whether `exc` says the replica cannot be reached (down, restarting, draining) rather than that it refused."""
+    return isinstance(exc, GONE) or (isinstance(exc, TRANSPORT) and not target.reachable())
+
+
+async def _any_reachable(replicas: Sequence[Replica], timeout_s: float) -> None:
+    """Return when one of `replicas` has a connection up (connecting as needed), or after `timeout_s`."""
+    waiting = [asyncio.ensure_future(r.wait_reachable()) for r in replicas if not r.reachable()]
+    try:
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        else:  # connected but refusing (draining): nothing announces when it is gone or back
+            await asyncio.sleep(timeout_s)
+    finally:
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def _aclose(stream: AsyncIterator[GenerateChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-class RouterReplicas:
-    """Round-robin over router replicas (`--router-address a,b`), failing over before the first chunk."""
-
-    def __init__(self, clients: Sequence[_Generating]) -> None:
-        if not clients:
-            raise ValueError("RouterReplicas needs at least one client")
-        self._clients = list(clients)
-        self._next = itertools.count()
-
-    @classmethod
-    def connect(
-        cls, channels: ChannelCache, addresses: Sequence[str], client: Callable[[ChannelCache, str], _Generating]
-    ) -> RouterReplicas:
-        return cls([client(channels, a) for a in addresses])
-
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        start = next(self._next) % len(self._clients)
-        order = self._clients[start:] + self._clients[:start]
-        return _first_of(order, request, call)

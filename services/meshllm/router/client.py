@@ -5,11 +5,18 @@ frontend can use either (remote router or embedded core). Chunks and
 requests are the internal TypedDicts; errors are `meshllm.errors` classes
 (the class the router raised). Dropping a `generate` iterator cancels the
 stream, and with it the worker stream behind the router.
+
+`reachable()` and `wait_reachable()` tell a router that answered (an error
+of its own, e.g. no live worker) from one that cannot be reached (down,
+restarting): the frontend's replica failover (`meshllm.frontend.upstream`)
+waits for the latter only.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+
+import grpc
 
 from meshllm.plane.session import generate_to, session_key
 from meshllm.plane.transport import CallInfo, ChannelCache, translate_errors, unary_generate
@@ -29,6 +36,18 @@ class RouterClient:
         self.address = address
         self._channels = channels
         self._stub = router_pb2_grpc.RouterStub(channels.get(address))
+
+    def reachable(self) -> bool:
+        """Whether a connection to this router is up now (always true for a router in this process)."""
+        if self._channels.local is not None and self._channels.local.get(self.address) is not None:
+            return True
+        return self._channels.get(self.address).get_state() is grpc.ChannelConnectivity.READY
+
+    async def wait_reachable(self) -> None:
+        """Return once a connection to this router is up (connecting as needed); callers bound it with a timeout."""
+        if self.reachable():
+            return
+        await self._channels.get(self.address).channel_ready()
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
         """Stream chunks, then one terminal, over the process's session to this router (`generate_to`)."""

@@ -15,10 +15,16 @@ nothing yet is always safe and allowed.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+
 from meshllm.errors import MeshError, StreamIncomplete, Unavailable
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, StopConditions, Usage
 
-__all__ = ["MIGRATABLE", "MigrationState"]
+__all__ = ["MIGRATABLE", "MigrationState", "migrating"]
+
+log = logging.getLogger(__name__)
 
 MIGRATABLE: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete)
 
@@ -51,6 +57,10 @@ class MigrationState:
         return None if m is None else max(0, m - len(self.generated))
 
     def can_migrate(self) -> bool:
+        """Whether the failed attempt may be resent: always when nothing reached the caller yet (each
+        resend excludes the failed worker, so the workers bound it), else within the limit and not guided."""
+        if not self.chunks and not self.generated:
+            return True
         if self.attempt >= self.limit:
             return False
         return not (self.guided and self.generated)
@@ -111,3 +121,57 @@ class MigrationState:
             "usage": self.usage(),
             "error": {"code": err.code, "message": err.message},
         }
+
+
+async def migrating(
+    state: MigrationState,
+    attempt: Callable[[GenerateRequest], AsyncGenerator[GenerateChunk, None]],
+    *,
+    peer: str,
+    on_failure: Callable[[str | None, MeshError, bool], None] | None = None,
+    errors_as_terminal: bool = True,
+) -> AsyncGenerator[GenerateChunk, None]:
+    """Run `attempt`s until one ends with a terminal chunk, re-sending broken ones by the rules above.
+
+    `peer` names what failed in the log ("worker", "router replica"). `on_failure(failed, exc, resent)`
+    is told of every failure: a MIGRATABLE one with `failed` = `state.current_worker` (None while
+    routing) and whether it is re-sent; any other MeshError with (None, exc, False). A failure that is
+    not re-sent is raised when nothing reached the caller yet; after chunks it ends the stream with an
+    error terminal (a non-MIGRATABLE one only when `errors_as_terminal`, else it is raised).
+    """
+    while True:
+        req = state.next_request()
+        if req is None:
+            yield state.length_terminal()
+            return
+        try:
+            async with aclosing(attempt(req)) as stream:
+                async for chunk in stream:
+                    chunk = state.observe(chunk)
+                    yield chunk
+                    if "finish_reason" in chunk:
+                        return
+            raise StreamIncomplete(f"the {peer} stream ended without a terminal chunk")
+        except MIGRATABLE as exc:
+            failed = state.current_worker
+            resend = failed is not None and state.can_migrate()
+            if on_failure is not None:
+                on_failure(failed, exc, resend)
+            if not resend:
+                if not state.chunks:
+                    raise
+                yield state.error_terminal(exc)
+                return
+            log.warning(
+                "request %s: %s %s failed after %d tokens (%s: %s); re-sending (attempt %d of %d)",
+                state.request["request_id"], peer, failed, len(state.generated), exc.code, exc.message,
+                state.attempt + 1, state.limit,
+            )  # fmt: skip
+            state.migrate(failed)
+        except MeshError as exc:
+            if on_failure is not None:
+                on_failure(None, exc, False)
+            if not errors_as_terminal or not state.chunks:
+                raise
+            yield state.error_terminal(exc)
+            return

@@ -26,11 +26,11 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from meshllm.errors import MeshError, StreamIncomplete
+from meshllm.errors import MeshError
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest
 from meshllm.router.config import RouterMode
-from meshllm.router.migration import MIGRATABLE, MigrationState
+from meshllm.router.migration import MigrationState, migrating
 from meshllm.router.workers import DECODE, role_name
 
 if TYPE_CHECKING:
@@ -44,41 +44,23 @@ log = logging.getLogger(__name__)
 async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncGenerator[GenerateChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py)."""
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
-    while True:
-        req = state.next_request()
-        if req is None:
-            yield state.length_terminal()
-            return
-        try:
-            async with aclosing(_attempt(core, req, state, call)) as attempt:
-                async for chunk in attempt:
-                    chunk = state.observe(chunk)
-                    yield chunk
-                    if "finish_reason" in chunk:
-                        return
-            raise StreamIncomplete("the worker stream ended without a terminal chunk")
-        except MIGRATABLE as exc:
-            failed = state.current_worker
-            if failed is not None:
-                core.pool.mark_failed(failed)
-            if failed is None or not state.can_migrate():
-                core.metrics.errors.inc()
-                if not state.chunks:
-                    raise
-                yield state.error_terminal(exc)
-                return
-            log.warning(
-                "request %s: worker %s failed after %d tokens (%s: %s); migrating (attempt %d of %d)",
-                request["request_id"], failed, len(state.generated), exc.code, exc.message, state.attempt + 1, state.limit,
-            )  # fmt: skip
-            state.migrate(failed)
-            core.metrics.migrations.inc()
-        except MeshError as exc:
+
+    def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
+        if failed is not None:
+            core.pool.mark_failed(failed)
+        if not resent or failed is None:
             core.metrics.errors.inc()
-            if not state.chunks:
-                raise
-            yield state.error_terminal(exc)
             return
+        core.metrics.migrations.inc()
+        core.metrics.recent.event(
+            "migration", f"request {request['request_id']}: worker {failed} failed after {len(state.generated)} tokens "
+            f"({exc.code}); migrated", worker_id=failed,
+        )  # fmt: skip
+
+    attempts = migrating(state, lambda req: _attempt(core, req, state, call), peer="worker", on_failure=failure)
+    async with aclosing(attempts) as stream:
+        async for chunk in stream:
+            yield chunk
 
 
 async def _attempt(
@@ -111,7 +93,11 @@ async def _attempt(
         yield final
         return
     state.cached_tokens = params.get("cached_tokens", terminal.get("usage", {}).get("cached_tokens", 0))
-    yield {"token_ids": first}
+    first_chunk: GenerateChunk = {"token_ids": first}
+    for key in ("logprobs", "prompt_logprobs"):  # computed by the prefill leg only
+        if key in terminal:
+            first_chunk[key] = terminal[key]  # type: ignore[literal-required]
+    yield first_chunk
 
     p = plan.prefill.chosen
     decode_params: DisaggParams = {
@@ -152,6 +138,7 @@ async def _leg(
     elif core.mode is RouterMode.APPROXIMATE:
         core.approx.add(key, hashes, now=now)
     core.metrics.decided(decision.policy, role_name(decision.role), cand.overlap_blocks)
+    core.metrics.recent.routed(req["request_id"], req["model"], kind, decision)
     worker = core.pool.get(cand.worker_id)
     if worker is not None and worker.dp_size > 1:
         req = {**req, "routing": {**req.get("routing", {}), "dp_rank": cand.dp_rank}}  # type: ignore[typeddict-item]

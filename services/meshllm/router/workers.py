@@ -14,6 +14,15 @@ until it answers again (with a new instance id after a restart).
 Workers that just failed a call are *cooling down* for a few seconds and
 are not offered for routing; discovery usually confirms their death soon
 after.
+
+Health: every `health_interval_s` the pool asks each worker the standard
+`grpc.health.v1.Health/Check` (bounded by `health_timeout_s`). A worker that
+does not answer in time (stopped, hung, partitioned), or answers anything but
+SERVING (its engine canary failed, it drains), is taken out of routing at once
+— within interval + timeout (3 s by default), long before its discovery lease
+(10 s) expires — and comes back when a check succeeds again. When every worker
+of a pool is out, routing ignores the checks (they may be what is failing: a
+starved router process) rather than refusing the request.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
 
 from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
@@ -72,12 +84,16 @@ class WorkerPool(AsyncCloseable):
         static_workers: Sequence[str] = (),
         model_name: str | None = None,
         failure_cooldown_s: float = 5.0,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 2.0,
     ) -> None:
         self.discovery = discovery
         self.channels = channels
         self.static_workers = tuple(static_workers)
         self.model_name = model_name
         self.failure_cooldown_s = failure_cooldown_s
+        self.health_interval_s = health_interval_s  # 0 = no health checks
+        self.health_timeout_s = health_timeout_s
         self.on_added: Callable[[PoolWorker], None] = lambda w: None
         self.on_removed: Callable[[PoolWorker], None] = lambda w: None
         self._workers: dict[str, PoolWorker] = {}
@@ -86,6 +102,7 @@ class WorkerPool(AsyncCloseable):
         self._fetched: dict[str, discovery_pb2.ModelCard] = {}
         self._fetching: dict[str, asyncio.Task[None]] = {}
         self._cooldown: dict[str, float] = {}
+        self._unhealthy: dict[str, str] = {}  # worker id -> why its last health check failed
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()
 
@@ -96,6 +113,8 @@ class WorkerPool(AsyncCloseable):
         else:
             self._tasks.append(asyncio.create_task(self._watch_instances(), name="router-watch-instances"))
             self._tasks.append(asyncio.create_task(self._watch_models(), name="router-watch-models"))
+        if self.health_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._check_health(), name="router-worker-health"))
 
     # ------------------------------------------------------------ queries
     def get(self, worker_id: str) -> PoolWorker | None:
@@ -105,15 +124,23 @@ class WorkerPool(AsyncCloseable):
         return sorted(self._workers.values(), key=lambda w: w.id)
 
     def workers(self, model: str, role: int | None = None, *, include_cooling: bool = False) -> list[PoolWorker]:
-        """Live workers of `model` (in `role` when given), sorted by id; cooling-down ones left out."""
+        """Live workers of `model` (in `role` when given), sorted by id; cooling-down and unhealthy ones left out.
+
+        Unhealthy ones are left out only while some healthy one remains (see the module docstring).
+        """
         now = time.monotonic()
-        return [
+        live = [
             w
             for w in self.all()
-            if w.model == model
-            and (role is None or w.role == role)
-            and (include_cooling or self._cooldown.get(w.id, 0.0) <= now)
+            if w.model == model and (role is None or w.role == role) and (include_cooling or self._cooldown.get(w.id, 0.0) <= now)
         ]
+        if include_cooling or not self._unhealthy:
+            return live
+        return [w for w in live if w.id not in self._unhealthy] or live
+
+    def healthy(self, worker_id: str) -> bool:
+        """False while the worker's last health check failed."""
+        return worker_id not in self._unhealthy
 
     def models(self) -> dict[str, discovery_pb2.ModelCard]:
         """One card per known model (from its worker with the smallest id)."""
@@ -223,6 +250,40 @@ class WorkerPool(AsyncCloseable):
             card=card,
         )
 
+    # ------------------------------------------------------------ health
+    async def _check_health(self) -> None:
+        while True:
+            workers = list(self._workers.values())
+            await asyncio.gather(*(self._check(w) for w in workers))
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _check(self, w: PoolWorker) -> None:
+        why = ""
+        try:
+            check = self.channels.get(w.address).unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
+            resp = await check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout_s)
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                why = f"it reports {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
+        except grpc.aio.AioRpcError as exc:
+            why = f"{exc.code().name}: {exc.details()}"
+        except (MeshError, grpc.aio.UsageError) as exc:  # the channel (cache) is closing: not the worker's fault
+            log.debug("health check of %s skipped: %s", w.id, exc)
+            return
+        if self._workers.get(w.id) != w:
+            return  # it left (or changed) meanwhile
+        if not why:
+            if self._unhealthy.pop(w.id, None) is not None:
+                log.info("worker %s (%s) answers health checks again; routing to it", w.id, w.address)
+                self._changed.set()
+        elif w.id not in self._unhealthy:
+            self._unhealthy[w.id] = why
+            log.warning("worker %s (%s) failed a health check (%s); taken out of routing", w.id, w.address, why)
+            self._changed.set()
+
     # ------------------------------------------------------------ shared
     def _update(self, wanted: dict[str, PoolWorker]) -> None:
         old = self._workers
@@ -230,6 +291,7 @@ class WorkerPool(AsyncCloseable):
         for wid, w in old.items():
             if wid not in wanted:
                 self._cooldown.pop(wid, None)
+                self._unhealthy.pop(wid, None)
                 log.info("worker %s (%s, %s) left the pool", wid, role_name(w.role), w.address)
                 self.on_removed(w)
         for wid, w in wanted.items():
