@@ -17,19 +17,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 __all__ = ["MeshllmProcess"]
 
 
 class MeshllmProcess:
-    """`python -m meshllm ARGS` with extra environment variables."""
+    """`python -m meshllm ARGS` with extra environment variables, run by `prefix` if given (e.g. `ip netns exec NS`)."""
 
-    def __init__(self, *args: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshllm", *args],
+            [*prefix, sys.executable, "-m", "meshllm", *args],
             stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=full_env, text=True,
         )  # fmt: skip
 
