@@ -352,7 +352,9 @@ async def open_discovery(
     if config.discovery is DiscoveryKind.ETCD:
         from meshllm.plane.etcd import EtcdDiscovery  # imported here: etcd.py builds on this module
 
-        return await EtcdDiscovery.connect(config.etcd_endpoints, config.namespace, config.lease_ttl_s)
+        return await EtcdDiscovery.connect(
+            config.etcd_endpoints, config.namespace, config.lease_ttl_s, credentials=config.etcd_credentials
+        )
     if config.discovery is DiscoveryKind.MEMORY:
         return MemoryDiscovery(memory_store if memory_store is not None else MemoryStore(), config.namespace)
     return StaticDiscovery(config.namespace, static_instances, static_models)

@@ -305,9 +305,7 @@ class NullEventBus(EventBus):
         await self._close_subscriptions()
 
 
-async def open_events(
-    config: PlaneConfig, *, memory_broker: MemoryBroker | None = None, name: str = "meshllm"
-) -> EventBus:
+async def open_events(config: PlaneConfig, *, memory_broker: MemoryBroker | None = None, name: str = "meshllm") -> EventBus:
     """The bus `config.events` asks for.
 
     "memory" uses `memory_broker` (a fresh private broker when None: pass the
@@ -320,7 +318,7 @@ async def open_events(
     if config.events is EventsKind.NATS:
         from meshllm.plane.nats import NatsEventBus
 
-        return await NatsEventBus.connect(config.nats_url, name=name)
+        return await NatsEventBus.connect(config.nats_url, name=name, credentials=config.nats_credentials)
     return NullEventBus()
 
 

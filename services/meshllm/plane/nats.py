@@ -15,6 +15,14 @@ after the client has replayed its subscriptions.
 
 Connection trouble is logged (warning, repeats rate-limited), never raised
 from the client's callbacks.
+
+Security (`NatsCredentials`, docs/security.md): TLS with a CA and client
+certificate, and a token, user/password, creds file or NKey seed. At the
+first connection refused credentials or a failed TLS handshake end the
+attempt at once with one line naming the flags to check (instead of
+retrying until the connect timeout). With TLS configured the client never
+falls back to plaintext: a server that does not require TLS is refused
+before any credential is sent.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import ssl
 import time
 from typing import Any
 
@@ -32,7 +41,8 @@ from google.protobuf.message import Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from meshllm.errors import CannotConnect, Unavailable
+from meshllm.errors import CannotConnect, MeshError, Unavailable
+from meshllm.plane.credentials import NatsCredentials
 from meshllm.plane.events import DEFAULT_MAX_PENDING, EventBus, M, Subscription, check_subject
 
 __all__ = ["NatsEventBus"]
@@ -42,6 +52,79 @@ log = logging.getLogger(__name__)
 _REPEAT_LOG_S = 30.0  # the same connection error is logged at warning at most this often
 _ROUNDTRIP_LIMIT_S = 60  # longer than stale-connection detection (3 pings x 10 s), see _roundtrip
 _YIELD_EVERY = 256  # hand this many buffered messages to the client between yields to the loop
+_REFUSALS = ("authorization violation", "authentication", "user authentication expired")
+
+
+class _SslEofNoise(logging.Filter):
+    """Drops asyncio's "returning true from eof_received() has no effect when using ssl".
+
+    asyncio logs it at warning whenever a TLS peer closes a stream connection
+    (nats-py's transport); it is harmless and would otherwise precede every
+    NATS-over-TLS disconnect, including a refused login.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_SslEofNoise())
+
+
+class _Client(Client):
+    """nats-py's client: TLS only when configured, TLS files read again at every (re)connection.
+
+    nats-py upgrades to TLS only when the server's INFO asks for it, so a
+    client holding a CA and certificate would otherwise talk (and send its
+    credentials) in plaintext to a server without TLS.
+    """
+
+    require_tls = False
+    credentials: NatsCredentials | None = None
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        # Rebuilt per handshake so certificates rotated on disk are used at the
+        # next reconnection; a half-written pair keeps the previous context.
+        if self.credentials is not None and self.credentials.tls:
+            try:
+                ctx = self.credentials.ssl_context()
+            except MeshError as exc:
+                log.warning("events: NATS TLS files unusable (%s); keeping the previous ones", exc.message)
+            else:
+                if ctx is not None:
+                    self.options["tls"] = ctx
+        return super().ssl_context
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if self.require_tls and initial_connection and not info.get("tls_required"):
+            raise nats.errors.SecureConnWantedError()
+        await super()._process_info(info, initial_connection)
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The server refused who we are or the TLS handshake failed: retrying cannot help."""
+    if isinstance(exc, (ssl.SSLError, nats.errors.AuthorizationError, nats.errors.SecureConnWantedError)):
+        return True
+    if isinstance(exc, (nats.errors.SecureConnRequiredError, nats.errors.InvalidUserCredentialsError)):
+        return True
+    return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
+
+
+def _refusal_message(url: str, exc: BaseException, credentials: NatsCredentials) -> str:
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ssl.SSLError) or isinstance(exc, (nats.errors.SecureConnWantedError, nats.errors.SecureConnRequiredError)):
+        return f"TLS with NATS at {url} failed ({detail}): check --nats-ca, --nats-cert and --nats-key against the server's TLS"
+    if credentials.token:
+        hint = "check --nats-token (or MESHLLM_NATS_TOKEN / --nats-token-file)"
+    elif credentials.user:
+        hint = "check --nats-user and its password (MESHLLM_NATS_PASSWORD or --nats-password-file)"
+    elif credentials.creds:
+        hint = "check --nats-creds"
+    elif credentials.nkey:
+        hint = "check --nats-nkey"
+    else:
+        hint = "the server requires authentication: set --nats-token, --nats-user, --nats-creds or --nats-nkey"
+    return f"NATS at {url} refused the credentials ({detail}): {hint}"
 
 
 class NatsEventBus(EventBus):
@@ -64,7 +147,9 @@ class NatsEventBus(EventBus):
         self.max_buffered_bytes = max_buffered_bytes
         self.max_pending = max_pending
         self.reconnects = 0
-        self._nc = Client()
+        self._nc = _Client()
+        self._connecting: asyncio.Future[BaseException] | None = None  # set by _on_error when the server refuses us
+        self._connect_error: BaseException | None = None
         self._buffer: collections.deque[tuple[int, str, bytes]] = collections.deque()
         self._buffered_bytes = 0
         self._published_seq = 0  # sequence number of the last message published
@@ -88,38 +173,69 @@ class NatsEventBus(EventBus):
         max_buffered: int = 10_000,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         max_pending: int = DEFAULT_MAX_PENDING,
+        credentials: NatsCredentials | None = None,
     ) -> NatsEventBus:
         """Connect to `url` (`nats://host:port`, or several comma-separated) and start the drain.
 
-        Raises CannotConnect if no connection is made within `connect_timeout_s`.
+        Raises CannotConnect if no connection is made within `connect_timeout_s`,
+        or at once when the server refuses `credentials` or the TLS handshake.
         `max_buffered` / `max_buffered_bytes` bound the publish buffer,
         `max_pending` each subscription's queue.
         """
+        credentials = credentials if credentials is not None else NatsCredentials()
         bus = cls(max_buffered=max_buffered, max_buffered_bytes=max_buffered_bytes, max_pending=max_pending)
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        bus._nc.require_tls = credentials.tls or any(s.startswith("tls://") for s in servers)
+        bus._nc.credentials = credentials
+        options = credentials.connect_options()
+        refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        bus._connecting = refused
+        connecting = asyncio.ensure_future(
+            bus._nc.connect(
+                servers,
+                name=name,
+                error_cb=bus._on_error,
+                disconnected_cb=bus._on_disconnected,
+                reconnected_cb=bus._on_reconnected,
+                closed_cb=bus._on_closed,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]  # nats-py accepts floats
+                connect_timeout=max(1, min(2, int(connect_timeout_s))),
+                ping_interval=10,
+                max_outstanding_pings=3,
+                **options,
+            )
+        )
         try:
-            async with asyncio.timeout(connect_timeout_s):
-                await bus._nc.connect(
-                    servers,
-                    name=name,
-                    error_cb=bus._on_error,
-                    disconnected_cb=bus._on_disconnected,
-                    reconnected_cb=bus._on_reconnected,
-                    closed_cb=bus._on_closed,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]  # nats-py accepts floats
-                    connect_timeout=max(1, min(2, int(connect_timeout_s))),
-                    ping_interval=10,
-                    max_outstanding_pings=3,
+            waits: set[asyncio.Future[Any]] = {connecting, refused}
+            done, _ = await asyncio.wait(waits, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if connecting in done:
+                connecting.result()
+            elif refused in done:
+                raise CannotConnect(_refusal_message(url, refused.result(), credentials))
+            else:
+                last = bus._connect_error
+                raise CannotConnect(
+                    f"cannot connect to NATS at {url} in {connect_timeout_s:g}s"
+                    + (f": {last or type(last).__name__}" if last is not None else "")
                 )
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
+        except (TimeoutError, OSError, nats.errors.Error, CannotConnect) as exc:
             bus._quiet = True
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
             with contextlib.suppress(Exception):
                 await bus._nc.close()
+            if isinstance(exc, CannotConnect):
+                raise
+            if _is_refusal(exc):
+                raise CannotConnect(_refusal_message(url, exc, credentials)) from exc
             raise CannotConnect(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
+        finally:
+            bus._connecting = None
         bus._pump_task = asyncio.create_task(bus._pump(), name=f"meshllm-events-pump-{name}")
-        log.info("events: connected to NATS at %s", url)
+        log.info("events: connected to NATS at %s (%s)", url, credentials.describe())
         return bus
 
     @property
@@ -139,9 +255,7 @@ class NatsEventBus(EventBus):
         self._published_seq += 1
         self._buffer.append((self._published_seq, subject, data))
         self._buffered_bytes += len(data)
-        while len(self._buffer) > self.max_buffered or (
-            self._buffered_bytes > self.max_buffered_bytes and len(self._buffer) > 1
-        ):
+        while len(self._buffer) > self.max_buffered or (self._buffered_bytes > self.max_buffered_bytes and len(self._buffer) > 1):
             self._retire(*self._buffer.popleft())
             self.dropped += 1
         self._wake.set()
@@ -224,9 +338,7 @@ class NatsEventBus(EventBus):
                 with contextlib.suppress(nats.errors.Error):
                     await nats_sub.unsubscribe()
 
-        sub = Subscription(
-            subject, message_type, max_pending=self.max_pending, on_close=unsubscribe, on_drop=self._count_drop
-        )
+        sub = Subscription(subject, message_type, max_pending=self.max_pending, on_close=unsubscribe, on_drop=self._count_drop)
         try:
             nats_sub = await self._nc.subscribe(subject, cb=on_message)
         except nats.errors.Error as exc:
@@ -263,6 +375,11 @@ class NatsEventBus(EventBus):
     # Callbacks of the nats-py client: log, wake the pump, never raise.
 
     async def _on_error(self, exc: Exception) -> None:
+        if self._connecting is not None:  # the first connection: connect() reports it
+            self._connect_error = exc
+            if _is_refusal(exc) and not self._connecting.done():
+                self._connecting.set_result(exc)
+            return
         text = f"{type(exc).__name__}: {exc}"
         now = time.monotonic()
         last_text, last_at = self._last_error

@@ -9,25 +9,40 @@
 Each server gets its own temporary data directory, removed on close. Start
 waits until the server answers (etcd `/health`, NATS `INFO` banner), never on
 a fixed sleep. `kill()` is `SIGKILL` for fault tests.
+
+Secured servers (certificates from `meshllm.certs.make_dev_pki`):
+
+    async with EtcdServer(tls=pki_files["etcd"], users={"meshllm": "pw"}) as etcd:
+        ...                                    # https, --client-cert-auth, auth enabled
+    async with NatsServer(tls=pki_files["nats"], token="s3cret") as nats:
+        ...                                    # --tlsverify; or users= / nkeys=
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+import grpc
 
 from meshllm.lifecycle import AsyncCloseable
 
-__all__ = ["EtcdServer", "NatsServer", "ServerBinaryMissing", "free_port"]
+if TYPE_CHECKING:
+    from meshllm.certs import CertFiles
+
+__all__ = ["EtcdServer", "NatsServer", "ServerBinaryMissing", "free_port", "nkey_user"]
 
 
 class ServerBinaryMissing(RuntimeError):
@@ -39,6 +54,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def nkey_user(seed_file: str | os.PathLike[str]) -> str:
+    """Write a new NATS user NKey seed (`SU...`) to `seed_file` (0600) and return its public key (`U...`)."""
+    import nkeys  # nats-py's [nkeys] extra
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    fd = os.open(seed_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed + b"\n")
+    public: bytes = nkeys.from_seed(bytearray(seed)).public_key
+    return public.decode()
 
 
 def _binary(name: str) -> str:
@@ -58,12 +85,16 @@ class _Process(AsyncCloseable):
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready_timeout_s = ready_timeout_s
         self._log = self._tmp / "server.log"
+        self._set_up = False
 
     def _argv(self) -> list[str]:
         raise NotImplementedError
 
     async def _probe(self) -> bool:
         raise NotImplementedError
+
+    async def _started(self) -> None:
+        """Runs once after the first start (e.g. to enable auth)."""
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         # A short synchronous fork/exec: acceptable in a test helper.
@@ -94,6 +125,9 @@ class _Process(AsyncCloseable):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self._proc.returncode}: {self.log_tail()}")
             if await self._probe():
+                if not self._set_up:
+                    self._set_up = True
+                    await self._started()
                 return
             await asyncio.sleep(0.05)  # polling a readiness probe, not synchronising on time
         raise RuntimeError(f"{self.name} not ready in {self._ready_timeout_s}s: {self.log_tail()}")
@@ -139,25 +173,77 @@ class _Process(AsyncCloseable):
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def _client_ssl(tls: CertFiles) -> ssl.SSLContext:
+    """A client context trusting the test CA and presenting `tls`'s certificate (it has clientAuth usage)."""
+    ctx = ssl.create_default_context(cafile=str(tls.ca))
+    ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    return ctx
+
+
+async def _http_get(port: int, path: str, tls: CertFiles | None) -> bytes:
+    """The raw response to `GET path` on 127.0.0.1:port (b"" when it cannot be had)."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=_client_ssl(tls) if tls else None), 2.0
+        )
+    except (OSError, TimeoutError):
+        return b""
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 2.0)
+    except (OSError, TimeoutError):
+        return b""
+    finally:
+        writer.close()
+
+
 class EtcdServer(_Process):
-    """A real single-node etcd on 127.0.0.1 with ephemeral client and peer ports."""
+    """A real single-node etcd on 127.0.0.1 with ephemeral client and peer ports.
+
+    `tls`: serve https with that certificate, and require client certificates
+    from its CA (`client_cert_auth`). `users`: after the first start create
+    the root user (password `root_password`) and each user with a role that
+    may read and write keys under `prefix`, then enable auth. Auth tokens
+    expire after `auth_token_ttl_s` without use.
+    """
 
     name = "etcd"
 
-    def __init__(self, **kwargs: float) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        tls: CertFiles | None = None,
+        client_cert_auth: bool = True,
+        users: Mapping[str, str] | None = None,
+        prefix: str = "meshllm/",
+        auth_token_ttl_s: int = 300,
+        ready_timeout_s: float = 20.0,
+    ) -> None:
+        super().__init__(ready_timeout_s=ready_timeout_s)
         self.binary = _binary("etcd")
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.port = free_port()
         self.peer_port = free_port()
+        self.tls = tls
+        self.client_cert_auth = client_cert_auth
+        self.users = dict(users or {})
+        self.prefix = prefix
+        self.root_password = "root-" + os.urandom(6).hex()
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def url(self) -> str:
+        """The client URL (`https://` with TLS)."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
     def _argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.port}"
+        client = self.url
         peer = f"http://127.0.0.1:{self.peer_port}"
-        return [
+        argv = [
             self.binary,
             "--name", "meshllm-test",
             "--data-dir", str(self._tmp / "data"),
@@ -167,45 +253,111 @@ class EtcdServer(_Process):
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"meshllm-test={peer}",
             "--log-level", "warn",
+            "--auth-token-ttl", str(self.auth_token_ttl_s),
         ]  # fmt: skip
+        if self.tls:
+            argv += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--trusted-ca-file", str(self.tls.ca)]
+            if self.client_cert_auth:
+                argv.append("--client-cert-auth")
+        return argv
 
     async def _probe(self) -> bool:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 1.0)
-        except (OSError, TimeoutError):
-            return False
-        try:
-            writer.write(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            await writer.drain()
-            body = await asyncio.wait_for(reader.read(), 2.0)
-            return b'"health":"true"' in body
-        except (OSError, TimeoutError):
-            return False
-        finally:
-            writer.close()
+        return b'"health":"true"' in await _http_get(self.port, "/health", self.tls)
+
+    async def _started(self) -> None:
+        if self.users:
+            await self._enable_auth()
+
+    async def _enable_auth(self) -> None:
+        from aetcd.rpc import auth_pb2, rpc_pb2, rpc_pb2_grpc  # the etcd v3 API as aetcd ships it
+
+        if self.tls:
+            creds = grpc.ssl_channel_credentials(self.tls.ca.read_bytes(), self.tls.key.read_bytes(), self.tls.cert.read_bytes())
+            channel = grpc.aio.secure_channel(self.endpoint, creds)
+        else:
+            channel = grpc.aio.insecure_channel(self.endpoint)
+        async with channel:
+            auth = rpc_pb2_grpc.AuthStub(channel)
+            await auth.UserAdd(rpc_pb2.AuthUserAddRequest(name="root", password=self.root_password), timeout=5)
+            await auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name="root"), timeout=5)
+            await auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+            prefix = self.prefix.encode()
+            end = prefix[:-1] + bytes([prefix[-1] + 1])
+            for user, password in self.users.items():
+                role = f"{user}-rw"
+                await auth.UserAdd(rpc_pb2.AuthUserAddRequest(name=user, password=password), timeout=5)
+                await auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name=role), timeout=5)
+                perm = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=prefix, range_end=end)
+                await auth.RoleGrantPermission(rpc_pb2.AuthRoleGrantPermissionRequest(name=role, perm=perm), timeout=5)
+                await auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user=user, role=role), timeout=5)
+            await auth.AuthEnable(rpc_pb2.AuthEnableRequest(), timeout=5)
 
     def _wipe_data(self) -> None:
         shutil.rmtree(self._tmp / "data", ignore_errors=True)
+        self._set_up = False  # a wiped etcd has no users: set them up again
 
 
 class NatsServer(_Process):
-    """A real nats-server (JetStream off) on 127.0.0.1 with an ephemeral port."""
+    """A real nats-server (JetStream off) on 127.0.0.1 with an ephemeral port.
+
+    `tls`: require TLS with that certificate and (`verify`) client
+    certificates from its CA. One way of authenticating: `token`, `users`
+    ({user: password}) or `nkeys` (public user NKeys, `U...`).
+    """
 
     name = "nats"
 
-    def __init__(self, **kwargs: float) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        tls: CertFiles | None = None,
+        verify: bool = True,
+        token: str | None = None,
+        users: Mapping[str, str] | None = None,
+        nkeys: Sequence[str] = (),
+        ready_timeout_s: float = 20.0,
+    ) -> None:
+        super().__init__(ready_timeout_s=ready_timeout_s)
+        if sum(bool(x) for x in (token, users, nkeys)) > 1:
+            raise ValueError("nats-server takes one of token, users, nkeys")
         self.binary = _binary("nats-server")
         self.port = free_port()
+        self.tls = tls
+        self.verify = verify
+        self.token = token
+        self.users = dict(users or {})
+        self.nkeys = list(nkeys)
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def _config(self) -> str:
+        """nats-server's configuration file (JSON is valid in its format)."""
+        conf: dict[str, object] = {"listen": f"127.0.0.1:{self.port}"}
+        if self.tls:
+            conf["tls"] = {
+                "cert_file": str(self.tls.cert),
+                "key_file": str(self.tls.key),
+                "ca_file": str(self.tls.ca),
+                "verify": self.verify,
+                "timeout": 5,
+            }
+        if self.token:
+            conf["authorization"] = {"token": self.token}
+        elif self.users:
+            conf["authorization"] = {"users": [{"user": u, "password": p} for u, p in self.users.items()]}
+        elif self.nkeys:
+            conf["authorization"] = {"users": [{"nkey": k} for k in self.nkeys]}
+        path = self._tmp / "nats.conf"
+        path.write_text(json.dumps(conf, indent=2))
+        return str(path)
+
     def _argv(self) -> list[str]:
-        return [self.binary, "-a", "127.0.0.1", "-p", str(self.port)]
+        return [self.binary, "-c", self._config()]
 
     async def _probe(self) -> bool:
+        # The INFO banner comes in plaintext, with or without TLS.
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 1.0)
         except (OSError, TimeoutError):

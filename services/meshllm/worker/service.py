@@ -5,6 +5,11 @@ A gRPC cancel (or `Abort`) stops the request's `Context` and calls
 `engine.abort(context)` exactly once. The stream always ends with exactly one
 terminal chunk or a gRPC error; engine errors of the typed family cross the
 wire intact (the transport's error mapping), others become `Unknown`.
+
+Request ids are scoped to their caller (`meshllm.plane.auth.caller_identity`,
+also for the streams of a Generate session): `Abort` finds a request only for
+the caller that started it. Ids stay unique per worker (engines key
+their state by id), so a second request with an id in flight is refused.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from typing import Any
 import grpc
 
 from meshllm.engine.base import Context, EngineConfig, LLMEngine
-from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete
+from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete, log_unexpected
+from meshllm.plane.auth import caller_identity, session_scope
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.validate import Limits, validate_generate
 from meshllm.tracing import tracer
 from meshllm.v1 import generate_pb2, session_pb2, worker_pb2, worker_pb2_grpc
 from meshllm.worker.metrics import WorkerMetrics
@@ -49,21 +56,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         info: Callable[[], worker_pb2.WorkerInfo],
         validate_streams: bool = False,
         stream_interval_s: float = DEFAULT_INTERVAL_S,
+        limits: Limits = Limits(),
     ) -> None:
         self.engine = engine
+        self.limits = limits  # the engine's context length and vocabulary, checked before it sees a request
         self.sink = sink
         self.metrics = metrics
         self._info = info
         self.validate_streams = validate_streams
         self.admitting = True
         self.inflight: dict[str, Context] = {}
+        self._owner: dict[str, str] = {}  # request id -> the caller scope that started it
         self._aborted: set[str] = set()
+        self._cut: set[str] = set()  # stopped by the drain deadline: they end with EngineShutdown
         self._idle = asyncio.Event()
         self._idle.set()
         self.requests_served = 0
         self.on_drain_request: Callable[[], Any] | None = None
+        self.trace_service: str | None = None  # the service.name of its spans (set by the runtime)
         self.sessions = SessionServer(
-            lambda req, call: self.run_request(req, call.traceparent),
+            lambda req, call: self.run_request(req, call.traceparent, scope=session_scope.get() or "local"),
             "/meshllm.v1.Worker/Generate",
             min_interval_s=stream_interval_s,
         )
@@ -72,7 +84,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
-        gen = self.run_request(request_from_proto(request), CallInfo.from_context(context).traceparent)
+        gen = self.run_request(
+            request_from_proto(request), CallInfo.from_context(context).traceparent, scope=caller_identity(context)
+        )
         try:
             async for chunk in gen:
                 yield chunk_to_proto(chunk)
@@ -82,13 +96,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GenerateSession(
         self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[session_pb2.SessionDown]:
+        # grpc runs each call in a task of its own, whose context the session's tasks
+        # inherit: the session's streams are scoped to the session's caller.
+        session_scope.set(caller_identity(context))
         async for down in self.sessions.serve(request_iterator, context):
             yield down
 
-    async def run_request(self, req: GenerateRequest, traceparent: str | None = None) -> AsyncGenerator[GenerateChunk, None]:
-        """Run one request through the engine (also used by the health canary)."""
+    async def run_request(
+        self, req: GenerateRequest, traceparent: str | None = None, *, scope: str = "internal"
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Run one request through the engine for the caller `scope` (also used by the health canary)."""
         if not self.admitting:
             raise EngineShutdown("worker is draining and admits no new requests")
+        validate_generate(req, self.limits)
         if not req.get("request_id"):
             req["request_id"] = uuid.uuid4().hex
         rid = req["request_id"]
@@ -96,10 +116,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"request_id {rid!r} is already in flight", param="request_id")
         ctx = Context(rid, traceparent=traceparent)
         self.inflight[rid] = ctx
+        self._owner[rid] = scope
         self._idle.clear()
         self.metrics.inflight.inc()
         self.metrics.requests.inc()
-        span = tracer().start_span(
+        span = tracer(self.trace_service).start_span(
             "engine.generate",
             attributes={
                 "model": req.get("model", ""),
@@ -121,6 +142,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     span.set_attribute("ttft_ms", (time.monotonic() - t0) * 1000.0)
                 output_tokens += n
                 if "finish_reason" in chunk:
+                    if chunk["finish_reason"] == "cancelled" and rid in self._cut:
+                        raise EngineShutdown(f"the worker stopped request {rid} at its drain deadline; retry it elsewhere")
                     span.set_attribute("finish_reason", chunk["finish_reason"])
                 yield chunk
                 if "finish_reason" in chunk:
@@ -145,7 +168,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(Exception):
                 await _aclose(stream)
             self.inflight.pop(rid, None)
+            self._owner.pop(rid, None)
             self._aborted.discard(rid)
+            self._cut.discard(rid)
             self.metrics.inflight.dec()
             self.requests_served += 1
             if not self.inflight:
@@ -162,14 +187,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _abort(self, ctx: Context) -> None:
         try:
             await self.engine.abort(ctx)
-        except Exception:
-            log.exception("engine.abort failed for %s", ctx.id)
+        except Exception as exc:
+            log_unexpected(log, f"engine.abort failed for {ctx.id}", exc)
 
     # ------------------------------------------------------------ control
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         ctx = self.inflight.get(request.request_id)
-        if ctx is None:
-            return worker_pb2.AbortResponse(found=False)
+        if ctx is None or self._owner.get(request.request_id) != caller_identity(context):
+            return worker_pb2.AbortResponse(found=False)  # another caller's request is not there for this one
         ctx.stop()
         self._schedule_abort(ctx)
         return worker_pb2.AbortResponse(found=True)
@@ -230,8 +255,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._idle.wait()
 
     def stop_all(self) -> None:
-        """Stop every in-flight request (drain timeout passed)."""
+        """Stop every in-flight request (drain timeout passed): each ends with EngineShutdown (UNAVAILABLE).
+
+        Not a "cancelled" terminal, which reads as a normal end: the caller sees the
+        error (a router migrates the stream to another worker, a client gets an error event).
+        """
         for ctx in list(self.inflight.values()):
+            self._cut.add(ctx.id)
             ctx.stop()
             self._schedule_abort(ctx)
 
