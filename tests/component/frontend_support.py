@@ -3,7 +3,8 @@
 The echo engine answers with the UTF-8 bytes of the text after the last
 "ECHO:" in the prompt (up to the chat template's `<|im_end|>`), one byte
 token per chunk — so multi-byte characters are always split across tokens —
-then EOS. A prompt containing "FOREVER" streams "a" every 10 ms until the
+then EOS (`output.prompt_logprobs` gets -1.5 per prompt token on the first chunk,
+except for a prompt containing "NOPLP"). A prompt containing "FOREVER" streams "a" every 10 ms until the
 request is stopped, recording when the engine saw the stop (or was closed).
 """
 
@@ -60,6 +61,14 @@ class EchoEngine(LLMEngine):
         stop = request.get("stop", {})
         max_tokens = stop.get("max_tokens", 10_000)
         want_lp = "logprobs" in request.get("output", {})
+        # prompt logprobs: -1.5 for every prompt token after the first, on the first chunk ("NOPLP": an engine without them)
+        plp = request.get("output", {}).get("prompt_logprobs")
+        if plp is not None and "NOPLP" not in prompt:
+            first_extra = [
+                TokenLogprob(token_id=t, logprob=-1.5, top=[(t, -1.5), (EOS_ID, -4.0)][:plp]) for t in request["token_ids"][1:]
+            ]
+        else:
+            first_extra = []
         self.started[context.id] = time.monotonic()
         n = 0
         usage = {"prompt_tokens": len(request["token_ids"]), "completion_tokens": 0, "cached_tokens": 3}
@@ -88,6 +97,8 @@ class EchoEngine(LLMEngine):
             chunk: GenerateChunk = {"token_ids": [tid]}
             if want_lp:
                 chunk["logprobs"] = [TokenLogprob(token_id=tid, logprob=-0.25, top=[(tid, -0.25), (EOS_ID, -3.0)])]
+            if first_extra:
+                chunk["prompt_logprobs"], first_extra = first_extra, []
             yield chunk
         if n >= max_tokens:
             yield terminal("length", {**usage, "completion_tokens": n})  # type: ignore[typeddict-item]

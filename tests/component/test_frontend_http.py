@@ -99,7 +99,11 @@ async def test_max_tokens_ends_with_length_and_logprobs_are_shaped(mesh: Mesh) -
     assert len(content[0]["top_logprobs"]) == 2
     r = await request(mesh.url, "/v1/completions", {"model": "echo", "prompt": "ECHO:xy", "logprobs": 1, "echo": True})
     choice = r.json()["choices"][0]
-    assert choice["text"] == "ECHO:xyxy" and choice["logprobs"]["tokens"][:2] == ["x", "y"]
+    lp = choice["logprobs"]
+    assert choice["text"] == "ECHO:xyxy" and lp["tokens"] == ["<s>", *"ECHO:xyxy"]  # the prompt's BOS is a token too
+    # echo + logprobs: the prompt's tokens first (the first without a logprob, as OpenAI and vLLM), then the generated
+    assert lp["token_logprobs"] == [None] + [-1.5] * 7 + [-0.25, -0.25] and lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"E": -1.5} and lp["top_logprobs"][-1] == {"y": -0.25, "</s>": -3.0}
 
 
 async def test_completion_prompts_as_token_ids_and_lists(mesh: Mesh) -> None:
@@ -153,9 +157,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "status", "param"), BAD, ids=[f"{i}-{s}-{p}" for i, (_, _, s, p) in enumerate(BAD)]
-)
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD, ids=[f"{i}-{s}-{p}" for i, (_, _, s, p) in enumerate(BAD)])
 async def test_bad_input_gets_its_4xx_with_an_openai_error_body_and_the_server_keeps_serving(
     mesh: Mesh, path: str, body: Any, status: int, param: str | None
 ) -> None:

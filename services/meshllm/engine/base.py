@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Any, Protocol, Self
 
 from meshllm.config import (
+    DEFAULT_STREAM_INTERVAL_MS,
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
-    EventsKind,
     PlaneConfig,
     ServerConfig,
     add_plane_args,
     add_tracing_args,
 )
+from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.protocol.types import (
     DisaggParams,
     FinishReason,
@@ -73,6 +74,7 @@ class EngineConfig:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     context_length: int = 0
+    vocab_size: int = 0  # token ids at or above it are refused by the worker (0 = unknown, unchecked)
     data_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -217,6 +219,14 @@ class LLMEngine(abc.ABC):
            promptly (well within 2 s) with a "cancelled" terminal and frees the
            request's resources (use `try/finally`: the consumer may also drop
            the iterator at any yield);
+         - `output.logprobs` N: each generated token's entry in `logprobs`
+           (its own logprob, N alternatives in `top`); `output.prompt_logprobs`
+           N: the first chunk carries `prompt_logprobs`, one entry per prompt
+           token after the first (scored by the logits after the token
+           before it), N alternatives each. An engine that cannot compute
+           prompt logprobs raises `InvalidArgument` (or leaves them out: the
+           frontend then answers 400); a "generation_only" leg leaves them to
+           its prefill leg;
          - invalid input (e.g. an empty prompt) raises
            `meshllm.errors.InvalidArgument` before any chunk; other failures
            raise a `meshllm.errors.MeshError` subclass (the class and message
@@ -239,6 +249,8 @@ class LLMEngine(abc.ABC):
 
     #: Set by the framework before `start`; engines report KV events and load here.
     sink: EngineSink = NullSink()
+    #: Set by the framework before `start`: TLS and mesh token for the engine's own calls to peers (KV pulls).
+    security: MeshSecurity | None = None
 
     @classmethod
     @abc.abstractmethod
@@ -305,6 +317,7 @@ class WorkerConfig:
     metrics_port: int | None = None
     otlp_endpoint: str | None = None
     validate_streams: bool = False
+    security: MeshSecurity = field(default_factory=MeshSecurity)
 
     def __post_init__(self) -> None:
         for name in ("component", "endpoint"):
@@ -334,9 +347,7 @@ class WorkerConfig:
         plane = PlaneConfig.from_namespace(ns)
         static = bool(ns.static) or plane.discovery is DiscoveryKind.STATIC
         if static and plane.discovery is not DiscoveryKind.STATIC:
-            # --static touches neither etcd nor (unless --events says so) NATS.
-            events = plane.events if ns.events else EventsKind.NONE
-            plane = PlaneConfig(namespace=plane.namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
+            plane = plane.static(events_flag=ns.events)
         return cls(
             engine=engine,
             role=DisaggregationMode(ns.role),
@@ -356,6 +367,7 @@ class WorkerConfig:
             metrics_port=ns.metrics_port,
             otlp_endpoint=ns.otlp_endpoint or None,
             validate_streams=ns.validate_streams,
+            security=MeshSecurity.from_namespace(ns),
         )
 
 
@@ -378,8 +390,9 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument(
         "--stream-interval-ms",
         type=float,
-        default=1.0,
-        help="least time between two stream messages to one client; faster engine steps are sent together (0 = every step)",
+        default=DEFAULT_STREAM_INTERVAL_MS,
+        help="least time between two stream messages to one client; faster engine steps are sent together "
+        "(0 = every step; a stream's first chunk never waits)",
     )
     g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
     g.add_argument("--static", action="store_true", help="do not register in discovery")
@@ -393,5 +406,6 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
     g.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_security_args(parser)
     add_tracing_args(parser)
     return parser

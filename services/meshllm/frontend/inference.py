@@ -20,20 +20,23 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
+from meshllm.frontend.output_parsers import OutputParser, ParserChoice, check_guided_engines
 from meshllm.frontend.postprocess import ChoiceStream, Delta
-from meshllm.frontend.preprocess import Plan, preprocess
+from meshllm.frontend.preprocess import Plan, preprocess, prompt_logprobs_asked
 from meshllm.frontend.upstream import Upstream
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import TextRequest, usage_body
 from meshllm.protocol.types import GenerateChunk
 
 __all__ = ["Completion", "InferenceCore"]
+
+T = TypeVar("T")
 
 
 class InferenceCore:
@@ -47,8 +50,10 @@ class InferenceCore:
         *,
         max_inflight: int = 0,
         retry_after_s: float = 1.0,
+        parsers: ParserChoice | None = None,
     ) -> None:
         self.registry = registry
+        self.parsers = parsers if parsers is not None else ParserChoice()  # reasoning / tool-call parsers per model
         self.upstream = upstream
         self.metrics = metrics
         self.max_inflight = max_inflight
@@ -57,6 +62,7 @@ class InferenceCore:
         self.admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
+        self._open: set[Completion] = set()
 
     async def begin(self, req: TextRequest, *, call: CallInfo | None = None, t0: float | None = None) -> Completion:
         """Admit and preprocess a request; raises the MeshError a user should see."""
@@ -69,11 +75,15 @@ class InferenceCore:
             model = self.registry.lookup(req.model)
             tk = await self.registry.tokenization(model)
             rid = req.request_id or f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            if req.tool_choice == "required" or req.tool_choice.startswith("function:"):
+                check_guided_engines(model.name, await self.registry.engines(model.name), req.tool_choice)
+            outputs = self.parsers.factory(req, model.name, model.card, tk.template)
             plan = await preprocess(req, model, tk, rid)
         except BaseException:
             self._exit()
             raise
-        return Completion(self, req, model, tk, plan, rid, call, time.perf_counter() if t0 is None else t0)
+        t0 = time.perf_counter() if t0 is None else t0
+        return Completion(self, req, model, tk, plan, rid, call, t0, outputs=outputs)
 
     def _enter(self) -> None:
         self.inflight += 1
@@ -90,6 +100,17 @@ class InferenceCore:
         """Return once nothing is in flight."""
         await self._idle.wait()
 
+    def cut_all(self, err: MeshError) -> int:
+        """End every open stream with `err` (the drain deadline passed); returns how many were open.
+
+        Each stream raises `err` from `deltas()` at once: the HTTP API sends it as
+        an OpenAI error event before the stream ends, the gRPC API as the call's status.
+        """
+        open_now = list(self._open)
+        for c in open_now:
+            c.cut(err)
+        return len(open_now)
+
 
 class Completion:
     """One admitted request: iterate `deltas()`, then read `usage()`; always `aclose()`."""
@@ -104,6 +125,8 @@ class Completion:
         request_id: str,
         call: CallInfo | None,
         t0: float,
+        *,
+        outputs: Callable[[], OutputParser | None] | None = None,
     ) -> None:
         self.core = core
         self.request = req
@@ -122,7 +145,9 @@ class Completion:
                 stop=req.stop,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=req.logprobs is not None,
+                prompt_logprobs=prompt_logprobs_asked(req) is not None,
                 prompt_index=p,
+                output=outputs() if outputs is not None else None,
             )
             for i, p in enumerate(plan.prompt_of)
         ]
@@ -130,6 +155,11 @@ class Completion:
         self._first_token_at: float | None = None
         self._gen: AsyncIterator[Delta] | None = None
         self._closed = False
+        # cut(): the error to raise, and whether the task is waiting on upstream (only there is it cancelled)
+        self._cut: MeshError | None = None
+        self._task = asyncio.current_task()
+        self._upstream_wait = False
+        core._open.add(self)
 
     # ------------------------------------------------------------ streaming
     def deltas(self) -> AsyncIterator[Delta]:
@@ -150,12 +180,42 @@ class Completion:
             self._metrics.itl.observe((now - last[0]) / n)
         last[0] = now
 
+    def cut(self, err: MeshError) -> None:
+        """End this stream with `err`: at once when waiting on upstream, else before its next upstream read."""
+        if self._cut is not None or self._closed:
+            return
+        self._cut = err
+        if self._upstream_wait and self._task is not None:
+            self._task.cancel()
+
+    async def _next(self, read: Callable[[], Awaitable[T]]) -> T:
+        """One upstream read (a chunk, a queue item) that `cut()` can interrupt with its error."""
+        if self._cut is not None:
+            raise self._cut
+        self._upstream_wait = True
+        try:
+            return await read()
+        except BaseException:
+            if self._cut is None:
+                raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()
+            raise self._cut from None
+        finally:
+            self._upstream_wait = False
+
     async def _single(self) -> AsyncIterator[Delta]:
         choice = self.choices[0]
         last = [0.0]
         stream = self.core.upstream.generate(self.plan.requests[0], call=self.call)
+        chunks = aiter(stream)
         try:
-            async for chunk in stream:
+            while True:
+                try:
+                    chunk = await self._next(chunks.__anext__)
+                except StopAsyncIteration:
+                    break
                 self._observe(chunk, last)
                 delta = choice.feed(chunk)
                 yield delta
@@ -184,7 +244,7 @@ class Completion:
         open_choices = len(self.choices)
         try:
             while open_choices:
-                i, item = await queue.get()
+                i, item = await self._next(queue.get)
                 choice = self.choices[i]
                 if choice.finished:
                     continue
@@ -220,6 +280,7 @@ class Completion:
         if self._closed:
             return
         self._closed = True
+        self.core._open.discard(self)
         try:
             if self._gen is not None:
                 await _aclose(self._gen)

@@ -3,7 +3,9 @@
 Per choice, a `ChoiceStream` detokenizes incrementally (multi-byte UTF-8 split
 across tokens is held until complete), runs the stop-string matcher (a
 possible partial match is held back until resolved, a match is never
-emitted) and maps the finish reason. A matched stop string finishes the
+emitted), splits reasoning and tool calls out of the text when the request
+asks for them (`meshllm.frontend.output_parsers`; "stop" becomes
+"tool_calls" once a call was parsed) and maps the finish reason. A matched stop string finishes the
 choice: the caller then drops the upstream stream, which cancels the request
 on the worker. A terminal "error" chunk is raised as its MeshError.
 """
@@ -11,11 +13,14 @@ on the worker. A terminal "error" chunk is raised as its MeshError.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from meshllm.errors import Unavailable, error_from_code
+from meshllm.errors import InvalidArgument, Unavailable, error_from_code
 from meshllm.frontend.detokenize import IncrementalDetokenizer
 from meshllm.frontend.models import Tokenization
+from meshllm.frontend.output_parsers import OutputParser
 from meshllm.frontend.stop_strings import StopStringMatcher
+from meshllm.frontend.tools import CallDelta
 from meshllm.protocol.openai import LogprobEntry, finish_reason_openai
 from meshllm.protocol.types import GenerateChunk
 
@@ -32,6 +37,9 @@ class Delta:
     finish_reason: str | None = None
     offset: int = 0  # characters of this choice's text before `text` (completion logprobs' text_offset)
     token_ids: list[int] | None = None  # the upstream chunk's token ids behind `text`
+    prompt_logprobs: list[LogprobEntry] | None = None  # first delta only, when asked: every prompt token's
+    reasoning: str = ""  # reasoning_content split out of the text (a reasoning parser is on)
+    tool_calls: list[CallDelta] | None = None  # tool-call pieces parsed out of the text
 
 
 class ChoiceStream:
@@ -42,10 +50,13 @@ class ChoiceStream:
         "_detok",
         "_logprobs",
         "_matcher",
+        "_prompt_first",
+        "_prompt_logprobs",
         "_tok",
         "completion_tokens",
         "finish_reason",
         "index",
+        "output",
         "prompt_index",
         "prompt_tokens",
         "text_offset",
@@ -60,14 +71,19 @@ class ChoiceStream:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
         logprobs: bool = False,
+        prompt_logprobs: bool = False,
         prompt_index: int = 0,
+        output: OutputParser | None = None,
     ) -> None:
         self.index = index
+        self.output = output
         self.prompt_index = prompt_index
         self._tok = tk.tokenizer
         self._detok = IncrementalDetokenizer(tk.tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
         self._matcher = StopStringMatcher(stop) if stop else None
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
+        self._prompt_first = prompt_ids[0] if prompt_ids else -1
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self._cached = 0
@@ -86,6 +102,8 @@ class ChoiceStream:
         """Process one upstream chunk; the Delta's finish_reason is set when the choice is done."""
         ids = chunk.get("token_ids")
         reason = chunk.get("finish_reason")
+        asked = self._prompt_logprobs and reason not in ("error", "cancelled")  # those raise their own error below
+        prompt_entries = self._prompt_entries(chunk) if asked else None
         usage = chunk.get("usage")
         if usage is not None:
             self._cached = usage["cached_tokens"]
@@ -112,17 +130,49 @@ class ChoiceStream:
             text = emit
         if finish is None and reason is not None:
             finish = finish_reason_openai(reason)
+        reasoning, calls = "", None
+        if self.output is not None:
+            parsed = self.output.feed(text) if text else None
+            if finish is not None:
+                tail = self.output.finish()
+                if parsed is not None:
+                    tail.content, tail.reasoning = parsed.content + tail.content, parsed.reasoning + tail.reasoning
+                    tail.calls[:0] = parsed.calls
+                parsed = tail
+                if finish == "stop" and self.output.called:
+                    finish = "tool_calls"
+            if parsed is not None:
+                text, reasoning, calls = parsed.content, parsed.reasoning, parsed.calls or None
+            else:
+                text = ""
         self.finish_reason = finish
         entries = self._entries(chunk) if self._logprobs else None
         offset = self.text_offset
         self.text_offset += len(text)
-        return Delta(self.index, text, entries, finish, offset, ids)
+        return Delta(self.index, text, entries, finish, offset, ids, prompt_entries, reasoning, calls)
 
-    def _entries(self, chunk: GenerateChunk) -> list[LogprobEntry]:
+    def _entries(self, chunk: GenerateChunk, key: Literal["logprobs", "prompt_logprobs"] = "logprobs") -> list[LogprobEntry]:
         dec = self._tok.decode
         out = []
-        for lp in chunk.get("logprobs", ()):
-            top = [(dec([t], skip_special_tokens=False), p) for t, p in lp.get("top", ())]
-            out.append(LogprobEntry(dec([lp["token_id"]], skip_special_tokens=False), lp["logprob"], top))
+        for lp in chunk.get(key, ()):
+            top = lp.get("top", ())
+            texts = [(dec([t], skip_special_tokens=False), p) for t, p in top]
+            token = dec([lp["token_id"]], skip_special_tokens=False)
+            out.append(LogprobEntry(token, lp["logprob"], texts, lp["token_id"], [t for t, _ in top]))
         return out
 
+    def _prompt_entries(self, chunk: GenerateChunk) -> list[LogprobEntry]:
+        """The first chunk's prompt logprobs, after an entry without one for the first prompt token (once).
+
+        An engine that ignored `output.prompt_logprobs` (one that predates it) is refused here, before the
+        response starts, rather than answered without them.
+        """
+        self._prompt_logprobs = False
+        if "prompt_logprobs" not in chunk and self._prompt_first >= 0 and self.prompt_tokens > 1:
+            raise InvalidArgument(
+                "the engine serving this model does not compute prompt logprobs "
+                "(asked for by 'prompt_logprobs', or by 'echo' with 'logprobs')",
+                param="prompt_logprobs",
+            )
+        first = LogprobEntry(self._tok.decode([self._prompt_first], skip_special_tokens=False), None, (), self._prompt_first)
+        return [first, *self._entries(chunk, "prompt_logprobs")]

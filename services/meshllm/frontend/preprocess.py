@@ -19,7 +19,9 @@ from meshllm.frontend.tokenizer import encode_async
 from meshllm.protocol.openai import TextRequest
 from meshllm.protocol.types import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
-__all__ = ["Plan", "Prompt", "preprocess"]
+__all__ = ["Plan", "Prompt", "preprocess", "prompt_logprobs_asked"]
+
+_RESERVED = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 @dataclass(slots=True)
@@ -44,10 +46,25 @@ async def _chat_prompt(req: TextRequest, model: ServedModel, tk: Tokenization) -
         raise InvalidArgument(
             f"model {model.name!r} has no chat template; use /v1/completions or serve it with one", param="messages"
         )
-    extra = dict(req.template_kwargs)
+    # parse_chat keeps the reserved names out of template_kwargs; drop them anyway so that a
+    # TextRequest built elsewhere cannot pass one twice (a TypeError, i.e. a 500).
+    extra = {k: v for k, v in req.template_kwargs.items() if k not in _RESERVED}
     tools = list(req.tools) if req.tools else None
     text = tk.template.render(list(req.messages), add_generation_prompt=req.add_generation_prompt, tools=tools, **extra)
+    if req.continue_final_message:
+        text = _continued(text, str(req.messages[-1].get("content") or ""))
     return Prompt(await encode_async(tk.tokenizer, text), text)
+
+
+def _continued(rendered: str, final: str) -> str:
+    """`continue_final_message` (vLLM): the prompt ends right after the last message's content, unclosed."""
+    cut = rendered.rfind(final) if final else -1
+    if cut < 0:
+        raise InvalidArgument(
+            "continue_final_message: the chat template does not render the last message's content verbatim",
+            param="continue_final_message",
+        )
+    return rendered[: cut + len(final)]
 
 
 async def _completion_prompt(prompt: str | tuple[int, ...], tk: Tokenization) -> Prompt:
@@ -81,6 +98,13 @@ def _max_tokens(req: TextRequest, prompt_len: int, context_length: int, param: s
     return req.max_tokens
 
 
+def prompt_logprobs_asked(req: TextRequest) -> int | None:
+    """Alternatives per prompt token the engine must compute: `prompt_logprobs`, or completions' `echo` + `logprobs`."""
+    echoed = req.logprobs if req.kind == "completion" and req.echo else None  # chat echo is the answer's opening
+    asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
+    return max(asked) if asked else None
+
+
 async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, request_id: str) -> Plan:
     """Render, tokenize, check lengths and build the upstream requests (choice i = prompt i // n, sample i % n)."""
     if req.kind == "chat":
@@ -92,6 +116,8 @@ async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, req
     output = OutputOptions(skip_special_tokens=req.skip_special_tokens)
     if req.logprobs is not None:
         output["logprobs"] = req.logprobs
+    if (k := prompt_logprobs_asked(req)) is not None:
+        output["prompt_logprobs"] = k
     eos = list(tk.eos_token_ids)
     requests: list[GenerateRequest] = []
     prompt_of: list[int] = []

@@ -64,9 +64,10 @@ class StopConditions(TypedDict, total=False):
 
 
 class OutputOptions(TypedDict, total=False):
-    logprobs: int
-    prompt_logprobs: int
+    logprobs: int  # top alternatives per generated token (0 = the sampled token's only)
+    prompt_logprobs: int  # top alternatives per prompt token; engines that cannot refuse it (InvalidArgument)
     skip_special_tokens: bool
+    embedding: bool  # embed the prompt instead of generating (see generate.proto)
 
 
 class RoutingHints(TypedDict, total=False):
@@ -136,5 +137,7 @@ class GenerateChunk(TypedDict, total=False):
     stop_reason: str
     usage: Usage
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]  # first chunk only: prompt tokens 1..N-1 (see generate.proto)
+    embedding: list[float]  # terminal chunk of an output.embedding request
     disagg: DisaggParams
     error: ErrorInfo

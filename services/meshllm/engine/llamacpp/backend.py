@@ -90,6 +90,9 @@ class LlamaBackend:
         self._model: L.llama_model_p | None = None
         self._ctx: L.llama_context_p | None = None
         self._batch: L.llama_batch | None = None
+        # /v1/embeddings: a second context with embeddings on, made on first use (see `embed`)
+        self._embed_ctx: L.llama_context_p | None = None
+        self._embed_batch: L.llama_batch | None = None
         L.llama_log_set(_log_callback, ctypes.c_void_p(0))
         L.llama_backend_init()
         try:
@@ -151,7 +154,13 @@ class LlamaBackend:
         return f"llamacpp-{L.__version__}/{digest}/{shape}/k{self._type_k}v{self._type_v}/{attention}"
 
     def close(self) -> None:
-        """Free the batch, the context and the model (idempotent)."""
+        """Free the batches, the contexts and the model (idempotent)."""
+        if self._embed_batch is not None:
+            L.llama_batch_free(self._embed_batch)
+            self._embed_batch = None
+        if self._embed_ctx is not None:
+            L.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if self._batch is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
@@ -176,6 +185,55 @@ class LlamaBackend:
             out[i] = logits
         batch.n_tokens = len(entries)
         return int(L.llama_decode(self._ctx, batch))
+
+    # ------------------------------------------------------------ embeddings
+    def embed(self, tokens: Seq[int]) -> list[float]:
+        """The L2-normalized pooled embedding of `tokens` (at most `n_ctx` of them).
+
+        Runs on a second llama.cpp context with embeddings on, made on the first call and kept: one
+        sequence of `n_ctx` cells evaluated in one ubatch (its KV and compute buffers, ~25 MB for
+        SmolLM2 at n_ctx 1024). Pooling is the model's own when its GGUF names one, else the mean
+        over the tokens (a generative model's usual choice, and llama-cpp-python's with MEAN).
+        """
+        ctx, batch = self._embedding_context()
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        arrays: tuple[Any, ...] = (batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits)
+        tok, pos, nseq, seq, out = arrays
+        for i, token in enumerate(tokens):
+            tok[i], pos[i], nseq[i], out[i] = token, i, 1, True  # pooling reads every token's output
+            seq[i][0] = 0
+        batch.n_tokens = len(tokens)
+        rc = int(L.llama_decode(ctx, batch))
+        if rc != 0:
+            raise Unavailable(f"llama_decode failed with status {rc} embedding {len(tokens)} tokens")
+        ptr = L.llama_get_embeddings_seq(ctx, 0)
+        if not ptr:
+            raise Unavailable("llama.cpp returned no pooled embedding")
+        vec = np.ctypeslib.as_array(ptr, shape=(int(L.llama_model_n_embd(self._model)),)).astype(np.float64)
+        norm = float(np.linalg.norm(vec))
+        return (vec / norm if norm > 0 else vec).tolist()
+
+    def _embedding_context(self) -> tuple[L.llama_context_p, L.llama_batch]:
+        if self._embed_ctx is not None and self._embed_batch is not None:
+            return self._embed_ctx, self._embed_batch
+        cfg = self.config
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = cfg.n_ctx  # pooling needs the whole prompt in one ubatch
+        cparams.n_seq_max = 1
+        cparams.embeddings = True
+        cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = L.llama_init_from_model(self._model, cparams)
+        if ctx and L.llama_pooling_type(ctx) == L.LLAMA_POOLING_TYPE_NONE:  # a generative model: mean pooling
+            L.llama_free(ctx)
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_MEAN
+            ctx = L.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise Unavailable(f"llama.cpp cannot create an embedding context of {cfg.n_ctx} tokens")
+        self._embed_ctx = ctx
+        self._embed_batch = L.llama_batch_init(cfg.n_ctx, 0, 1)
+        return ctx, self._embed_batch
 
     # ------------------------------------------------------------ sampling
     def new_sampler(self, spec: SamplingSpec, suppress: Seq[int]) -> Sampler:

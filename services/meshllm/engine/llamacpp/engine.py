@@ -15,6 +15,12 @@ through `pull_kv` (~1 MiB pieces) or `--kv-hold-timeout` passes. A
 takes it locally when the handle is this engine's), loads it into a free slot
 and continues after `disagg.first_token_ids`; its usage counts those first
 tokens as completion tokens and reports the prefill's cached tokens.
+
+Prompt logprobs (`output.prompt_logprobs`): the prompt is evaluated whole
+with logits at every position (no prefix-cache reuse for that request) and
+its tokens' logprobs ride on the first chunk. llama.cpp's output buffer grows
+to `n_batch x n_vocab` floats for such a batch (SmolLM2: 512 x 49152 x 4 B ≈
+100 MB) and keeps that size. A decode leg leaves them to its prefill leg.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from meshllm.config import ConfigError
 from meshllm.engine.base import (
@@ -51,7 +57,7 @@ from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
-from meshllm.errors import EngineShutdown, InvalidArgument, NotFound
+from meshllm.errors import ContextLengthExceeded, EngineShutdown, InvalidArgument, MeshError, NotFound
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, TokenLogprob
 
 __all__ = ["LlamaCppEngine"]
@@ -60,25 +66,29 @@ log = logging.getLogger("meshllm.engine.llamacpp")
 
 CANCEL_ACK_S = 1.0
 INSTALL_HINT = (
-    "the llamacpp engine needs llama-cpp-python: "
-    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF' pip install 'meshllm[llamacpp]'"
+    "the llamacpp engine needs llama-cpp-python: in the meshllm clone, "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF' pip install '.[llamacpp]'"
 )
 
 
 class _Stream:
     """The event-loop end of one sequence: tokens and the finish delivered by the engine thread."""
 
-    __slots__ = ("finish", "logprobs", "tokens", "waiter")
+    __slots__ = ("finish", "logprobs", "prompt_logprobs", "tokens", "waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.finish: Finish | None = None
         self.waiter: asyncio.Future[None] | None = None
 
-    def push(self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None) -> None:
+    def push(
+        self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None, prompt_logprobs: list[TokenLogprob]
+    ) -> None:
         self.tokens.extend(tokens)
         self.logprobs.extend(logprobs)
+        self.prompt_logprobs.extend(prompt_logprobs)
         if finish is not None:
             self.finish = finish
         self.wake()
@@ -92,11 +102,13 @@ class _Stream:
         await self.waiter
 
     def take(self) -> GenerateChunk:
-        """The tokens (and logprobs) delivered since the last take, as a chunk."""
+        """The tokens (and logprobs, and the prompt's once) delivered since the last take, as a chunk."""
         chunk: GenerateChunk = {"token_ids": self.tokens}
         if self.logprobs:
             chunk["logprobs"] = self.logprobs
-        self.tokens, self.logprobs = [], []
+        if self.prompt_logprobs:
+            chunk["prompt_logprobs"] = self.prompt_logprobs
+        self.tokens, self.logprobs, self.prompt_logprobs = [], [], []
         return chunk
 
 
@@ -154,6 +166,7 @@ class LlamaCppEngine(LLMEngine):
             max_num_seqs=cfg.n_seq_max,
             max_num_batched_tokens=cfg.n_batch,
             context_length=cfg.n_ctx,
+            vocab_size=info.n_vocab,
             eos_token_ids=info.eos_token_ids,
             bos_token_id=info.bos_token_id,
             tokenizer_source="",
@@ -214,13 +227,16 @@ class LlamaCppEngine(LLMEngine):
                 self.sink.blocks_removed(ev.block_hashes)
         for out in outputs:
             if out.seq.stream is not None:
-                out.seq.stream.push(out.tokens, out.logprobs, out.finish)
+                out.seq.stream.push(out.tokens, out.logprobs, out.finish, out.prompt_logprobs)
         if load is not None:
             self.sink.load(load)
 
     # ------------------------------------------------------------ streams
     async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
         runner = self._require_runner()
+        if (request.get("output") or {}).get("embedding"):
+            yield await self._embed(runner, request)
+            return
         seq = self._sequence(request)
         prompt = seq.tokens[: seq.num_prompt]
         emitted = seq.num_output  # a decode leg's first tokens were sent by the prefill leg
@@ -303,11 +319,50 @@ class LlamaCppEngine(LLMEngine):
             stop_token_ids=frozenset(stop.get("stop_token_ids") or ()),
             eos_token_ids=frozenset(request.get("eos_token_ids") or ()) | info.eog_token_ids,
             ignore_eos=bool(stop.get("ignore_eos")),
-            logprobs=_logprobs(request),
+            logprobs=_logprobs(request, "logprobs"),
+            # a decode leg continues a prompt it never evaluated: its prefill leg returned the prompt logprobs
+            prompt_logprobs=None if role == "generation_only" else _logprobs(request, "prompt_logprobs"),
             context_only=role == "context_only",
             remote_kv=role == "generation_only",
             prefill_cached_tokens=int(disagg.get("cached_tokens") or 0),
         )
+
+    async def _embed(self, runner: Runner, request: GenerateRequest) -> GenerateChunk:
+        """An `output.embedding` request: one terminal chunk with the prompt's embedding (the engine thread computes it)."""
+        prompt = list(request.get("token_ids") or ())
+        if not prompt:
+            raise InvalidArgument("token_ids must not be empty", param="token_ids")
+        if any(not 0 <= t < self._info.n_vocab for t in prompt):
+            raise InvalidArgument(f"token ids must be in [0, {self._info.n_vocab})", param="token_ids")
+        if len(prompt) > self.config.n_ctx:
+            raise ContextLengthExceeded(f"the input has {len(prompt)} tokens; at most {self.config.n_ctx} can be embedded")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[float]] = loop.create_future()
+
+        def settle(result: list[float] | None, error: Exception | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result or [])
+
+        def embed(sched: Scheduler) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, sched.backend.embed(prompt), None)
+            except MeshError as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+
+        runner.submit(embed)
+        while not done.done():  # a command submitted as the engine thread stops is never run
+            await asyncio.wait({done}, timeout=1.0)
+            if not done.done() and not runner.alive:
+                raise EngineShutdown(runner.failure or "the llamacpp engine stopped")
+        vector = done.result()
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "cached_tokens": 0}
+        chunk = terminal("stop", usage)  # type: ignore[arg-type]
+        chunk["embedding"] = vector
+        return chunk
 
     # ------------------------------------------------------------ disaggregation
     def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggParams:
@@ -361,18 +416,18 @@ class LlamaCppEngine(LLMEngine):
         from meshllm.plane.transport import ChannelCache
 
         if self._channels is None:
-            self._channels = ChannelCache()
+            self._channels = ChannelCache(security=self.security)
         return await pull_remote(self._channels, address, raw, layout=self.layout, n_tokens=len(prompt))
 
 
-def _logprobs(request: GenerateRequest) -> int | None:
-    """Top alternatives asked per token (0 = only the sampled token's), None when logprobs are not asked."""
+def _logprobs(request: GenerateRequest, key: Literal["logprobs", "prompt_logprobs"]) -> int | None:
+    """Top alternatives asked per token (0 = only the token's own), None when `output.<key>` is not asked."""
     output = request.get("output") or {}
-    if "logprobs" not in output:
+    if key not in output:
         return None
-    n = int(output["logprobs"])
+    n = int(output[key])
     if not 0 <= n <= 20:
-        raise InvalidArgument(f"logprobs must be in [0, 20], got {n}", param="logprobs")
+        raise InvalidArgument(f"{key} must be in [0, 20], got {n}", param=key)
     return n
 
 

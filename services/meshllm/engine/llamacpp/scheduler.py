@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any, Protocol
 
 from meshllm.engine.base import LoadMetrics
@@ -49,6 +50,7 @@ class Backend(Protocol):
     def pos_max(self, slot: int) -> int: ...
     def state_get(self, slot: int) -> bytes: ...
     def state_set(self, slot: int, data: bytes) -> int: ...
+    def embed(self, tokens: Seq[int]) -> list[float]: ...
 
 
 class Scheduler:
@@ -118,22 +120,37 @@ class Scheduler:
                 self.backend.seq_rm(seq.slot, seq.n_past, -1)  # whatever of this batch landed is not trusted
                 outputs.append(self._finish(seq, [], "error", error=error))
             return outputs
+        offset = 0
         for seq, batch, logits_at in plan:
             start = seq.n_past
+            if seq.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, start, len(batch), offset)
+            offset += len(batch)
             seq.n_past += len(batch)
             self.slots.extend(self.slots.slots[seq.slot], seq.tokens[start : seq.n_past])
             if logits_at is not None:
                 token = self.backend.sample(seq.sampler, logits_at)
                 lp = self.backend.logprob(logits_at, token, seq.logprobs) if seq.logprobs is not None else None
-                outputs.append(self._next_token(seq, token, lp))
+                out = self._next_token(seq, token, lp)
+                if seq.prompt_lps:
+                    out = replace(out, prompt_logprobs=seq.prompt_lps)
+                    seq.prompt_lps = []
+                outputs.append(out)
         return outputs
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, n: int, offset: int) -> None:
+        """Logprobs of the prompt tokens this batch's logits predict: position p's logits score token p + 1."""
+        assert seq.prompt_logprobs is not None
+        for p in range(start, min(start + n, seq.num_prompt - 1)):
+            seq.prompt_lps.append(self.backend.logprob(offset + p - start, seq.tokens[p + 1], seq.prompt_logprobs))
 
     def _admit(self) -> list[Output]:
         outputs: list[Output] = []
         while self.waiting:
             seq = self.waiting[0]
             prompt = seq.tokens[: seq.num_prompt]
-            placement = self.slots.place(seq.tokens if seq.kv_state is None else [], min_copy_gain=self.min_copy_gain)
+            reusable = seq.kv_state is None and seq.prompt_logprobs is None  # cached positions have no logits
+            placement = self.slots.place(seq.tokens if reusable else [], min_copy_gain=self.min_copy_gain)
             if placement is None:
                 break
             self.waiting.popleft()
@@ -184,7 +201,12 @@ class Scheduler:
                 break
             n = min(seq.pending, budget)
             last = n == seq.pending
-            batch = [(seq.tokens[p], p, seq.slot, last and p == seq.n_past + n - 1) for p in range(seq.n_past, seq.n_past + n)]
+            end = seq.n_past + n - 1
+            every = seq.prompt_logprobs is not None  # prompt logprobs: logits at every prompt position
+            batch = [
+                (seq.tokens[p], p, seq.slot, (last and p == end) or (every and p < seq.num_prompt - 1))
+                for p in range(seq.n_past, seq.n_past + n)
+            ]
             plan.append((seq, batch, index + n - 1 if last else None))
             index += n
             budget -= n

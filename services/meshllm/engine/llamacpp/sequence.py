@@ -33,7 +33,9 @@ class SequenceStatus(enum.Enum):
 class StreamSink(Protocol):
     """The event-loop side of one stream (called on the loop thread only)."""
 
-    def push(self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None) -> None: ...
+    def push(
+        self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None, prompt_logprobs: list[TokenLogprob]
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +51,16 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """What one step produced for one sequence: new tokens (with logprobs when asked), and its finish if it ended."""
+    """What one step produced for one sequence: new tokens (with logprobs when asked), and its finish if it ended.
+
+    `prompt_logprobs` rides on the output of the step that evaluated the prompt's last token (the first token's).
+    """
 
     seq: Sequence
     tokens: list[int]
     finish: Finish | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -71,6 +77,9 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()  # request eos ∪ the model's end-of-generation ids
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    # Top alternatives per prompt token; None = no prompt logprobs. Set, the prompt is evaluated whole (no prefix
+    # reuse: cached positions have no logits) with logits at every position.
+    prompt_logprobs: int | None = None
     context_only: bool = False
     kv_state: bytes | None = None  # a decode leg's pulled KV, loaded (and dropped) at admission
     remote_kv: bool = False  # a decode leg: its prompt's KV came from a prefill worker
@@ -84,6 +93,7 @@ class Sequence:
     num_cached: int = 0
     sampler: Any = None
     suppressing: bool = False
+    prompt_lps: list[TokenLogprob] = field(default_factory=list)  # prompt logprobs computed so far
 
     @property
     def num_output(self) -> int:

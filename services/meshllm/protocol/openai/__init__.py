@@ -1,12 +1,14 @@
 """OpenAI's chat/completions schema: request parsing and validation, response shaping (pure, no I/O).
 
-    parse_chat(body) / parse_completion(body)  JSON object → TextRequest, or InvalidArgument naming the field  (request.py)
-    chat_chunk / completion_chunk / chat_response / completion_response / usage_body / model_list
-                                               internal values → OpenAI-shaped dicts                     (response.py)
+parse_chat(body) / parse_completion(body)  JSON object → TextRequest, or InvalidArgument naming the field  (request.py)
+chat_chunk / completion_chunk / chat_response / completion_response / usage_body / model_list
+                                           internal values → OpenAI-shaped dicts                     (response.py)
+parse_json_body, field strictness, tool_choice, structured_outputs     (extensions.py)
 """
 
 from __future__ import annotations
 
+from meshllm.protocol.openai.extensions import parse_json_body
 from meshllm.protocol.openai.request import (
     MAX_N,
     MAX_STOP_STRINGS,
@@ -25,6 +27,8 @@ from meshllm.protocol.openai.response import (
     completion_response,
     finish_reason_openai,
     model_list,
+    model_object,
+    prompt_logprobs_body,
     usage_body,
     usage_chunk,
 )
@@ -43,8 +47,11 @@ __all__ = [
     "completion_response",
     "finish_reason_openai",
     "model_list",
+    "model_object",
     "parse_chat",
     "parse_completion",
+    "parse_json_body",
+    "prompt_logprobs_body",
     "usage_body",
     "usage_chunk",
 ]

@@ -1,8 +1,9 @@
 """OpenAI chat/completions requests: parsing and validation into a `TextRequest` (pure, no I/O).
 
 Validation follows OpenAI's documented ranges (temperature 0..2, penalties
--2..2, top_logprobs 0..20, ...). Unknown fields are ignored, as OpenAI does;
-a known field with the wrong type or an out-of-range value is an
+-2..2, top_logprobs 0..20, ...). Fields the frontend does not act on are
+listed in `TextRequest.ignored` (refused when unknown under `strict`,
+`meshllm.protocol.openai.extensions`); a known field with the wrong type or an out-of-range value is an
 InvalidArgument whose `param` names it. Engine-level pieces
 (`SamplingOptions`, `StopConditions`) come out ready for `GenerateRequest`;
 `max_tokens` is settled later, when the prompt length and the model's
@@ -11,7 +12,6 @@ context length are known.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,14 +19,31 @@ from typing import Any, Literal
 import orjson
 
 from meshllm.errors import InvalidArgument
+from meshllm.protocol.openai.extensions import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_schema,
+    request_fields,
+    structured_outputs,
+    tool_choice,
+)
 from meshllm.protocol.types import GuidedDecoding, SamplingOptions, StopConditions
+from meshllm.protocol.validate import (
+    FLOAT_RANGES,
+    MAX_COUNT,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    UINT32_MAX,
+    bad,
+    check_float,
+    check_int,
+    check_top_k,
+)
 
 __all__ = ["MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "RequestKind", "TextRequest", "parse_chat", "parse_completion"]
 
 RequestKind = Literal["chat", "completion"]
-MAX_N = 128
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _UINT64 = 1 << 64
 
@@ -47,19 +64,25 @@ class TextRequest:
     sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions())
     stop_conditions: StopConditions = field(default_factory=lambda: StopConditions())
     logprobs: int | None = None  # alternatives per token; None = no logprobs
+    prompt_logprobs: int | None = None  # vLLM extension: alternatives per prompt token; None = none
     echo: bool = False
     tools: tuple[dict[str, Any], ...] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     skip_special_tokens: bool = True
     request_id: str | None = None
+    # tools (chat): "none" | "auto" | "required" | "function:NAME"; whether several calls may come back
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every streamed chunk
+    continue_final_message: bool = False  # chat: the prompt ends inside the last (assistant) message
+    ignored: tuple[str, ...] = ()  # body fields the frontend does not act on (x-meshllm-ignored-params)
 
 
 # ---------------------------------------------------------------- field readers
 
 
-def _bad(param: str, why: str) -> InvalidArgument:
-    return InvalidArgument(f"'{param}': {why}", param=param)
+_bad = bad
 
 
 def _type_name(value: Any) -> str:
@@ -75,24 +98,19 @@ def _int(body: Mapping[str, Any], key: str, lo: int | None = None, hi: int | Non
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(key, f"expected an integer, got {_type_name(v)}")
-    if lo is not None and v < lo:
-        raise _bad(key, f"{v} is less than the minimum of {lo}")
-    if hi is not None and v > hi:
-        raise _bad(key, f"{v} is greater than the maximum of {hi}")
-    return v
+    return check_int(key, v, lo, hi)
 
 
-def _float(body: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def _float(body: Mapping[str, Any], key: str) -> float | None:
     v = body.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(key, f"expected a number, got {_type_name(v)}")
-    v = float(v)
-    if math.isnan(v) or v < lo or v > hi or (lo_open and v == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise _bad(key, f"{v:g} is outside {bound}")
-    return v
+    try:
+        return check_float(key, float(v))
+    except OverflowError:  # an integer too large for a float
+        raise _bad(key, "is out of range") from None
 
 
 def _bool(body: Mapping[str, Any], key: str) -> bool | None:
@@ -135,7 +153,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _token_ids(value: Any, param: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in value
+    ):
         raise _bad(param, "expected an array of non-negative integer token ids")
     return value
 
@@ -155,7 +175,7 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
             schema = js.get("schema", {})
             if not isinstance(schema, dict):
                 raise _bad("response_format", "'json_schema.schema' must be an object")
-            kinds.append({"json_schema": orjson.dumps(schema).decode()})
+            kinds.append({"json_schema": check_schema(orjson.dumps(schema).decode(), "response_format")})
         elif t != "text":
             raise _bad("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {t!r}")
     if (gj := body.get("guided_json")) is not None:
@@ -163,7 +183,7 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
             gj = orjson.dumps(gj).decode()
         if not isinstance(gj, str):
             raise _bad("guided_json", "expected a JSON schema object or string")
-        kinds.append({"json_schema": gj})
+        kinds.append({"json_schema": check_schema(gj, "guided_json")})
     for key, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
         if (g := body.get(key)) is not None:
             if not isinstance(g, str) or not g:
@@ -173,8 +193,10 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
         if not isinstance(gc, list) or not gc or not all(isinstance(c, str) for c in gc):
             raise _bad("guided_choice", "expected a non-empty array of strings")
         kinds.append({"choice": list(gc)})
+    if (so := structured_outputs(body)) is not None:
+        kinds.append(so)
     if len(kinds) > 1:
-        raise _bad("response_format", "at most one output constraint (response_format or one guided_* field)")
+        raise _bad("response_format", "at most one output constraint (response_format, structured_outputs or one guided_* field)")
     return kinds[0] if kinds else None
 
 
@@ -184,27 +206,21 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
 def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
     """The fields chat and completions share."""
     sampling = SamplingOptions()
-    for key, lo, hi, lo_open in (
-        ("temperature", 0.0, 2.0, False),
-        ("top_p", 0.0, 1.0, True),
-        ("min_p", 0.0, 1.0, False),
-        ("frequency_penalty", -2.0, 2.0, False),
-        ("presence_penalty", -2.0, 2.0, False),
-        ("repetition_penalty", 0.0, 2.0, True),
-    ):
-        if (f := _float(body, key, lo, hi, lo_open=lo_open)) is not None:
+    for key in FLOAT_RANGES:
+        if (f := _float(body, key)) is not None:
             sampling[key] = f  # type: ignore[literal-required]
-    if (top_k := _int(body, "top_k", -1)) is not None and top_k > 0:
-        sampling["top_k"] = top_k
+    top_k = _int(body, "top_k")
+    if top_k is not None and (k := check_top_k("top_k", top_k)) is not None:
+        sampling["top_k"] = k
     if (seed := _int(body, "seed", -(1 << 63), _UINT64 - 1)) is not None:
         sampling["seed"] = seed % _UINT64
     if (guided := _guided(body)) is not None:
         sampling["guided"] = guided
 
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, max_key, 1)
+    max_tokens = _int(body, max_key, 1, MAX_COUNT)
     stop_conditions = StopConditions()
-    if (min_tokens := _int(body, "min_tokens", 0)) is not None:
+    if (min_tokens := _int(body, "min_tokens", 0, MAX_COUNT)) is not None:
         if max_tokens is not None and min_tokens > max_tokens:
             raise _bad("min_tokens", f"{min_tokens} is greater than {max_key} ({max_tokens})")
         stop_conditions["min_tokens"] = min_tokens
@@ -214,22 +230,28 @@ def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
         stop_conditions["ignore_eos"] = True
 
     stream = bool(_bool(body, "stream"))
-    include_usage = False
+    include_usage = continuous = False
     opts = _object(body, "stream_options")
     if opts is not None:
         if not stream:
             raise _bad("stream_options", "only allowed when 'stream' is true")
         include_usage = bool(_bool(opts, "include_usage"))
+        continuous = bool(_bool(opts, "continuous_usage_stats"))
+        if continuous and not include_usage:
+            raise _bad("stream_options", "'continuous_usage_stats' needs 'include_usage': true")
     n = _int(body, "n", 1, MAX_N)
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
         raise _bad("request_id", "expected a non-empty string of at most 256 characters")
     skip = _bool(body, "skip_special_tokens")
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     return {
+        "prompt_logprobs": prompt_logprobs,
         "model": _model(body),
         "n": 1 if n is None else n,
         "stream": stream,
         "include_usage": include_usage,
+        "continuous_usage": continuous,
         "max_tokens": max_tokens,
         "stop": _stop(body),
         "sampling": sampling,
@@ -293,10 +315,11 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def parse_chat(body: Any) -> TextRequest:
-    """Validate a /v1/chat/completions body."""
+def parse_chat(body: Any, *, strict: bool = False) -> TextRequest:
+    """Validate a /v1/chat/completions body (`strict`: an unknown field is a 400, as OpenAI answers)."""
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {_type_name(body)}")
+    ignored = request_fields(body, CHAT_FIELDS, strict=strict)
     common = _common(body, "chat")
     logprobs = None
     if _bool(body, "logprobs"):
@@ -305,20 +328,73 @@ def parse_chat(body: Any) -> TextRequest:
         _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if body["top_logprobs"]:
             raise _bad("top_logprobs", "requires 'logprobs': true")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _bad("tools", "expected an array of tool objects")
-    kwargs = dict(_object(body, "chat_template_kwargs") or {})
-    agp = _bool(body, "add_generation_prompt")
+    kwargs, agp, tools = _template_inputs(body)
+    messages = _messages(body)
+    choice, forced = tool_choice(body, tools)
+    if forced is not None:
+        if "guided" in common["sampling"]:
+            raise _bad("tool_choice", f"{body['tool_choice']!r} cannot be combined with another output constraint")
+        common["sampling"]["guided"] = forced
+    continue_final = bool(_bool(body, "continue_final_message"))
+    if continue_final:
+        if agp:
+            raise _bad("continue_final_message", "cannot be combined with 'add_generation_prompt': true")
+        if messages[-1]["role"] != "assistant":
+            raise _bad("continue_final_message", "the last message must be the assistant's message to continue")
+        agp = False
+    parallel = _bool(body, "parallel_tool_calls")
     return TextRequest(
         kind="chat",
-        messages=_messages(body),
+        messages=messages,
         logprobs=logprobs,
         tools=tuple(tools) if tools else None,
         template_kwargs=kwargs,
         add_generation_prompt=True if agp is None else agp,
+        tool_choice=choice,
+        parallel_tool_calls=True if parallel is None else parallel,
+        continue_final_message=continue_final,
+        echo=bool(_bool(body, "echo")),
+        ignored=ignored,
         **common,
     )
+
+
+def _tools(body: Mapping[str, Any], key: str) -> list[dict[str, Any]] | None:
+    tools = body.get(key)
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _bad(key, "expected an array of tool objects")
+    return tools
+
+
+def _template_inputs(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None, list[dict[str, Any]] | None]:
+    """chat_template_kwargs, add_generation_prompt and tools, reconciled.
+
+    `chat_template_kwargs` may set `add_generation_prompt` and `tools` too (as
+    vLLM allows): a value there is used when the top-level field is absent,
+    and must agree with it when both are given. `messages` is reserved.
+    """
+    kwargs = dict(_object(body, "chat_template_kwargs") or {})
+    agp = _bool(body, "add_generation_prompt")
+    tools = _tools(body, "tools")
+    if "messages" in kwargs:
+        raise _bad("chat_template_kwargs.messages", "is reserved: the template gets the request's 'messages'")
+    if "add_generation_prompt" in kwargs:
+        inner = kwargs.pop("add_generation_prompt")
+        if inner is not None and not isinstance(inner, bool):
+            raise _bad("chat_template_kwargs.add_generation_prompt", f"expected a boolean, got {_type_name(inner)}")
+        if agp is not None and inner is not None and inner != agp:
+            raise _bad("chat_template_kwargs.add_generation_prompt", "conflicts with the top-level 'add_generation_prompt'")
+        agp = agp if agp is not None else inner
+    if "tools" in kwargs:
+        try:
+            inner_tools = _tools(kwargs, "tools")
+        except InvalidArgument:
+            raise _bad("chat_template_kwargs.tools", "expected an array of tool objects") from None
+        kwargs.pop("tools")
+        if tools is not None and inner_tools is not None and inner_tools != tools:
+            raise _bad("chat_template_kwargs.tools", "conflicts with the top-level 'tools'")
+        tools = tools if tools is not None else inner_tools
+    return kwargs, agp, tools
 
 
 # ---------------------------------------------------------------- completions
@@ -339,10 +415,11 @@ def _prompts(body: Mapping[str, Any]) -> tuple[str | tuple[int, ...], ...]:
     raise _bad("prompt", "expected a string, an array of strings, or an array of token ids")
 
 
-def parse_completion(body: Any) -> TextRequest:
-    """Validate a /v1/completions body."""
+def parse_completion(body: Any, *, strict: bool = False) -> TextRequest:
+    """Validate a /v1/completions body (`strict`: an unknown field is a 400, as OpenAI answers)."""
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {_type_name(body)}")
+    ignored = request_fields(body, COMPLETION_FIELDS, strict=strict)
     common = _common(body, "completion")
     prompts = _prompts(body)
     if len(prompts) * common["n"] > MAX_N:
@@ -352,5 +429,6 @@ def parse_completion(body: Any) -> TextRequest:
         prompts=prompts,
         logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
         echo=bool(_bool(body, "echo")),
+        ignored=ignored,
         **common,
     )

@@ -23,6 +23,8 @@ __all__ = [
     "completion_response",
     "finish_reason_openai",
     "model_list",
+    "model_object",
+    "prompt_logprobs_body",
     "usage_body",
     "usage_chunk",
 ]
@@ -47,18 +49,24 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 @dataclass(frozen=True, slots=True)
 class LogprobEntry:
-    """One generated token's logprob with its text and top alternatives (text, logprob)."""
+    """One token's logprob with its text and top alternatives (text, logprob).
+
+    `logprob` is None only for a prompt's first token (nothing predicts it); `token_id` and `top_ids` feed
+    vLLM's `prompt_logprobs` layout, keyed by token id.
+    """
 
     token: str
-    logprob: float
+    logprob: float | None
     top: Sequence[tuple[str, float]] = ()
+    token_id: int = -1
+    top_ids: Sequence[int] = ()
 
 
 def _chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
     def item(token: str, lp: float) -> dict[str, Any]:
         return {"token": token, "logprob": lp, "bytes": list(token.encode())}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, p) for t, p in e.top]} for e in entries]}
+    return {"content": [{**item(e.token, e.logprob or 0.0), "top_logprobs": [item(t, p) for t, p in e.top]} for e in entries]}
 
 
 def _completion_logprobs(entries: Sequence[LogprobEntry], offset: int) -> dict[str, Any]:
@@ -69,9 +77,35 @@ def _completion_logprobs(entries: Sequence[LogprobEntry], offset: int) -> dict[s
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
+        "top_logprobs": [_completion_top(e) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _completion_top(e: LogprobEntry) -> dict[str, float] | None:
+    """The token itself, then its top alternatives (so `logprobs: 0` still names the token), as vLLM returns them."""
+    if e.logprob is None:
+        return None
+    return {e.token: e.logprob, **{t: p for t, p in e.top if t != e.token}}
+
+
+def prompt_logprobs_body(entries: Sequence[LogprobEntry]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}.
+
+    Each position holds the prompt's own token and the top alternatives; `rank` (1 = likeliest) is null for a
+    prompt token outside the alternatives asked for.
+    """
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        ranks = {t: r for r, t in enumerate(e.top_ids, 1)}
+        pos = {str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id), "decoded_token": e.token}}
+        for tid, (text, lp) in zip(e.top_ids, e.top, strict=False):
+            pos.setdefault(str(tid), {"logprob": lp, "rank": ranks[tid], "decoded_token": text})
+        out.append(pos)
+    return out
 
 
 def chat_chunk(
@@ -86,13 +120,19 @@ def chat_chunk(
     logprobs: Sequence[LogprobEntry] | None = None,
     usage: dict[str, Any] | None = None,
     include_usage: bool = False,
+    reasoning: str | None = None,
+    tool_calls: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk` with a single choice."""
+    """One `chat.completion.chunk` with a single choice (`reasoning`: vLLM's `reasoning_content`)."""
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if tool_calls:
+        delta["tool_calls"] = list(tool_calls)
     choice = {
         "index": index,
         "delta": delta,
@@ -116,6 +156,7 @@ def completion_chunk(
     logprobs: Sequence[LogprobEntry] | None = None,
     text_offset: int = 0,
     include_usage: bool = False,
+    usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed `text_completion` object with a single choice."""
     choice = {
@@ -126,7 +167,7 @@ def completion_chunk(
     }
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if include_usage:
-        out["usage"] = None
+        out["usage"] = usage
     return out
 
 
@@ -144,6 +185,17 @@ class ChoiceResult:
     text: str
     finish_reason: str | None
     logprobs: list[LogprobEntry] | None = None
+    reasoning: str | None = None  # chat: reasoning_content (None: no reasoning parser)
+    tool_calls: list[dict[str, Any]] | None = None  # chat: parsed tool calls (content is null when empty)
+
+
+def _message(c: ChoiceResult) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+    if c.reasoning is not None:
+        msg["reasoning_content"] = c.reasoning or None
+    if c.tool_calls:
+        msg["tool_calls"] = c.tool_calls
+    return msg
 
 
 def chat_response(rid: str, created: int, model: str, choices: Sequence[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +207,7 @@ def chat_response(rid: str, created: int, model: str, choices: Sequence[ChoiceRe
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": _message(c),
                 "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -186,12 +238,11 @@ def completion_response(
     }
 
 
+def model_object(name: str, created: int, context_length: int) -> dict[str, Any]:
+    """One OpenAI model object (GET /v1/models/{model}, and each entry of /v1/models)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "meshllm", "max_model_len": context_length}
+
+
 def model_list(models: Sequence[tuple[str, int, int]]) -> dict[str, Any]:
     """/v1/models from (name, created, context_length) triples."""
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "meshllm", "max_model_len": ctx}
-            for name, created, ctx in models
-        ],
-    }
+    return {"object": "list", "data": [model_object(*m) for m in models]}
