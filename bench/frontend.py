@@ -207,14 +207,14 @@ CPU-ms/req is the frontend process alone, i.e. HTTP + JSON + tokenizer + templat
 
 | target (issue 6) | measured | |
 |---|---|---|
-| ≥ 60 req/s at concurrency 32 | {at32['req_per_s']:.1f} req/s | {verdict(at32['req_per_s'] >= 60)} |
-| ≥ 9,000 output tok/s at concurrency 32 | {at32['output_tok_per_s']:,.0f} tok/s | {verdict(at32['output_tok_per_s'] >= 9000)} |
-| TTFT p50 ≤ 10 ms at concurrency 1 | {at1['ttft_p50_ms']:.1f} ms | {verdict(at1['ttft_p50_ms'] <= 10)} |
+| ≥ 60 req/s at concurrency 32 | {at32["req_per_s"]:.1f} req/s | {verdict(at32["req_per_s"] >= 60)} |
+| ≥ 9,000 output tok/s at concurrency 32 | {at32["output_tok_per_s"]:,.0f} tok/s | {verdict(at32["output_tok_per_s"] >= 9000)} |
+| TTFT p50 ≤ 10 ms at concurrency 1 | {at1["ttft_p50_ms"]:.1f} ms | {verdict(at1["ttft_p50_ms"] <= 10)} |
 | zero errors | {errors} | {verdict(errors == 0)} |
 
 Baseline: the same two static workers driven directly by `WorkerClient`s over gRPC (token ids, no HTTP, no
 tokenizer) at concurrency 32 from the benchmark process: {base:,.0f} output tok/s; the split frontend delivers
-{split32['output_tok_per_s'] / base:.2f}× that through HTTP/SSE. TTFT is request sent → first SSE event with text;
+{split32["output_tok_per_s"] / base:.2f}× that through HTTP/SSE. TTFT is request sent → first SSE event with text;
 ITL is the gap between SSE events with text. Engine steps closer together than the stream interval (1 ms) travel
 as one message, and tokens that pile up while a consumer is busy are merged where they wait (the worker's session
 outbox, the stream's pipe; in `meshllm run`, the engine's own stream), so one event can carry several tokens and

@@ -172,7 +172,11 @@ async def mesh_figures(args: argparse.Namespace, system: str) -> dict[str, float
             messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
             t0 = time.perf_counter()
             stream: Any = await client.chat.completions.create(
-                model=mesh.model, messages=messages, max_tokens=2, temperature=0, stream=True  # type: ignore[arg-type]
+                model=mesh.model,
+                messages=messages,
+                max_tokens=2,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
             )
             first = 0.0
             async for chunk in stream:

@@ -211,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     sched_us = min(scheduler_step_us(args.running, args.steps, args.prompt_len) for _ in range(args.repeat))
     rows = [(f"scheduler step, {args.running} decoding sequences", f"{sched_us:,.0f} µs ({sched_us / args.running:.2f} µs/seq)")]
     for loop_name in loops:
-        eng = best(partial(run_loop, partial(engine_throughput, args.requests, args.prompt_len, args.max_tokens), loop_name),
-                   args.repeat, "tokens_per_s")
+        eng = best(
+            partial(run_loop, partial(engine_throughput, args.requests, args.prompt_len, args.max_tokens), loop_name),
+            args.repeat,
+            "tokens_per_s",
+        )
         base = best(partial(run_loop, partial(baseline_throughput, args.requests, args.max_tokens), loop_name), args.repeat)
         ok = "meets" if eng["tokens_per_s"] >= TARGET_TOKENS_PER_S else "MISSES"
         rows += [

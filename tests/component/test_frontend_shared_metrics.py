@@ -27,7 +27,7 @@ from meshllm.router.metrics import RouterMetrics
 chats, inflight = int(sys.argv[2]), int(sys.argv[3])
 m = FrontendMetrics(registry=SharedMetricsRegistry(Path(sys.argv[1])))
 for _ in range(chats):
-    m.requests.labels("/v1/chat/completions", "200").inc()
+    m.requests.labels("/v1/chat/completions", "200", "mocker").inc()
     m.for_model("mocker").ttft.observe(0.003)
 m.inflight.set(inflight)
 RouterMetrics("r").requests.inc()
@@ -55,7 +55,7 @@ def samples(metrics: FrontendMetrics) -> dict[tuple[str, tuple[tuple[str, str], 
 def test_two_processes_counts_sum_and_each_keeps_its_own_gauge(tmp_path: Path) -> None:
     pid_a, pid_b = write(tmp_path, 3, 2), write(tmp_path, 5, 7)
     view = samples(FrontendMetrics(registry=SharedMetricsRegistry(tmp_path)))
-    chat = ("meshllm_frontend_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))
+    chat = ("meshllm_frontend_requests_total", (("model", "mocker"), ("route", "/v1/chat/completions"), ("status", "200")))
     assert view[chat] == 8
     assert view[("meshllm_frontend_time_to_first_token_seconds_count", (("model", "mocker"),))] == 8
     assert view[("meshllm_frontend_inflight_requests", (("pid", str(pid_a)),))] == 2

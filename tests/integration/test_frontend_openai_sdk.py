@@ -61,9 +61,7 @@ async def test_chat_streaming_with_include_usage(client: openai.AsyncOpenAI) -> 
 
 
 async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None:
-    r = await client.completions.create(
-        model="mocker", prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True}
-    )
+    r = await client.completions.create(model="mocker", prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True})
     assert r.object == "text_completion" and r.choices[0].text and r.usage is not None and r.usage.completion_tokens == 8
     stream = await client.completions.create(model="mocker", prompt="Once upon a time", max_tokens=8, stream=True)
     chunks = [c async for c in stream]

@@ -87,7 +87,8 @@ def chat_requests(metrics_dir: Path, pid: int) -> float:
         s.value
         for family in MultiProcessCollector.merge([str(path)], accumulate=True)
         for s in family.samples
-        if s.name == "meshllm_frontend_requests_total" and s.labels == {"route": "/v1/chat/completions", "status": "200"}
+        if s.name == "meshllm_frontend_requests_total"
+        and s.labels.items() >= {"route": "/v1/chat/completions", "status": "200"}.items()
     )
 
 
@@ -96,8 +97,8 @@ def gauge_files(metrics_dir: Path, pid: int) -> list[Path]:
 
 
 def group_chat_requests(metrics_text: str) -> float:
-    m = re.search(r'^meshllm_frontend_requests_total\{route="/v1/chat/completions",status="200"\} (\S+)$', metrics_text, re.M)
-    return float(m[1]) if m else 0.0
+    line = r'^meshllm_frontend_requests_total\{model="[^"]*",route="/v1/chat/completions",status="200"\} (\S+)$'
+    return sum(float(v) for v in re.findall(line, metrics_text, re.M))
 
 
 def alive(pid: int) -> bool:

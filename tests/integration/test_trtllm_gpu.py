@@ -29,7 +29,7 @@ MODEL = os.environ.get("MESHLLM_TRTLLM_TEST_MODEL", "")
 
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("tensorrt_llm") is None:
-        return "needs TensorRT-LLM (pip install meshllm[trtllm], wheels from NVIDIA's index) and an NVIDIA GPU"
+        return "needs TensorRT-LLM (pip install '.[trtllm]' in the clone, wheels from NVIDIA's index) and an NVIDIA GPU"
     smi = shutil.which("nvidia-smi")
     try:
         gpus = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
@@ -82,8 +82,11 @@ async def test_a_disaggregated_request_matches_aggregated_greedy_output(tmp_path
         await decode.start("trtllm-decode")
         tokenizer: Any = getattr(decode._llm, "tokenizer", None)
         prompt = list(tokenizer.encode("The capital of France is")) if tokenizer is not None else list(range(1, 33))
-        base: dict[str, Any] = {"token_ids": prompt, "sampling": {"temperature": 0.0, "seed": 0},
-                                "stop": {"max_tokens": 16, "ignore_eos": True}}
+        base: dict[str, Any] = {
+            "token_ids": prompt,
+            "sampling": {"temperature": 0.0, "seed": 0},
+            "stop": {"max_tokens": 16, "ignore_eos": True},
+        }
         agg, agg_end = await _tokens(decode, {"request_id": "agg", **base})  # type: ignore[typeddict-item]
         assert agg_end["finish_reason"] == "length" and len(agg) == 16
 

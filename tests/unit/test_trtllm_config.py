@@ -45,8 +45,21 @@ def config(tmp_path: Path, *flags: str, yaml_text: str | None = None) -> TrtllmC
 
 
 def test_flags_alone_give_pytorch_llm_kwargs_with_kv_events_on(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "--tensor-parallel-size", "2", "--max-batch-size", "8", "--max-num-tokens", "4096",
-                 "--max-seq-len", "2048", "--kv-block-size", "64", "--free-gpu-memory-fraction", "0.8")
+    cfg = config(
+        tmp_path,
+        "--tensor-parallel-size",
+        "2",
+        "--max-batch-size",
+        "8",
+        "--max-num-tokens",
+        "4096",
+        "--max-seq-len",
+        "2048",
+        "--kv-block-size",
+        "64",
+        "--free-gpu-memory-fraction",
+        "0.8",
+    )
     assert cfg.model_name == "Qwen2.5-0.5B"
     assert build_llm_kwargs(cfg) == {
         "model": str(tmp_path / "Qwen2.5-0.5B"),
@@ -66,15 +79,29 @@ def test_flags_alone_give_pytorch_llm_kwargs_with_kv_events_on(tmp_path: Path) -
 
 
 def test_yaml_keys_pass_through_and_agreeing_flags_merge(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "--role", "prefill", "--max-batch-size", "16", "--kv-block-size", "32",
-                 "--model-name", "qwen", yaml_text=DISAGG_YAML)
+    cfg = config(
+        tmp_path,
+        "--role",
+        "prefill",
+        "--max-batch-size",
+        "16",
+        "--kv-block-size",
+        "32",
+        "--model-name",
+        "qwen",
+        yaml_text=DISAGG_YAML,
+    )
     kw = build_llm_kwargs(cfg)
     assert cfg.model_name == "qwen"
     assert kw["cache_transceiver_config"] == {"backend": "DEFAULT", "max_tokens_in_buffer": 8192}
     assert kw["guided_decoding_backend"] == "xgrammar"
     assert kw["max_batch_size"] == 16 and kw["tensor_parallel_size"] == 1
-    assert kw["kv_cache_config"] == {"enable_block_reuse": True, "event_buffer_max_size": 4096,
-                                     "free_gpu_memory_fraction": 0.5, "tokens_per_block": 32}
+    assert kw["kv_cache_config"] == {
+        "enable_block_reuse": True,
+        "event_buffer_max_size": 4096,
+        "free_gpu_memory_fraction": 0.5,
+        "tokens_per_block": 32,
+    }
     assert cfg.extra["kv_cache_config"].get("tokens_per_block") is None  # the parsed YAML is not mutated
 
 
@@ -124,8 +151,9 @@ def test_missing_model_path_and_yaml_file_are_config_errors(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="is not a directory"):
         TrtllmConfig.from_namespace(parser.parse_args(["--model-path", str(tmp_path / "nope")]))
     with pytest.raises(ConfigError, match="extra-engine-args"):
-        TrtllmConfig.from_namespace(parser.parse_args(["--model-path", "Qwen/Qwen2.5-0.5B",
-                                                       "--extra-engine-args", str(tmp_path / "missing.yaml")]))
+        TrtllmConfig.from_namespace(
+            parser.parse_args(["--model-path", "Qwen/Qwen2.5-0.5B", "--extra-engine-args", str(tmp_path / "missing.yaml")])
+        )
 
 
 def test_a_hub_id_is_kept_as_model_and_name(tmp_path: Path) -> None:

@@ -50,9 +50,7 @@ async def make(tmp_path: Path, *flags: str, yaml_text: str = DISAGG_YAML) -> tup
     (model / "tokenizer.json").write_text("{}")
     extra = tmp_path / "extra.yaml"
     extra.write_text(yaml_text)
-    engine, _ = await TrtllmEngine.from_args(
-        ["--model-path", str(model), "--extra-engine-args", str(extra), "--static", *flags]
-    )
+    engine, _ = await TrtllmEngine.from_args(["--model-path", str(model), "--extra-engine-args", str(extra), "--static", *flags])
     sink = Sink()
     engine.sink = sink
     return engine, sink
@@ -100,8 +98,10 @@ async def test_engine_with_fake_trtllm_module_maps_stop_eos_and_logprobs(fake_tr
     eos = await collect(engine.generate(request([10], eos_token_ids=[12], stop={"max_tokens": 9}), Context("e")))
     assert eos[-1]["finish_reason"] == "eos"
     lps = await collect(engine.generate(request([10], stop={"max_tokens": 2}, output={"logprobs": 1}), Context("l")))
-    assert [c["logprobs"] for c in lps] == [[{"token_id": 11, "logprob": -0.5, "top": [(11, -0.5)]}],
-                                            [{"token_id": 12, "logprob": -0.5, "top": [(12, -0.5)]}]]
+    assert [c["logprobs"] for c in lps] == [
+        [{"token_id": 11, "logprob": -0.5, "top": [(11, -0.5)]}],
+        [{"token_id": 12, "logprob": -0.5, "top": [(12, -0.5)]}],
+    ]
     await engine.cleanup()
 
 
@@ -126,9 +126,7 @@ async def test_engine_with_fake_trtllm_module_cancels_with_abort_and_a_cancelled
     await engine.cleanup()
 
 
-async def test_engine_with_fake_trtllm_module_aborts_when_the_consumer_drops_the_stream(
-    fake_trtllm: Any, tmp_path: Path
-) -> None:
+async def test_engine_with_fake_trtllm_module_aborts_when_the_consumer_drops_the_stream(fake_trtllm: Any, tmp_path: Path) -> None:
     FakeLLM.token_delay = 0.01
     engine, _ = await make(tmp_path)
     await engine.start("w1")
@@ -176,9 +174,7 @@ async def test_engine_with_fake_trtllm_module_shuts_down_an_llm_whose_start_was_
     assert [llm.shutdown_calls for llm in FakeLLM.instances] == [1]
 
 
-async def test_engine_with_fake_trtllm_module_runs_prefill_then_decode_like_aggregated(
-    fake_trtllm: Any, tmp_path: Path
-) -> None:
+async def test_engine_with_fake_trtllm_module_runs_prefill_then_decode_like_aggregated(fake_trtllm: Any, tmp_path: Path) -> None:
     """context_only answers first_gen_tokens / ctx_request_id / opaque_state; through the proto, the decode leg
     rebuilds DisaggregatedParams(generation_only), runs the same prompt, and prefill + decode == aggregated."""
     prefill, _ = await make(tmp_path, "--role", "prefill")
@@ -188,8 +184,7 @@ async def test_engine_with_fake_trtllm_module_runs_prefill_then_decode_like_aggr
     prompt, stop = [5, 6, 7], {"max_tokens": 6}
     agg = tokens(await collect(decode.generate(request(prompt, stop=stop), Context("agg"))))
 
-    answer = await collect(prefill.generate(request(prompt, stop=stop, disagg={"request_type": "context_only"}),
-                                            Context("p1")))
+    answer = await collect(prefill.generate(request(prompt, stop=stop, disagg={"request_type": "context_only"}), Context("p1")))
     assert len(answer) == 1 and answer[0]["finish_reason"] == "length" and answer[0]["token_ids"] == agg[:1]
     p_llm = FakeLLM.instances[0]
     assert p_llm.results[-1].params.max_tokens == 1 and not p_llm.results[-1].streaming
@@ -199,8 +194,12 @@ async def test_engine_with_fake_trtllm_module_runs_prefill_then_decode_like_aggr
 
     rest = await collect(decode.generate(request(prompt, stop=stop, disagg=disagg), Context("d1")))
     sent = FakeLLM.instances[1].results[-1].disagg
-    assert sent == DisaggregatedParams(request_type="generation_only", first_gen_tokens=agg[:1],
-                                       ctx_request_id=int(wire["disagg"]["ctx_request_id"]), opaque_state=b"\x00comm-state")
+    assert sent == DisaggregatedParams(
+        request_type="generation_only",
+        first_gen_tokens=agg[:1],
+        ctx_request_id=int(wire["disagg"]["ctx_request_id"]),
+        opaque_state=b"\x00comm-state",
+    )
     assert agg[:1] + tokens(rest) == agg
     assert rest[-1]["usage"]["completion_tokens"] == len(agg)
     await asyncio.gather(prefill.cleanup(), decode.cleanup())
@@ -217,8 +216,7 @@ async def test_engine_with_fake_trtllm_module_defers_a_decode_abort_until_the_kv
     FakeLLM.stall_first = True
     llm = FakeLLM.instances[0]
     ctx = Context("d2")
-    disagg = {"request_type": "generation_only", "first_token_ids": [8], "ctx_request_id": "100",
-              "opaque_state": b"s"}
+    disagg = {"request_type": "generation_only", "first_token_ids": [8], "ctx_request_id": "100", "opaque_state": b"s"}
     it = engine.generate(request([5, 6, 7], stop={"max_tokens": 50}, disagg=disagg), ctx)
     pending = asyncio.ensure_future(collect(it))
     await asyncio.sleep(0.05)
@@ -253,9 +251,7 @@ async def test_engine_with_fake_trtllm_module_publishes_kv_events_and_load(fake_
     await engine.cleanup()
 
 
-async def test_engine_with_fake_trtllm_module_builds_guided_and_refuses_bad_requests(
-    fake_trtllm: Any, tmp_path: Path
-) -> None:
+async def test_engine_with_fake_trtllm_module_builds_guided_and_refuses_bad_requests(fake_trtllm: Any, tmp_path: Path) -> None:
     engine, _ = await make(tmp_path)
     await engine.start("w1")
     await collect(engine.generate(request([1], sampling={"guided": {"choice": ["a", "b"]}}), Context("g")))
@@ -276,10 +272,13 @@ def test_worker_without_tensorrt_llm_exits_with_one_line_naming_it(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLLM_")}
     proc = subprocess.run(
         [sys.executable, "-m", "meshllm", "worker", "--engine", "trtllm", "--model-path", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0
     assert len(lines) == 1, proc.stderr
-    assert "TensorRT-LLM" in lines[0] and "pip install meshllm[trtllm]" in lines[0]
+    assert "TensorRT-LLM" in lines[0] and "pip install '.[trtllm]'" in lines[0]
     assert "Traceback" not in proc.stderr

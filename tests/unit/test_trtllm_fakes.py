@@ -95,7 +95,9 @@ class DisaggregatedParams:
 
     def __post_init__(self) -> None:
         if self.request_type is not None and self.request_type not in (
-            "context_only", "generation_only", "context_and_generation",
+            "context_only",
+            "generation_only",
+            "context_and_generation",
         ):
             raise ValueError(f"Unknown request type: {self.request_type}.")
 
@@ -146,16 +148,22 @@ def unique_token(token_id: int) -> dict[str, Any]:
     return {"type": "unique_token", "token_id": token_id, "token_extra_id": 0}
 
 
-def stored_event(event_id: int, parent_hash: int | None, blocks: Sequence[tuple[int, Sequence[int]]],
-                 **top: Any) -> dict[str, Any]:
+def stored_event(
+    event_id: int, parent_hash: int | None, blocks: Sequence[tuple[int, Sequence[int]]], **top: Any
+) -> dict[str, Any]:
     """A serialized "stored" event, exactly the dict KVCacheEventSerializer.to_json_str builds
     (NVIDIA/TensorRT-LLM tensorrt_llm/_utils.py; newer versions add window_size / attention_dp_rank)."""
     data = {
         "type": "stored",
         "parent_hash": parent_hash,
         "blocks": [
-            {"type": "stored_block", "block_hash": h, "tokens": [unique_token(t) for t in tokens],
-             "cache_level": 0, "priority": 35}
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [unique_token(t) for t in tokens],
+                "cache_level": 0,
+                "priority": 35,
+            }
             for h, tokens in blocks
         ],
     }
@@ -175,8 +183,7 @@ def created_event(event_id: int, gpu_blocks: int, **top: Any) -> dict[str, Any]:
 def updated_event(event_id: int, block_hash: int) -> dict[str, Any]:
     """KVCacheEventSerializer._updated_to_json (tensorrt_llm/_utils.py)."""
     diff = {"type": "event_diff", "new_value": 1, "old_value": 0}
-    return {"event_id": event_id, "data": {"type": "updated", "block_hash": block_hash, "cache_level": diff,
-                                           "priority": diff}}
+    return {"event_id": event_id, "data": {"type": "updated", "block_hash": block_hash, "cache_level": diff, "priority": diff}}
 
 
 # The C++ binding classes (class names are what KVCacheEventSerializer dispatches on).
@@ -207,8 +214,14 @@ def iteration_stats(used: int, total: int, *, tokens_per_block: int = 32, active
         "iter": 1,
         "numActiveRequests": active,
         "numQueuedRequests": queued,
-        "kvCacheStats": {"usedNumBlocks": used, "maxNumBlocks": total, "freeNumBlocks": total - used,
-                         "tokensPerBlock": tokens_per_block, "reusedBlocks": 0, "allocTotalBlocks": used},
+        "kvCacheStats": {
+            "usedNumBlocks": used,
+            "maxNumBlocks": total,
+            "freeNumBlocks": total - used,
+            "tokensPerBlock": tokens_per_block,
+            "reusedBlocks": 0,
+            "allocTotalBlocks": used,
+        },
     }
 
 
@@ -221,8 +234,9 @@ class FakeGenerationResult:
     final with finish_reason "cancelled", `aresult()` runs to the end, `finished` mirrors `_done`.
     Tokens follow the sample engine's rule: output i of a prompt ending in p is (p + 1 + i) % 1000."""
 
-    def __init__(self, llm: FakeLLM, prompt: list[int], params: SamplingParams, streaming: bool,
-                 disagg: DisaggregatedParams | None) -> None:
+    def __init__(
+        self, llm: FakeLLM, prompt: list[int], params: SamplingParams, streaming: bool, disagg: DisaggregatedParams | None
+    ) -> None:
         self.llm = llm
         self.prompt = prompt
         self.params = params
@@ -286,8 +300,11 @@ class FakeGenerationResult:
             out.request_perf_metrics = RequestPerfMetrics(KvCacheMetrics(num_reused_blocks=self.llm.reused_blocks))
             if self.disagg is not None and self.disagg.request_type == "context_only":
                 out.disaggregated_params = DisaggregatedParams(
-                    request_type="context_only", first_gen_tokens=list(out.token_ids),
-                    ctx_request_id=self.request_id, opaque_state=b"\x00comm-state", draft_tokens=None,
+                    request_type="context_only",
+                    first_gen_tokens=list(out.token_ids),
+                    ctx_request_id=self.request_id,
+                    opaque_state=b"\x00comm-state",
+                    draft_tokens=None,
                 )
             self.llm.stats.append(iteration_stats(0, self.llm.total_blocks))
 
@@ -338,8 +355,15 @@ class FakeLLM:
         self.release = asyncio.Event()
         FakeLLM.instances.append(self)
 
-    def generate_async(self, inputs: list[int], sampling_params: SamplingParams | None = None, *, streaming: bool = False,
-                       disaggregated_params: DisaggregatedParams | None = None, **_: Any) -> FakeGenerationResult:
+    def generate_async(
+        self,
+        inputs: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        streaming: bool = False,
+        disaggregated_params: DisaggregatedParams | None = None,
+        **_: Any,
+    ) -> FakeGenerationResult:
         assert isinstance(sampling_params, SamplingParams)
         result = FakeGenerationResult(self, list(inputs), sampling_params, streaming, disaggregated_params)
         self.results.append(result)

@@ -109,12 +109,18 @@ def test_binding_objects_and_json_strings_convert_like_serialized_dicts() -> Non
     """get_kv_cache_events_async yields dicts; the C++ binding objects and JSON text are accepted too."""
     tokens = PROMPT[:8]
     obj = KVCacheEvent(
-        event_id=0, window_size=None, attention_dp_rank=None,
-        data=KVCacheStoredData(parent_hash=None, blocks=[
-            KVCacheStoredBlockData(block_hash=h, tokens=[UniqueToken(token_id=t, token_extra_id=0) for t in toks],
-                                   cache_level=0, priority=35)
-            for h, toks in blocks_of(tokens)
-        ]),
+        event_id=0,
+        window_size=None,
+        attention_dp_rank=None,
+        data=KVCacheStoredData(
+            parent_hash=None,
+            blocks=[
+                KVCacheStoredBlockData(
+                    block_hash=h, tokens=[UniqueToken(token_id=t, token_extra_id=0) for t in toks], cache_level=0, priority=35
+                )
+                for h, toks in blocks_of(tokens)
+            ],
+        ),
     )
     assert parse_event(obj) == parse_event(stored_event(0, None, blocks_of(tokens)))
     assert parse_event(json.dumps(stored_event(0, None, blocks_of(tokens)))) == parse_event(obj)

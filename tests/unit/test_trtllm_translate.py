@@ -42,16 +42,35 @@ def kwargs(r: GenerateRequest, **kw: Any) -> dict[str, Any]:
 def test_every_sampling_option_maps_to_a_real_sampling_params_field() -> None:
     """Each option lands on the SamplingParams field of the same meaning, and the kwargs construct it."""
     r = req(
-        sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7,
-                  "frequency_penalty": 0.1, "presence_penalty": 0.2, "repetition_penalty": 1.1},
+        sampling={
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "seed": 7,
+            "frequency_penalty": 0.1,
+            "presence_penalty": 0.2,
+            "repetition_penalty": 1.1,
+        },
         stop={"max_tokens": 12, "min_tokens": 3, "stop_token_ids": [50]},
         output={"logprobs": 2},
     )
     kw = kwargs(r)
     assert kw == {
-        "max_tokens": 12, "min_tokens": 3, "stop_token_ids": [50], "temperature": 0.7, "top_p": 0.9, "top_k": 40,
-        "min_p": 0.05, "seed": 7, "frequency_penalty": 0.1, "presence_penalty": 0.2, "repetition_penalty": 1.1,
-        "logprobs": 2, "detokenize": False, "return_perf_metrics": True,
+        "max_tokens": 12,
+        "min_tokens": 3,
+        "stop_token_ids": [50],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": 7,
+        "frequency_penalty": 0.1,
+        "presence_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "logprobs": 2,
+        "detokenize": False,
+        "return_perf_metrics": True,
     }
     SamplingParams(**kw)
 
@@ -133,8 +152,7 @@ def test_logprobs_zero_still_asks_for_the_chosen_tokens_logprob() -> None:
 
 def test_a_request_decoded_from_the_proto_translates_the_same() -> None:
     """Proto-decoded requests carry explicit zero values (min_tokens=0, ignore_eos=False); they change nothing."""
-    r = req(sampling={"temperature": 0.5, "guided": {"choice": ["a", "b"]}}, stop={"max_tokens": 4},
-            eos_token_ids=[2])
+    r = req(sampling={"temperature": 0.5, "guided": {"choice": ["a", "b"]}}, stop={"max_tokens": 4}, eos_token_ids=[2])
     again = request_from_proto(pb.GenerateRequest.FromString(request_to_proto(r).SerializeToString()))
     assert kwargs(again) == kwargs(r)
 
@@ -165,10 +183,13 @@ def test_a_trimmed_stop_token_below_the_cursor_emits_nothing() -> None:
 
 
 def test_logprobs_come_from_the_token_to_logprob_dicts_aligned_with_token_ids() -> None:
-    out = CompletionOutput(token_ids=[5, 6], logprobs=[
-        {5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2)},
-        {8: Logprob(-0.2, 1), 6: Logprob(-0.9, 2), 7: Logprob(-3.0, 3)},
-    ])
+    out = CompletionOutput(
+        token_ids=[5, 6],
+        logprobs=[
+            {5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2)},
+            {8: Logprob(-0.2, 1), 6: Logprob(-0.9, 2), 7: Logprob(-3.0, 3)},
+        ],
+    )
     lps = tr.logprob_delta(out.logprobs, out.token_ids, 0, 2, 2)
     assert lps == [
         {"token_id": 5, "logprob": -0.1, "top": [(5, -0.1), (9, -2.5)]},
@@ -216,13 +237,22 @@ def test_cached_tokens_come_from_the_requests_kv_reuse_metrics() -> None:
 def test_disaggregated_params_round_trip_through_our_proto() -> None:
     """context-only answer → our DisaggParams → proto bytes → generation-only kwargs == the answer, retyped."""
     answer = DisaggregatedParams(
-        request_type="context_only", first_gen_tokens=[1234], ctx_request_id=2**40 + 5,
-        opaque_state=b"\x00\x01ucx-state\xff", draft_tokens=[7, 8], disagg_request_id=99,
-        ctx_dp_rank=1, ctx_info_endpoint="tcp://10.0.0.1:5000",
+        request_type="context_only",
+        first_gen_tokens=[1234],
+        ctx_request_id=2**40 + 5,
+        opaque_state=b"\x00\x01ucx-state\xff",
+        draft_tokens=[7, 8],
+        disagg_request_id=99,
+        ctx_dp_rank=1,
+        ctx_info_endpoint="tcp://10.0.0.1:5000",
     )
     ours = tr.disagg_from_trtllm(answer, cached=64)
-    chunk: GenerateChunk = {"token_ids": [1234], "finish_reason": "length", "disagg": ours,
-                            "usage": {"prompt_tokens": 100, "completion_tokens": 1, "cached_tokens": 64}}
+    chunk: GenerateChunk = {
+        "token_ids": [1234],
+        "finish_reason": "length",
+        "disagg": ours,
+        "usage": {"prompt_tokens": 100, "completion_tokens": 1, "cached_tokens": 64},
+    }
     wire = chunk_from_proto(pb.GenerateChunk.FromString(chunk_to_proto(chunk).SerializeToString()))
     decode = req(disagg={**wire["disagg"], "request_type": "generation_only"})
     decoded = request_from_proto(pb.GenerateRequest.FromString(request_to_proto(decode).SerializeToString()))

@@ -19,7 +19,31 @@ __all__ = ["Connection", "Endpoint", "HttpError", "Response"]
 
 
 class HttpError(Exception):
-    """The connection failed or the server broke the protocol."""
+    """The connection failed or the server broke the protocol.
+
+    `connection` is True when the server could not be reached or dropped the
+    connection (refused, reset, closed mid-response): what a server that went
+    away looks like, as opposed to a malformed response.
+    """
+
+    def __init__(self, message: str, *, connection: bool = True) -> None:
+        super().__init__(message)
+        self.connection = connection
+
+
+def _why(exc: BaseException) -> str:
+    """A readable reason for a failed read or write (asyncio's own texts say "undefined expected bytes")."""
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the server closed the connection" + (" mid-response" if exc.partial else "")
+    if isinstance(exc, ConnectionResetError):
+        return "the connection was reset by the server"
+    if isinstance(exc, BrokenPipeError):
+        return "the server closed the connection"
+    if isinstance(exc, asyncio.LimitOverrunError):
+        return "a response line is too long"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +94,10 @@ class Response:
                         yield line[5:].lstrip()
 
 
+class _Stale(Exception):
+    """A reused keep-alive connection turned out closed before any response byte."""
+
+
 class Connection:
     """One keep-alive connection; requests on it run one after another."""
 
@@ -78,6 +106,7 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reusable = False
+        self._used = False  # a request completed on this connection (a failure may be a stale keep-alive)
 
     async def _connect(self) -> None:
         ep = self.endpoint
@@ -86,13 +115,27 @@ class Connection:
             self._reader, self._writer = await asyncio.open_connection(ep.host, ep.port, ssl=ctx, limit=1 << 22)
         except OSError as exc:
             raise HttpError(f"cannot connect to {ep.host}:{ep.port}: {exc.strerror or exc}") from None
+        self._used = False
 
     async def post(self, path: str, body: bytes) -> Response:
-        """Send a POST with a JSON body; returns once the status line and headers are in."""
+        """Send a POST with a JSON body; returns once the status line and headers are in.
+
+        A kept-alive connection the server closed while idle (nothing at all
+        came back) is reopened once and the request sent again, as HTTP
+        clients do; any other failure raises `HttpError`.
+        """
+        try:
+            return await self._post(path, body)
+        except _Stale:
+            await self.close()
+            return await self._post(path, body)
+
+    async def _post(self, path: str, body: bytes) -> Response:
         if self._writer is None or not self._reusable:
             await self.close()
             await self._connect()
         assert self._reader is not None and self._writer is not None
+        reused = self._used
         ep = self.endpoint
         head = (
             f"POST {ep.base}{path} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\nContent-Type: application/json\r\n"
@@ -105,14 +148,19 @@ class Connection:
             self._writer.write(head.encode() + b"\r\n" + body)
             raw = await self._reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            idle_close = isinstance(exc, (ConnectionResetError, BrokenPipeError)) or (
+                isinstance(exc, asyncio.IncompleteReadError) and not exc.partial
+            )
+            if reused and idle_close:
+                raise _Stale from None
             await self.close()
-            raise HttpError(f"connection failed: {exc}") from None
+            raise HttpError(f"connection failed: {_why(exc)}") from None
         lines = raw.decode("latin-1").split("\r\n")
         try:
             status = int(lines[0].split(" ", 2)[1])
         except (IndexError, ValueError):
             await self.close()
-            raise HttpError(f"bad status line {lines[0]!r}") from None
+            raise HttpError(f"bad status line {lines[0]!r}", connection=False) from None
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -140,8 +188,11 @@ class Connection:
                 return
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             await self.close()
-            raise HttpError(f"reading the body failed: {exc}") from None
+            if isinstance(exc, ValueError):
+                raise HttpError(f"reading the body failed: bad chunk size ({exc})", connection=False) from None
+            raise HttpError(f"reading the body failed: {_why(exc)}") from None
         self._reusable = headers.get("connection", "").lower() != "close"
+        self._used = True
 
     async def close(self) -> None:
         writer, self._writer, self._reader = self._writer, None, None

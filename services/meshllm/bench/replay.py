@@ -24,14 +24,24 @@ import asyncio
 import enum
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from meshllm.bench.report import LevelResult, RequestRecord, percentile, summarize
 from meshllm.bench.trace import TraceRequest
 
-__all__ = ["ReplayMode", "ReplayResult", "Send", "replay"]
+__all__ = ["Arrival", "ReplayMode", "ReplayResult", "Send", "replay"]
 
+
+class Arrival(Protocol):
+    """What the replayer needs of a request: when to send it (open loop), seconds from the start."""
+
+    @property
+    def arrival_s(self) -> float: ...
+
+
+R = TypeVar("R", bound=Arrival)
 Send = Callable[[TraceRequest], Awaitable[RequestRecord]]
 
 
@@ -51,9 +61,10 @@ class ReplayResult:
     max_lag_s: float  # open loop: the latest any request was sent after its arrival time
     stopped: str | None = None  # why the run ended early, None when every request ran
 
-    def summary(self) -> LevelResult:
-        """The same figures as `meshllm bench` (TTFT, ITL, e2e, req/s, ...), one row."""
-        return summarize(self.concurrency, self.records, self.duration_s)
+    def summary(self, *, slo: Mapping[str, float] | None = None, request_rate: float | None = None) -> LevelResult:
+        """The same figures as `meshllm bench` (TTFT, ITL, e2e, req/s, ...), one row; `request_rate` marks rate mode."""
+        mode = "rate" if request_rate is not None else self.mode.value
+        return summarize(self.concurrency, self.records, self.duration_s, mode=mode, request_rate=request_rate, slo=slo)
 
     @property
     def prompt_tokens(self) -> int:
@@ -99,19 +110,28 @@ def _ms(value: float, spec: str) -> str:
 
 
 async def replay(
-    requests: Sequence[TraceRequest],
-    send: Send,
+    requests: Sequence[R],
+    send: Callable[[R], Awaitable[RequestRecord]],
     *,
     mode: ReplayMode = ReplayMode.OPEN,
     concurrency: int = 1,
     deadline_s: float | None = None,
     max_consecutive_errors: int | None = 10,
     on_done: Callable[[RequestRecord], None] | None = None,
+    max_in_flight: int | None = None,
 ) -> ReplayResult:
-    """Send every request (see the module docstring); returns when all ended or the run was stopped."""
+    """Send every request (see the module docstring); returns when all ended or the run was stopped.
+
+    Any request type with an `arrival_s` works (`TraceRequest`, the
+    synthetic `BenchRequest`). `max_in_flight` caps an open loop: a request
+    due while that many are in flight waits for one to end (its lateness
+    shows in `max_lag_s`).
+    """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    run = _Run(requests, send, max_consecutive_errors, on_done)
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError("max_in_flight must be >= 1")
+    run = _Run(requests, send, max_consecutive_errors, on_done, max_in_flight)
     t0 = time.perf_counter()
     if mode is ReplayMode.OPEN:
         drive = asyncio.create_task(run.open_loop(t0))
@@ -145,17 +165,19 @@ async def replay(
     )
 
 
-class _Run:
+class _Run(Generic[R]):
     """The state one replay shares between its tasks."""
 
     def __init__(
         self,
-        requests: Sequence[TraceRequest],
-        send: Send,
+        requests: Sequence[R],
+        send: Callable[[R], Awaitable[RequestRecord]],
         max_consecutive_errors: int | None,
         on_done: Callable[[RequestRecord], None] | None,
+        max_in_flight: int | None = None,
     ) -> None:
         self.requests, self.send = requests, send
+        self.slots = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
         self.records: list[RequestRecord | None] = [None] * len(requests)
         self.max_errors, self.on_done = max_consecutive_errors, on_done
         self.errors_in_a_row = 0
@@ -195,10 +217,19 @@ class _Run:
                 due = t0 + req.arrival_s
                 if (delay := due - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)  # the request's arrival time
+                if self.slots is not None:
+                    await self.slots.acquire()
                 if self.stopped is not None:
                     return
                 self.max_lag = max(self.max_lag, time.perf_counter() - due)
-                tg.create_task(self.one(i))
+                tg.create_task(self._slotted(i))
+
+    async def _slotted(self, i: int) -> None:
+        try:
+            await self.one(i)
+        finally:
+            if self.slots is not None:
+                self.slots.release()
 
     async def closed_loop(self, users: int) -> None:
         next_index = iter(range(len(self.requests)))

@@ -1,22 +1,34 @@
-"""What `meshllm bench` measured: per-request records, per-concurrency summaries, the table, JSON and plot.
+"""What `meshllm bench` measured: per-request records and per-level summaries (the table and files: `bench.output`).
 
-Definitions: TTFT = request sent → first event with text; ITL = the gaps
-between successive events with text, pooled over every request (a server
-that coalesces tokens under load sends fewer, larger events; TPOT, the mean
-time per output token after the first, is reported beside it, and
-`events_per_request` is the mean number of events with text per successful
-response); output tok/s = completion tokens the server counted (usage) /
-wall time of the level.
+Definitions (the ones `vllm bench serve` and aiperf use):
+
+- TTFT: request sent → first event with text.
+- ITL: the gaps between successive events with text, pooled over every
+  request (a server that coalesces tokens under load sends fewer, larger
+  events; `events_per_request` is the mean number of events with text).
+- TPOT: per request, (e2e − TTFT) / (output tokens − 1): the mean time per
+  output token after the first.
+- E2E: request sent → last byte of the response.
+- throughput: completed requests, output tokens (as the server counted them
+  in `usage`), input tokens and both together, each over the level's
+  duration (first request sent → last response ended).
+- goodput (`--slo`): the requests that completed and met every SLO, as a
+  fraction of all requests and per second (see `meshllm.bench.slo`).
+
+Each latency has mean, median, p90 and p99 (`*_p50_ms` is the median under
+its older name). Requests that failed count in `errors` and in no latency.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["LevelResult", "RequestRecord", "format_table", "percentile", "plot", "summarize"]
+__all__ = ["LevelResult", "RequestRecord", "percentile", "summarize"]
+
+_MS = 1000.0
 
 
 @dataclass(slots=True)
@@ -31,6 +43,19 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the endpoint reports it
     events: int = 0  # SSE events that carried text
     error: str | None = None
+    intended_prompt_tokens: int | None = None  # what the generator built the prompt to count, when it knows
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first; None with fewer than two tokens."""
+        if self.error is not None or self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+    @property
+    def mean_itl(self) -> float | None:
+        """This request's mean gap between events with text; None with fewer than two events."""
+        return sum(self.gaps) / len(self.gaps) if self.gaps else None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -44,11 +69,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _per_s(n: float, duration_s: float) -> float:
+    return n / duration_s if duration_s > 0 else math.nan
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LevelResult:
-    """The summary of one concurrency level (times in milliseconds)."""
+    """The summary of one level (a concurrency, a request rate or a replay); times in milliseconds."""
 
-    concurrency: int
+    concurrency: int  # users; in rate and open-loop modes the most requests that were in flight at once
     requests: int
     errors: int
     duration_s: float
@@ -68,100 +101,103 @@ class LevelResult:
     ttft_p90_ms: float = math.nan
     itl_p90_ms: float = math.nan
     events_per_request: float = math.nan
+    mode: str = "concurrency"  # concurrency | rate | open | closed
+    request_rate: float | None = None  # rate mode: the Poisson arrival rate asked for (req/s)
+    completed: int = 0
+    total_input_tokens: int = 0
+    total_output_tokens: int = 0
+    total_tok_per_s: float = math.nan
+    ttft_mean_ms: float = math.nan
+    ttft_median_ms: float = math.nan
+    itl_mean_ms: float = math.nan
+    itl_median_ms: float = math.nan
+    tpot_median_ms: float = math.nan
+    tpot_p90_ms: float = math.nan
+    tpot_p99_ms: float = math.nan
+    e2e_mean_ms: float = math.nan
+    e2e_median_ms: float = math.nan
+    e2e_p90_ms: float = math.nan
+    slo: dict[str, float] | None = None  # metric -> limit in ms
+    slo_attainment: float = math.nan  # requests meeting every SLO / all requests
+    goodput_req_per_s: float = math.nan
+    intended_isl_mean: float = math.nan  # mean prompt length the generator built for (when it knew)
+    isl_max_deviation: float = math.nan  # largest |server-counted − intended| / intended over completed requests
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
 
+    @property
+    def label(self) -> str:
+        """How the level applied its load, e.g. "c=8", "rate=4 req/s", "open"."""
+        if self.mode == "rate":
+            return f"rate={self.request_rate:g}/s"
+        if self.mode == "open":
+            return "open"
+        return f"c={self.concurrency}"
 
-def summarize(concurrency: int, records: Sequence[RequestRecord], duration_s: float) -> LevelResult:
+
+def summarize(
+    concurrency: int,
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    *,
+    mode: str = "concurrency",
+    request_rate: float | None = None,
+    slo: Mapping[str, float] | None = None,
+) -> LevelResult:
+    """One level's figures from its request records (see the module docstring)."""
+    from meshllm.bench.slo import meets
+
     ok = [r for r in records if r.error is None]
     errors = [r for r in records if r.error is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
-    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.ttft is not None and r.completion_tokens > 1]
+    tpots = [t for r in ok if (t := r.tpot) is not None]
+    e2es = [r.e2e for r in ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    ms = 1000.0
+    intended = [(r.prompt_tokens, r.intended_prompt_tokens) for r in ok if r.intended_prompt_tokens]
+    good = sum(1 for r in ok if meets(r, slo)) if slo else 0
     return LevelResult(
         concurrency=concurrency,
         requests=len(records),
         errors=len(errors),
         duration_s=duration_s,
-        req_per_s=len(ok) / duration_s if duration_s > 0 else math.nan,
-        output_tok_per_s=out_tokens / duration_s if duration_s > 0 else math.nan,
-        input_tok_per_s=in_tokens / duration_s if duration_s > 0 else math.nan,
-        ttft_p50_ms=percentile(ttfts, 50) * ms,
-        ttft_p99_ms=percentile(ttfts, 99) * ms,
-        itl_p50_ms=percentile(gaps, 50) * ms,
-        itl_p99_ms=percentile(gaps, 99) * ms,
-        tpot_mean_ms=(sum(tpots) / len(tpots) * ms) if tpots else math.nan,
-        e2e_p50_ms=percentile([r.e2e for r in ok], 50) * ms,
-        e2e_p99_ms=percentile([r.e2e for r in ok], 99) * ms,
+        req_per_s=_per_s(len(ok), duration_s),
+        output_tok_per_s=_per_s(out_tokens, duration_s),
+        input_tok_per_s=_per_s(in_tokens, duration_s),
+        ttft_p50_ms=percentile(ttfts, 50) * _MS,
+        ttft_p99_ms=percentile(ttfts, 99) * _MS,
+        itl_p50_ms=percentile(gaps, 50) * _MS,
+        itl_p99_ms=percentile(gaps, 99) * _MS,
+        tpot_mean_ms=_mean(tpots) * _MS,
+        e2e_p50_ms=percentile(e2es, 50) * _MS,
+        e2e_p99_ms=percentile(e2es, 99) * _MS,
         mean_isl=in_tokens / len(ok) if ok else math.nan,
         mean_osl=out_tokens / len(ok) if ok else math.nan,
         first_error=errors[0].error if errors else None,
-        ttft_p90_ms=percentile(ttfts, 90) * ms,
-        itl_p90_ms=percentile(gaps, 90) * ms,
+        ttft_p90_ms=percentile(ttfts, 90) * _MS,
+        itl_p90_ms=percentile(gaps, 90) * _MS,
         events_per_request=sum(r.events for r in ok) / len(ok) if ok else math.nan,
+        mode=mode,
+        request_rate=request_rate,
+        completed=len(ok),
+        total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens,
+        total_tok_per_s=_per_s(in_tokens + out_tokens, duration_s),
+        ttft_mean_ms=_mean(ttfts) * _MS,
+        ttft_median_ms=percentile(ttfts, 50) * _MS,
+        itl_mean_ms=_mean(gaps) * _MS,
+        itl_median_ms=percentile(gaps, 50) * _MS,
+        tpot_median_ms=percentile(tpots, 50) * _MS,
+        tpot_p90_ms=percentile(tpots, 90) * _MS,
+        tpot_p99_ms=percentile(tpots, 99) * _MS,
+        e2e_mean_ms=_mean(e2es) * _MS,
+        e2e_median_ms=percentile(e2es, 50) * _MS,
+        e2e_p90_ms=percentile(e2es, 90) * _MS,
+        slo=dict(slo) if slo else None,
+        slo_attainment=good / len(records) if slo and records else math.nan,
+        goodput_req_per_s=_per_s(good, duration_s) if slo else math.nan,
+        intended_isl_mean=_mean([float(i) for _, i in intended]) if intended else math.nan,
+        isl_max_deviation=max((abs(p - i) / i for p, i in intended), default=math.nan) if intended else math.nan,
     )
-
-
-_COLUMNS = (
-    ("conc", "concurrency", "{:d}"),
-    ("reqs", "requests", "{:d}"),
-    ("errors", "errors", "{:d}"),
-    ("req/s", "req_per_s", "{:.1f}"),
-    ("out tok/s", "output_tok_per_s", "{:,.0f}"),
-    ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"),
-    ("TTFT p99 ms", "ttft_p99_ms", "{:.1f}"),
-    ("ITL p50 ms", "itl_p50_ms", "{:.2f}"),
-    ("ITL p99 ms", "itl_p99_ms", "{:.2f}"),
-    ("TPOT ms", "tpot_mean_ms", "{:.2f}"),
-    ("e2e p50 ms", "e2e_p50_ms", "{:.0f}"),
-    ("ISL", "mean_isl", "{:.0f}"),
-    ("OSL", "mean_osl", "{:.0f}"),
-)
-
-
-def format_table(results: Sequence[LevelResult]) -> str:
-    """A fixed-width table, one row per concurrency level (Markdown-compatible)."""
-    rows = [[h for h, _, _ in _COLUMNS]]
-    for r in results:
-        row = []
-        for _, attr, fmt in _COLUMNS:
-            v = getattr(r, attr)
-            row.append("-" if isinstance(v, float) and math.isnan(v) else fmt.format(v))
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    notes = [f"  c={r.concurrency}: first error: {r.first_error}" for r in results if r.first_error]
-    return "\n".join(lines + notes)
-
-
-def plot(results: Sequence[LevelResult], path: str) -> None:
-    """Throughput and latency against concurrency, as a PNG (needs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    conc = [r.concurrency for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    axes[0].plot(conc, [r.output_tok_per_s for r in results], marker="o")
-    axes[0].set_title("output tokens/s")
-    axes[1].plot(conc, [r.ttft_p50_ms for r in results], marker="o", label="p50")
-    axes[1].plot(conc, [r.ttft_p99_ms for r in results], marker="o", label="p99")
-    axes[1].set_title("TTFT (ms)")
-    axes[2].plot(conc, [r.itl_p50_ms for r in results], marker="o", label="p50")
-    axes[2].plot(conc, [r.itl_p99_ms for r in results], marker="o", label="p99")
-    axes[2].set_title("ITL (ms)")
-    for ax in axes:
-        ax.set_xlabel("concurrency")
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-    axes[1].legend()
-    axes[2].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -111,6 +111,7 @@ class EventFeed(AsyncCloseable):
                 gap = index.request_resync(batch.worker_id)
             if gap:
                 log.info("KV event gap from worker %s: resyncing", batch.worker_id)
+                self.metrics.recent.event("gap", f"KV event gap from worker {batch.worker_id}", worker_id=batch.worker_id)
                 self._resync(batch.worker_id)
             if index.applied != before:
                 applied.inc(index.applied - before)
@@ -167,6 +168,10 @@ class EventFeed(AsyncCloseable):
                 snap.worker_id = worker_id
                 again = self.index.apply_snapshot(snap)
                 self.metrics.resyncs.inc()
+                self.metrics.recent.event(
+                    "resync", f"KV index of worker {worker_id} resynced at event {snap.last_event_id} "
+                    f"({self.index.worker_blocks(worker_id)} blocks)", worker_id=worker_id,
+                )  # fmt: skip
                 self.metrics.index_blocks.set(self.index.size)
                 log.debug("worker %s resynced at event %d (%d blocks)", worker_id, snap.last_event_id,
                           self.index.worker_blocks(worker_id))  # fmt: skip

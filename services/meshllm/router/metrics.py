@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from meshllm.router.recent import RecentActivity
 
 __all__ = ["RouterMetrics"]
+
+disable_created_metrics()  # no `_created` series (see frontend/metrics.py)
 
 _OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class RouterMetrics:
-    """Decisions, overlap, index size and churn, migrations, disaggregation."""
+    """Decisions, overlap, index size and churn, migrations, disaggregation.
+
+    `recent` keeps the last decisions and events for the live mesh page (router/recent.py).
+    """
 
     def __init__(self, router_id: str, *, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.recent = RecentActivity()
         r = self.registry
         base = {"router_id": router_id}
         names = list(base)
-        self.decisions = Counter(
-            "meshllm_router_decisions", "Routing decisions", [*names, "policy", "role"], registry=r
-        )
+        self.decisions = Counter("meshllm_router_decisions", "Routing decisions", [*names, "policy", "role"], registry=r)
         self._base = base
         self.overlap_blocks = Histogram(
             "meshllm_router_overlap_blocks", "Cached prompt blocks on the chosen worker", names,

@@ -2,27 +2,48 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
 __all__ = ["WorkerMetrics"]
 
+disable_created_metrics()  # no `_created` series (see frontend/metrics.py)
+
+
+class _LabelledRegistry(CollectorRegistry):
+    """A registry that adds `extra` labels to every sample it exposes (the model and role, known after start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra: dict[str, str] = {}
+
+    def collect(self) -> Iterable[Any]:
+        extra = self.extra
+        for family in super().collect():
+            if extra:
+                family.samples = [s._replace(labels={**s.labels, **extra}) for s in family.samples]
+            yield family
+
 
 class WorkerMetrics:
-    """Lifecycle gauges, load, aborts and KV transfer bytes, labelled by worker."""
+    """Lifecycle gauges, load, aborts and KV transfer bytes, labelled by worker (and model and role once known)."""
 
-    def __init__(self, worker_id: str, *, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, worker_id: str) -> None:
+        self._labelled = _LabelledRegistry()
+        self.registry: CollectorRegistry = self._labelled
         labels = {"worker_id": worker_id}
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+            return Gauge(name, doc, list(labels), registry=self._labelled).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
+            return Counter(name, doc, list(labels), registry=self._labelled).labels(**labels)
 
-        self.model_load_time = gauge("model_load_time_seconds", "Seconds engine.start() took")
-        self.drain_time = gauge("drain_time_seconds", "Seconds the last shutdown spent draining in-flight work")
-        self.cleanup_time = gauge("cleanup_time_seconds", "Seconds engine.cleanup() took")
+        self.model_load_time = gauge("meshllm_worker_model_load_time_seconds", "Seconds engine.start() took")
+        self.drain_time = gauge("meshllm_worker_drain_time_seconds", "Seconds the last shutdown spent draining in-flight work")
+        self.cleanup_time = gauge("meshllm_worker_cleanup_time_seconds", "Seconds engine.cleanup() took")
         self.inflight = gauge("meshllm_worker_inflight_requests", "Requests in flight")
         self.kv_active_blocks = gauge("meshllm_worker_kv_active_blocks", "KV blocks in use")
         self.kv_total_blocks = gauge("meshllm_worker_kv_total_blocks", "KV blocks in the cache")
@@ -34,3 +55,7 @@ class WorkerMetrics:
         self.kv_transfer_bytes = counter("meshllm_worker_kv_transfer_bytes", "KV bytes served by PullKv")
         self.kv_events = counter("meshllm_worker_kv_events", "KV events published")
         self.health_failures = counter("meshllm_worker_health_check_failures", "Failed canary requests")
+
+    def label(self, *, model: str, role: str) -> None:
+        """Add `model` and `role` to every series from now on (called once the model card is known)."""
+        self._labelled.extra = {"model": model, "role": role}

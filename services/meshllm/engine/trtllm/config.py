@@ -209,7 +209,9 @@ def build_llm_kwargs(config: TrtllmConfig) -> dict[str, Any]:
     if not kv["enable_block_reuse"] or kv["event_buffer_max_size"] == 0:
         log.warning(
             "%s: KV events are off (enable_block_reuse=%s, event_buffer_max_size=%s); routers see no cached blocks",
-            source, kv["enable_block_reuse"], kv["event_buffer_max_size"],
+            source,
+            kv["enable_block_reuse"],
+            kv["event_buffer_max_size"],
         )
     kwargs["kv_cache_config"] = kv
     return kwargs

@@ -51,15 +51,23 @@ __all__ = ["INSTALL_HINT", "TrtllmEngine", "import_tensorrt_llm"]
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install meshllm[trtllm] (wheels from NVIDIA's index, see docs/engines/trtllm.md)"
+INSTALL_HINT = "in the meshllm clone: pip install '.[trtllm]' (wheels from NVIDIA's index, see docs/engines/trtllm.md)"
 DEFAULT_BLOCK_SIZE = 32  # KvCacheConfig.tokens_per_block default (tensorrt_llm/llmapi/llm_args.py)
 DEFAULT_MAX_TOKENS = 16
 # (fetch timeout, min sleep, max sleep, backoff) from Dynamo's publisher.py
 _KV_POLL = (0.0, 0.005, 0.02, 1.5)
 _STATS_POLL = (0.01, 0.01, 0.1, 2.0)
 _DEFERRED_ABORT_TIMEOUT_S = 60.0
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -206,8 +214,12 @@ class TrtllmEngine(LLMEngine):
     def _check_block_size(self, stat: Any) -> None:
         live = block_size_from_stats(stat)
         if live and live != self.block_size:
-            log.error("TensorRT-LLM reports %d tokens per KV block but hashes use %d; set --kv-block-size %d",
-                      live, self.block_size, live)
+            log.error(
+                "TensorRT-LLM reports %d tokens per KV block but hashes use %d; set --kv-block-size %d",
+                live,
+                self.block_size,
+                live,
+            )
 
     async def cleanup(self) -> None:
         if self._cleanup_task is None:
@@ -351,12 +363,12 @@ class TrtllmEngine(LLMEngine):
             params = getattr(output, "disaggregated_params", None) or getattr(res, "disaggregated_params", None)
             if params is None:
                 raise FailedPrecondition(
-                    "TensorRT-LLM returned no disaggregated params for a context_only request "
-                    "(is cache_transceiver_config set?)"
+                    "TensorRT-LLM returned no disaggregated params for a context_only request (is cache_transceiver_config set?)"
                 )
             answer = tr.disagg_from_trtllm(params, cached=cached)
-        final = terminal(reason, tr.usage(prompt_len, cursor, cached), token_ids=chunk["token_ids"],
-                         stop_reason=stop_reason, disagg=answer)
+        final = terminal(
+            reason, tr.usage(prompt_len, cursor, cached), token_ids=chunk["token_ids"], stop_reason=stop_reason, disagg=answer
+        )
         if "logprobs" in chunk:
             final["logprobs"] = chunk["logprobs"]
         return final

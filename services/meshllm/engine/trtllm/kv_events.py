@@ -221,7 +221,10 @@ class KvEventConverter:
                 self.stats.oversized_blocks += 1
                 log.error(
                     "stored event %d has a block of %d tokens but the block size is %d; dropping it "
-                    "(is --kv-block-size the engine's tokens_per_block?)", event.event_id, n, self.block_size,
+                    "(is --kv-block-size the engine's tokens_per_block?)",
+                    event.event_id,
+                    n,
+                    self.block_size,
                 )
                 return
             if n < self.block_size:
@@ -254,7 +257,10 @@ class KvEventConverter:
         self.stats.gaps += 1
         log.warning(
             "TensorRT-LLM KV event gap on dp rank %d (expected event %d, got %d): resyncing %d known blocks",
-            dp_rank, expected, got, len(rank.known),
+            dp_rank,
+            expected,
+            got,
+            len(rank.known),
         )
         self.sink.all_cleared(dp_rank)
         for known in _parents_first(rank.known.values()):

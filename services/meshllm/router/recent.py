@@ -1,0 +1,94 @@
+"""What a router did lately, for the live mesh page (`/dashboard`): bounded rings, no I/O.
+
+`RecentActivity` keeps the last `DECISIONS` routing decisions (each leg of a
+request is one: aggregated, prefill or decode) with every candidate's cost
+terms — the same terms `Router.Route` explains — and the last `EVENTS`
+notable events (migrations, KV index resyncs, event gaps, request errors).
+Recording is an append to a deque (the hot path pays nothing else); the
+decisions are turned into plain dicts only when a page asks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshllm.router.core import Decision
+
+__all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict"]
+
+DECISIONS = 64
+EVENTS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    at: float  # wall-clock seconds
+    request_id: str
+    model: str
+    leg: str  # agg, prefill, decode
+    decision: Decision
+
+
+def decision_dict(d: Decision) -> dict[str, Any]:
+    """A decision as JSON-ready data: the chosen worker and every candidate's cost terms."""
+    return {
+        "worker_id": d.chosen.worker_id,
+        "dp_rank": d.chosen.dp_rank,
+        "policy": d.policy,
+        "block_size": d.block_size,
+        "prompt_blocks": d.prompt_blocks,
+        "overlap_weight": d.overlap_weight,
+        "capacity_weight": d.capacity_weight,
+        "candidates": [
+            {
+                "worker_id": c.worker_id,
+                "dp_rank": c.dp_rank,
+                "overlap_blocks": c.overlap_blocks,
+                "prefill_tokens": c.prefill_tokens,
+                "queued_prefill_tokens": c.queued_prefill_tokens,
+                "decode_blocks": c.decode_blocks,
+                "in_flight": c.in_flight,
+                "resident_blocks": c.cached_blocks,
+                "total_blocks": c.total_blocks,
+                "new_blocks": c.new_blocks,
+                "evicted_hot_blocks": c.evicted_hot_blocks,
+                "pressure": round(c.pressure, 3),
+                "cost": round(c.cost, 3),
+                "chosen": c is d.chosen,
+            }
+            for c in d.candidates
+        ],
+    }
+
+
+class RecentActivity:
+    """Rings of recent decisions and events (newest last)."""
+
+    def __init__(self, *, decisions: int = DECISIONS, events: int = EVENTS) -> None:
+        self._decisions: deque[_Routed] = deque(maxlen=decisions)
+        self._events: deque[dict[str, Any]] = deque(maxlen=events)
+        self.seq = 0  # events recorded so far (a page asks for those after the last it saw)
+
+    def routed(self, request_id: str, model: str, leg: str, decision: Decision) -> None:
+        """One leg of a request for `model` was sent to `decision.chosen`."""
+        self._decisions.append(_Routed(time.time(), request_id, model, leg, decision))
+
+    def event(self, kind: str, text: str, *, worker_id: str = "") -> None:
+        """A notable event: `kind` is migration, resync, gap, error, worker-joined, worker-left."""
+        self.seq += 1
+        self._events.append({"seq": self.seq, "at": time.time(), "kind": kind, "text": text, "worker_id": worker_id})
+
+    def decisions(self, limit: int = DECISIONS) -> list[dict[str, Any]]:
+        """The newest `limit` decisions, newest first."""
+        out = []
+        for r in list(self._decisions)[-limit:][::-1]:
+            out.append({"at": r.at, "request_id": r.request_id, "model": r.model, "leg": r.leg, **decision_dict(r.decision)})
+        return out
+
+    def events(self, limit: int = EVENTS) -> list[dict[str, Any]]:
+        """The newest `limit` events, newest first."""
+        return list(self._events)[-limit:][::-1]
