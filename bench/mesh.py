@@ -5,6 +5,7 @@
     .venv/bin/python bench/mesh.py --profile               # + a py-spy profile of every meshllm process
     .venv/bin/python bench/mesh.py --overhead --dynamo     # + TTFT/ITL at speedup 1, c=1: engine alone vs the mesh
     .venv/bin/python bench/mesh.py --requests 64 --speedup 1000 --concurrency 32 --no-write   # a quick look
+    .venv/bin/python bench/mesh.py --tls --no-router --speedup 1000 --concurrency 32 --repeats 2   # TLS cost
     .venv/bin/python bench/mesh.py --frontend-extra "--some-flag 2"   # extra flags for every `meshllm frontend`
 
 Systems (bench/mesh_systems.py), each started on loopback ephemeral ports as separate OS processes, one after
@@ -172,6 +173,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for cmd in EXTRA_COMMANDS:
         p.add_argument(f"--{cmd}-extra", default="", help=f"extra flags for every `meshllm {cmd}` (one string)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="each split system also with mTLS, right after it; prints the TLS cost (implies --no-write)",
+    )
     args = p.parse_args(argv)
     args.overhead = args.overhead or args.overhead_only
     args.profile_requests = args.profile_requests or args.requests
@@ -182,6 +188,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     systems = [k for k, skip in (("split", args.no_split), ("router", args.no_router)) if not skip]
+    if args.tls:  # plaintext, then mTLS, one after the other: the same machine state for both
+        systems = [v for k in systems for v in (k, f"{k}+mtls")]
     systems += (["run"] if args.in_process else []) + (["dynamo"] if args.dynamo else [])
     if not systems:
         raise SystemExit("nothing to measure: every system is switched off")
@@ -210,6 +218,25 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     return res
 
 
+def tls_summary(res: Results) -> str:
+    """Per system and level: mean over repeats of req/s and TTFT/ITL p50/p90/p99, plus every repeat's req/s."""
+    lines = [f"TLS cost: {res.repeats} repeat(s), {res.requests} requests per level, load average {res.load_avg}"]
+    for (speedup, kind, c), rows in sorted(res.rows.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+
+        def mean(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return sum(r[key] for r in rows) / len(rows)
+
+        ttft = "/".join(f"{mean(f'ttft_p{q}_ms'):.1f}" for q in (50, 90, 99))
+        itl = "/".join(f"{mean(f'itl_p{q}_ms'):.2f}" for q in (50, 90, 99))
+        each = ", ".join(f"{r['req_per_s']:.1f}" for r in rows)
+        lines.append(
+            f"  speedup {speedup:g} c={c} {LABELS[kind]}: {mean('req_per_s'):.1f} req/s ({each}); TTFT p50/p90/p99 "
+            f"{ttft} ms; ITL p50/p90/p99 {itl} ms; errors {sum(r['errors'] for r in rows)}; "
+            f"CPU-ms/req {sum(sum(r['cpu_ms'].values()) for r in rows) / len(rows):.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     for key in [k for k in os.environ if k.startswith(("MESHLLM_", "OTEL_"))]:
@@ -224,7 +251,9 @@ def main(argv: list[str]) -> int:
             return 130
     text = section(res, HEADING)
     print(text)
-    if not args.no_write:
+    if args.tls:
+        print(tls_summary(res))
+    elif not args.no_write:
         write_section(HEADING, text)
     return 0
 

@@ -3,6 +3,9 @@
 - `split`: etcd + nats-server + N `meshllm worker --engine mocker` + `meshllm frontend` (embedded routing core);
 - `router`: the same with a `meshllm router` process between the frontend (`--router-address`) and the workers;
 - `run`: `meshllm run` (frontend, routing core and workers in one process; in-memory planes);
+- `split+mtls`, `router+mtls` (`bench/mesh.py --tls`): the same with mTLS on every gRPC hop (a certificate per
+  process from `meshllm.certs.make_dev_pki`), HTTPS with the frontend's public API (`--api-client-certs none`,
+  as in deploy/compose.yaml); etcd and NATS unchanged;
 - `dynamo`: NVIDIA Dynamo 1.6.1 through ../shared/anchors/dynamo/up.sh agg (its etcd, NATS, frontend with
   embedded router, N mocker processes), stopped by down.sh; PIDs from the pids file up.sh writes.
 
@@ -16,16 +19,18 @@ import asyncio
 import os
 import re
 import shutil
+import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
 
 from meshllm.bench.http import Connection, Endpoint
+from meshllm.certs import make_dev_pki
 from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
@@ -38,6 +43,8 @@ MODEL_DIR = DYNAMO_DIR / "models" / "smollm2-135m-instruct"
 LABELS = {
     "split": "meshllm split",
     "router": "meshllm split + router process",
+    "split+mtls": "meshllm split, mTLS",
+    "router+mtls": "meshllm split + router process, mTLS",
     "run": "meshllm run (one process)",
     "dynamo": "Dynamo 1.6.1",
 }
@@ -55,6 +62,7 @@ class SystemSpec:
     model_path: Path = MODEL_DIR
     model_name: str = "smollm2-135m-instruct"
     extra: Mapping[str, Sequence[str]] = field(default_factory=dict)  # command → extra flags (frontend, router, ...)
+    tls: bool = False  # mTLS between the processes, HTTPS on the frontend (the `+mtls` kinds)
 
 
 @dataclass(slots=True)
@@ -71,7 +79,11 @@ class Running:
 @asynccontextmanager
 async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
     """Start `kind` (a key of LABELS), wait until it serves on every worker, stop it on exit."""
-    if kind in ("split", "router"):
+    if kind in ("split+mtls", "router+mtls"):
+        async with _split(replace(spec, tls=True), router=kind == "router+mtls") as running:
+            running.kind = kind
+            yield running
+    elif kind in ("split", "router"):
         async with _split(spec, router=kind == "router") as running:
             yield running
     elif kind == "run":
@@ -87,11 +99,12 @@ async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
 # ---------------------------------------------------------------- readiness probes
 
 
-async def http_get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
-    """A one-shot HTTP/1.0 GET on 127.0.0.1; (0, b'') when nothing answers."""
+async def http_get(port: int, path: str, timeout_s: float = 5.0, *, tls: bool = False) -> tuple[int, bytes]:
+    """A one-shot HTTP/1.0 GET on 127.0.0.1 (HTTPS when `tls`, trusting $SSL_CERT_FILE); (0, b'') when nothing answers."""
+    ctx = ssl.create_default_context() if tls else None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout_s)
-    except (OSError, TimeoutError):
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), timeout_s)
+    except (OSError, TimeoutError, ssl.SSLError):
         return 0, b""
     try:
         writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
@@ -126,10 +139,10 @@ async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: flo
 
 
 async def _healthy(url: str) -> None:
-    port = Endpoint.parse(url).port
+    ep = Endpoint.parse(url)
 
     async def check() -> bool:
-        status, _ = await http_get(port, "/health")
+        status, _ = await http_get(ep.port, "/health", tls=ep.scheme == "https")
         return status == 200
 
     await _until(f"{url}/health answers 200", check)
@@ -185,8 +198,37 @@ async def _stop_all(procs: Sequence[MeshllmProcess]) -> None:
         await p.stop()
 
 
+@contextmanager
+def _mesh_tls(spec: SystemSpec, names: Sequence[str]) -> Iterator[dict[str, list[str]]]:
+    """name → its `--tls-*` flags (empty without `spec.tls`); the load generator trusts the CA meanwhile."""
+    if not spec.tls:
+        yield {name: [] for name in names}
+        return
+    with tempfile.TemporaryDirectory(prefix="meshllm-bench-pki-") as tmp:
+        pki, files = make_dev_pki(tmp, names)
+        flags = {n: ["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca)] for n, f in files.items()}
+        flags["frontend"] += ["--api-client-certs", "none"]  # public clients: TLS alone, as in deploy/compose.yaml
+        before = os.environ.get("SSL_CERT_FILE")
+        os.environ["SSL_CERT_FILE"] = str(pki.ca_path)  # the bench's HTTPS clients verify the frontend with the dev CA
+        try:
+            yield flags
+        finally:
+            if before is None:
+                os.environ.pop("SSL_CERT_FILE", None)
+            else:
+                os.environ["SSL_CERT_FILE"] = before
+
+
 @asynccontextmanager
 async def _split(spec: SystemSpec, *, router: bool) -> AsyncIterator[Running]:
+    names = ["frontend", "router", *(f"worker-{i + 1}" for i in range(spec.workers))]
+    with _mesh_tls(spec, names) as tls:
+        async with _split_planes(spec, router=router, tls=tls) as running:
+            yield running
+
+
+@asynccontextmanager
+async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Sequence[str]]) -> AsyncIterator[Running]:
     async with EtcdServer() as etcd, NatsServer() as nats:
         planes = ("--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url)
         sim = await asyncio.to_thread(simulated_model_flags, spec.model_path)
@@ -197,7 +239,10 @@ async def _split(spec: SystemSpec, *, router: bool) -> AsyncIterator[Running]:
                 "worker", "--engine", "mocker", "--host", "127.0.0.1", "--port", "0", "--model-name", spec.model_name,
                 *planes, "--speedup-ratio", f"{spec.speedup:g}", *sim, *spec.extra.get("worker", ()),
             ]  # fmt: skip
-            workers = [MeshllmProcess(*argv, "--metrics-port", str(port), env=ENV) for port in ports]
+            workers = [
+                MeshllmProcess(*argv, "--metrics-port", str(port), *tls[f"worker-{i + 1}"], env=ENV)
+                for i, port in enumerate(ports)
+            ]
             procs[:0] = workers
             for w in workers:
                 await w.address(READY_S)
@@ -207,7 +252,7 @@ async def _split(spec: SystemSpec, *, router: bool) -> AsyncIterator[Running]:
                 rport = free_port()
                 rp = MeshllmProcess(
                     "router", "--host", "127.0.0.1", "--port", "0", "--router-mode", spec.router_mode,
-                    "--metrics-port", str(rport), *planes, *spec.extra.get("router", ()), env=ENV,
+                    "--metrics-port", str(rport), *planes, *tls["router"], *spec.extra.get("router", ()), env=ENV,
                 )  # fmt: skip
                 procs.insert(0, rp)
                 address = await rp.address(READY_S)
@@ -221,7 +266,7 @@ async def _split(spec: SystemSpec, *, router: bool) -> AsyncIterator[Running]:
             fe = MeshllmProcess(
                 "frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
                 "--router-mode", spec.router_mode, "--model-path", str(spec.model_path), *planes, *upstream,
-                *spec.extra.get("frontend", ()), env=ENV,
+                *tls["frontend"], *spec.extra.get("frontend", ()), env=ENV,
             )  # fmt: skip
             procs.insert(0, fe)
             url = (await _ready_line(fe, r"OpenAI HTTP API on (\S+)/v1"))[1]

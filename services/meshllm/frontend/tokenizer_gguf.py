@@ -47,8 +47,12 @@ _SCALARS: dict[int, str] = {
 
 
 def default_cache_dir() -> Path:
-    """~/.cache/meshllm/tokenizers: where GGUF-built tokenizers are kept unless told otherwise."""
-    return Path.home() / ".cache" / "meshllm" / "tokenizers"
+    """$XDG_CACHE_HOME/meshllm/tokenizers (~/.cache/...): where GGUF-built tokenizers are kept unless told otherwise.
+
+    XDG_CACHE_HOME lets a user without a writable home (the container image's) keep the cache elsewhere.
+    """
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "meshllm" / "tokenizers"
 
 
 def is_gguf(path: Path) -> bool:
