@@ -1,4 +1,9 @@
-"""The conformance kit passes for the `mocker` engine (timing model off: --speedup-ratio 0)."""
+"""The conformance kit passes for the `mocker` engine (timing model off: --speedup-ratio 0).
+
+Like the sample and llamacpp suites, no clause may fall back to a note: the
+mocker is the default engine, so losing greedy determinism (or a cleanup that
+raises) must fail here rather than pass quietly with a note.
+"""
 
 from __future__ import annotations
 
@@ -13,3 +18,4 @@ async def test_mocker_passes_clause(clause: Clause) -> None:
     """Locks: the default engine satisfies every clause of the LLMEngine contract."""
     result = await run_check(clause, factory_for(load_engine_class("mocker"), ["--speedup-ratio", "0"]))
     assert result.passed, result.error
+    assert result.notes == (), f"the mocker is deterministic: no check should fall back ({result.notes})"
