@@ -5,12 +5,22 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: run test venv dev servers lint typecheck pytest proto clean
+.PHONY: run test check venv dev servers lint typecheck pytest proto clean
 
+PORT ?= 8000
+ARGS ?=
+
+# make run PORT=9000 ARGS="--workers 4 --router-mode round-robin"
 run: venv
-	$(BIN)/meshllm run
+	@echo "meshllm is installed in $(VENV): run '. $(VENV)/bin/activate' to put the meshllm command on your PATH"
+	$(BIN)/meshllm run --http-port $(PORT) $(ARGS)
 
 test: dev servers lint typecheck pytest
+
+# The fast tier, for every edit: lint, types, unit, component and conformance tests that need no etcd, NATS,
+# browser or GPU (no `servers` step). `make test` (what .ci/run runs) is the full suite.
+check: dev lint typecheck
+	$(BIN)/pytest -q -m "not integration and not slow and not gpu" tests/unit tests/component tests/conformance
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; sys.exit("meshllm needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -34,15 +44,24 @@ venv: $(VENV)/.installed
 
 dev: $(VENV)/.installed-dev
 
-# Real etcd and nats-server binaries for the integration tests.
+# Real etcd and nats-server binaries for the integration tests, and Debian's chromium for the /dashboard browser test
+# (skipped, with the reason printed here, only where chromium cannot be installed).
 servers:
-	@if command -v etcd >/dev/null && command -v nats-server >/dev/null; then exit 0; fi; \
+	@if command -v etcd >/dev/null && command -v etcdctl >/dev/null && command -v nats-server >/dev/null; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ]; then \
-		echo "make test: etcd and nats-server are missing; install them (apt-get install etcd-server nats-server) or run as root"; exit 1; \
+		echo "make test: etcd, etcdctl or nats-server is missing; install them (apt-get install etcd-server etcd-client nats-server) or run as root"; exit 1; \
 	fi; \
 	export DEBIAN_FRONTEND=noninteractive; \
-	apt-get update -qq && apt-get install -y -qq etcd-server nats-server >/dev/null; \
-	command -v etcd >/dev/null && command -v nats-server >/dev/null || { echo "make test: apt-get could not install etcd-server and nats-server"; exit 1; }
+	apt-get update -qq && apt-get install -y -qq etcd-server etcd-client nats-server >/dev/null; \
+	command -v etcd >/dev/null && command -v etcdctl >/dev/null && command -v nats-server >/dev/null || { echo "make test: apt-get could not install etcd-server, etcd-client and nats-server"; exit 1; }
+	@if command -v chromium >/dev/null; then exit 0; fi; \
+	why="chromium is missing and this is not root (apt-get install chromium)"; \
+	if [ "$$(id -u)" = 0 ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; \
+		why="apt-get could not install chromium"; \
+	fi; \
+	command -v chromium >/dev/null || echo "make test: $$why; the dashboard's browser test (tests/integration/test_dashboard_browser.py) will be skipped"
 
 lint: dev
 	$(BIN)/ruff check services tests protos bench clients

@@ -86,7 +86,10 @@ async def drive(url: str, model: str, load: Load, concurrency: int, requests: in
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if not out.strip():
         raise RuntimeError(f"meshllm bench failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
-    row: dict[str, Any] = orjson.loads(out)[0]
+    # JSON has no NaN: `meshllm bench --json` writes a figure it could not measure as null.
+    row: dict[str, Any] = {k: math.nan if v is None else v for k, v in orjson.loads(out)[0].items()}
+    if row.get("errors"):
+        print(f"    meshllm bench: {row['errors']} failed request(s); {err.decode(errors='replace')[-300:]}", flush=True)
     row["loadgen_cpu_s"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     return row
 

@@ -15,10 +15,12 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str | None, str]] = {
     "run": ("meshllm.run:main", "frontend + router + workers in one process (the embedded default)"),
     "frontend": ("meshllm.frontend.main:main", "OpenAI HTTP API and text gRPC Inference API"),
-    "bench": ("meshllm.bench.main:main", "load generator for any OpenAI endpoint (table, JSON, plot)"),
+    "bench": ("meshllm.bench.main:main", "load generator for any OpenAI endpoint (latency percentiles, goodput, JSON, CSV)"),
     "router": ("meshllm.router.main:main", "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
     "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),
+    "certs": ("meshllm.certs:main", "create a development CA and per-service TLS certificates"),
+    "completion": ("meshllm.completion:main", "print a shell completion script: meshllm completion bash|zsh"),
 }
 
 USAGE = "usage: meshllm {" + ",".join(COMMANDS) + "} [options]  (meshllm COMMAND --help for its flags)"
@@ -34,8 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
+        width = max(map(len, COMMANDS))
         for name, (_, desc) in COMMANDS.items():
-            print(f"  {name:<9} {desc}")
+            print(f"  {name:<{width}}  {desc}")
         return 0 if args else 2
     if args[0] == "--version":
         print(f"meshllm {__version__}")

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from meshllm.errors import InvalidArgument
+from meshllm.plane.credentials import EtcdCredentials, NatsCredentials, add_etcd_args, add_nats_args
 
 __all__ = [
     "ConfigError",
+    "DefaultsHelpFormatter",
     "DiscoveryKind",
     "EnvArgumentParser",
     "EventsKind",
@@ -55,13 +57,30 @@ def env_name(flag: str) -> str:
     return "MESHLLM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each option's default, "(default: 8000)", unless it has none or its help already speaks of it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or text == argparse.SUPPRESS or "default" in text.lower():
+            return action.help
+        if default is None or default is False or default is argparse.SUPPRESS or default in ("", [], ()):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose long options default to their `MESHLLM_*` variable.
 
-    Errors print one line (`meshllm worker: error: ...`) and exit with status 2.
+    `--help` shows every option's default (`DefaultsHelpFormatter`) and its
+    variable. Errors print one line (`meshllm worker: error: ...`) and exit
+    with status 2.
     """
 
     def __init__(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self.env: Mapping[str, str] = env if env is not None else {}
 
@@ -112,6 +131,12 @@ def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port_s)
 
 
+# Default least time between two stream messages to one peer (--stream-interval-ms). A message
+# costs a fixed ~100 µs of CPU at each end whatever it carries, so engines stepping faster than
+# this have their steps sent together; a stream's first chunk never waits (TTFT).
+DEFAULT_STREAM_INTERVAL_MS = 2.0
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerConfig:
     """Where and how a gRPC server listens."""
@@ -121,7 +146,7 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     # Least time between two messages of one Generate session (plane/session.py):
     # engine steps closer together than this travel as one message.
-    stream_interval_ms: float = 1.0
+    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -142,6 +167,8 @@ class PlaneConfig:
     lease_ttl_s: float = 10.0
     events: EventsKind = EventsKind.MEMORY
     nats_url: str = "nats://127.0.0.1:4222"
+    etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
+    nats_credentials: NatsCredentials = field(default_factory=NatsCredentials)
 
     def __post_init__(self) -> None:
         if not self.namespace or not all(c.isalnum() or c in "-_" for c in self.namespace):
@@ -150,19 +177,41 @@ class PlaneConfig:
             if not self.etcd_endpoints:
                 raise ConfigError("--etcd-endpoints is empty")
             for ep in self.etcd_endpoints:
-                parse_host_port(ep, what="etcd endpoint")
+                scheme, _, rest = ep.rpartition("://")
+                if scheme not in ("", "http", "https"):
+                    raise ConfigError(f"etcd endpoint {ep!r}: scheme must be http:// or https://")
+                if scheme == "http" and self.etcd_credentials.tls:
+                    raise ConfigError(f"etcd endpoint {ep!r} is http:// but --etcd-ca/--etcd-cert ask for TLS")
+                parse_host_port(rest, what="etcd endpoint")
         if self.lease_ttl_s < 2:
             raise ConfigError(f"lease TTL {self.lease_ttl_s}s is too short (minimum 2s)")
         if self.events is EventsKind.NATS and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(f"--nats-url {self.nats_url!r} must start with nats:// or tls://")
 
+    def static(self, *, namespace: str | None = None, events_flag: str | None = None) -> PlaneConfig:
+        """This plane in static mode: no etcd, and no NATS unless `--events` (`events_flag`) asked for it."""
+        return PlaneConfig(
+            namespace=namespace or self.namespace,
+            discovery=DiscoveryKind.STATIC,
+            events=self.events if events_flag else EventsKind.NONE,
+            nats_url=self.nats_url,
+            nats_credentials=self.nats_credentials,
+        )
+
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> PlaneConfig:
         """Build from the flags added by `add_plane_args`."""
         discovery = DiscoveryKind(ns.discovery)
-        events = EventsKind(ns.events) if ns.events else (
-            EventsKind.NATS if discovery is DiscoveryKind.ETCD else
-            EventsKind.MEMORY if discovery is DiscoveryKind.MEMORY else EventsKind.NONE
+        events = (
+            EventsKind(ns.events)
+            if ns.events
+            else (
+                EventsKind.NATS
+                if discovery is DiscoveryKind.ETCD
+                else EventsKind.MEMORY
+                if discovery is DiscoveryKind.MEMORY
+                else EventsKind.NONE
+            )
         )
         return cls(
             namespace=ns.namespace,
@@ -171,6 +220,8 @@ class PlaneConfig:
             lease_ttl_s=ns.lease_ttl,
             events=events,
             nats_url=ns.nats_url,
+            etcd_credentials=EtcdCredentials.from_namespace(ns),
+            nats_credentials=NatsCredentials.from_namespace(ns),
         )
 
 
@@ -190,7 +241,9 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
         default=default_discovery.value,
         help="discovery backend",
     )
-    g.add_argument("--etcd-endpoints", default="127.0.0.1:2379", help="comma-separated etcd host:port list")
+    g.add_argument(
+        "--etcd-endpoints", default="127.0.0.1:2379", help="comma-separated etcd host:port list (https://host:port: TLS)"
+    )
     g.add_argument("--lease-ttl", type=float, default=10.0, help="discovery lease TTL in seconds")
     g.add_argument(
         "--events",
@@ -199,12 +252,16 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
         help="event plane (default: nats with etcd, memory with memory, none with static)",
     )
     g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
+    add_etcd_args(parser.add_argument_group("etcd TLS and authentication"))
+    add_nats_args(parser.add_argument_group("NATS TLS and authentication"))
 
 
 def add_tracing_args(parser: EnvArgumentParser) -> None:
     """`--otlp-endpoint`, defaulting to OpenTelemetry's own `OTEL_EXPORTER_OTLP_ENDPOINT`."""
     parser.add_argument(
         "--otlp-endpoint",
-        default=parser.env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-        help="OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = tracing off)",
+        default=parser.env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        or ("console" if parser.env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "console" else ""),
+        help="OTLP gRPC endpoint for traces, or 'console' for one JSON line per span on stderr "
+        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else console when $OTEL_TRACES_EXPORTER=console; empty = tracing off)",
     )

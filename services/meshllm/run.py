@@ -19,7 +19,6 @@ processes (etcd, NATS), and `meshllm run` keeps both in memory in one process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shlex
@@ -39,13 +38,22 @@ from meshllm.config import (
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.frontend.config import ROUTER_MODES, FrontendConfig, check_frontend_workers, check_model_path
+from meshllm.frontend.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
+from meshllm.frontend.config import (
+    ROUTER_MODES,
+    FrontendConfig,
+    add_output_args,
+    check_frontend_workers,
+    check_model_path,
+)
 from meshllm.frontend.main import Frontend, setup_logging
 from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
+from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import GrpcServer, start_server
+from meshllm.ports import check_free_all
 from meshllm.router import RouterCore
 from meshllm.router.service import router_binding
 from meshllm.worker.runtime import Worker
@@ -74,7 +82,10 @@ class RunConfig:
     max_inflight: int = 4096
     otlp_endpoint: str | None = None
     frontend_workers: int = 1
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/auth.py)
+    metrics_auth: bool = False
     frontend_extra: dict[str, Any] = field(default_factory=dict)
+    security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token of every server and client
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -104,6 +115,9 @@ class RunConfig:
             max_inflight=self.max_inflight,
             model_path=self.model_path,
             model_name=self.model_name,
+            api_keys=self.api_keys,
+            metrics_auth=self.metrics_auth,
+            security=self.security,
             **self.frontend_extra,
         )
 
@@ -119,6 +133,11 @@ class RunConfig:
             argv += ["--model-name", self.model_name]
         if self.model_path and self.engine not in ("mocker", "sample"):
             argv += ["--model-path", self.model_path]
+        if (tls := self.security.tls) is not None:
+            argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+            argv += ["--tls-ca", str(tls.ca)] if tls.ca is not None else []
+        if self.security.token is not None:
+            argv += ["--mesh-token", self.security.token]  # parsed in this process, never on a command line
         return argv + list(self.engine_args)
 
 
@@ -145,6 +164,9 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
         "--frontend-workers", type=int, default=1,
         help="frontend processes (only 1: the in-memory planes cannot be shared; see meshllm frontend --workers)",
     )  # fmt: skip
+    add_output_args(parser)
+    add_api_key_args(parser)
+    add_security_args(parser)
     add_tracing_args(parser)
     return parser
 
@@ -159,6 +181,8 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
     ns = run_arg_parser().parse_args(args)
     if ns.model_path is not None:
         check_model_path(ns.model_path)
+    outputs = {"tool_call_parser": ns.tool_call_parser, "reasoning_parser": ns.reasoning_parser}
+    _ = FrontendConfig(**outputs).parsers  # a bad parser name stops here, with one line
     return RunConfig(
         workers=ns.workers,
         prefill_workers=ns.prefill_workers,
@@ -174,7 +198,11 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         namespace=ns.namespace,
         max_inflight=ns.max_inflight,
         otlp_endpoint=ns.otlp_endpoint or None,
+        api_keys=api_keys_from_namespace(ns),
+        metrics_auth=ns.metrics_auth,
         frontend_workers=ns.frontend_workers,
+        security=MeshSecurity.from_namespace(ns),
+        frontend_extra={**outputs, "strict_params": ns.strict_params},
     )
 
 
@@ -202,6 +230,14 @@ class Mesh(AsyncCloseable):
 
     async def _start(self, ready_timeout_s: float) -> None:
         cfg = self.config
+        host = cfg.http_host
+        check_free_all(
+            [
+                (host, cfg.http_port, "--http-port"),
+                (host, cfg.grpc_port, "--grpc-port"),
+                ("127.0.0.1", cfg.router_port, "--router-port"),
+            ]
+        )
         engine_cls = load_engine_class(cfg.engine)
         roles = ["prefill"] * cfg.prefill_workers + ["decode" if cfg.prefill_workers else "agg"] * cfg.workers
         simulate = await _simulated_model_flags(cfg)
@@ -216,7 +252,12 @@ class Mesh(AsyncCloseable):
         self.frontend = await Frontend.start(
             cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker, local=self.local
         )
-        self.router_server = await _serve_router(self.frontend.router, cfg.router_port)
+        self.router_server = await _serve_router(self.frontend.router, cfg.router_port, cfg.security)
+        # One /metrics for the whole process: the frontend's, the routing core's and every worker's.
+        if self.frontend.router is not None:
+            self.frontend.metrics.include(self.frontend.router.metrics.registry)
+        for w in self.workers:
+            self.frontend.metrics.include(w.metrics.registry)
         assert self.frontend.registry is not None
         for name in {w.model_card.name for w in self.workers if w.model_card is not None}:
             await self.frontend.registry.wait_for(name, timeout_s=ready_timeout_s)
@@ -235,6 +276,7 @@ class Mesh(AsyncCloseable):
         assert self.frontend is not None
         url = self.frontend.url
         out = [f"OpenAI HTTP API    {url}/v1   (health {url}/health, metrics {url}/metrics)"]
+        out.append(f"Live mesh page     {url}/dashboard")
         if self.frontend.grpc_address:
             out.append(f"Inference gRPC     {self.frontend.grpc_address}")
         if self.router_address:
@@ -243,7 +285,10 @@ class Mesh(AsyncCloseable):
             out.append(f"worker {w.config.role.value:<8}   {w.address}   ({w.id}, engine {w.config.engine})")
         body = f'{{"model": "{self.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
         out.append(
-            f"try: curl {self.frontend.url}/v1/chat/completions -H 'content-type: application/json' -d {shlex.quote(body)}"
+            f"try: curl {self.frontend.url}/v1/chat/completions -H 'content-type: application/json'"
+            + (" -H 'authorization: Bearer YOUR_API_KEY'" if self.config.api_keys else "")
+            + _curl_tls(self.config.security)
+            + f" -d {shlex.quote(body)}"
         )
         return out
 
@@ -260,6 +305,14 @@ class Mesh(AsyncCloseable):
                 log.warning("worker shutdown failed: %s", r)
 
 
+def _curl_tls(security: MeshSecurity) -> str:
+    """curl's TLS flags for the HTTPS API: the CA, and a client certificate under mTLS."""
+    tls = security.tls
+    if tls is None or tls.ca is None:
+        return ""
+    return f" --cacert {shlex.quote(str(tls.ca))} --cert YOUR_CLIENT_CERT --key YOUR_CLIENT_KEY"
+
+
 async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
     """With --model-path, the mocker simulates that model: its vocabulary size and EOS id."""
     if cfg.engine != "mocker" or not cfg.model_path:
@@ -273,12 +326,12 @@ async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
     return flags
 
 
-async def _serve_router(router: RouterCore | None, port: int) -> GrpcServer | None:
+async def _serve_router(router: RouterCore | None, port: int, security: MeshSecurity) -> GrpcServer | None:
     """Serve the frontend's embedded routing core as the Router gRPC service too (grpcurl's view of routing)."""
     if router is None:
         return None
     binding = router_binding(router)
-    return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding])
+    return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding], port_flag="--router-port", security=security)
 
 
 async def serve(config: RunConfig) -> int:
@@ -296,6 +349,4 @@ def main(argv: Sequence[str]) -> int:
         print(f"meshllm run: error: {exc.message}", file=sys.stderr)
         return 2
     setup_logging()
-    with contextlib.suppress(KeyboardInterrupt):
-        return run_loop(serve(config))
-    return 130
+    return run_loop(serve(config))

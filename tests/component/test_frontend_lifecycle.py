@@ -51,9 +51,8 @@ async def test_non_streaming_disconnect_cancels_too(mesh: Mesh) -> None:
     engine = mesh.engines[0]
     await conn._connect()
     assert conn._writer is not None
-    conn._writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(forever(False)) + forever(False)
-    )
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn._writer.write(head + b"Content-Length: %d\r\n\r\n" % len(forever(False)) + forever(False))
     await wait_until(lambda: bool(engine.started))
     await conn.close()
     await wait_until(lambda: bool(engine.stops), timeout_s=10)

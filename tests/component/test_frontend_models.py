@@ -25,9 +25,7 @@ def make_model_dir(root: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
-    )
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
     return root
 
 

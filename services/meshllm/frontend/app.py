@@ -1,36 +1,67 @@
 """The OpenAI-compatible HTTP API as a hand-written ASGI app (served by uvicorn + httptools + uvloop).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health (ready: admitting and serving a model), GET /live, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings,
+GET /v1/models, GET /v1/models/{model}, POST /v1/tokenize and /v1/detokenize (also without
+/v1, as vLLM serves them; frontend/tokenize_api.py), GET /health (ready: admitting and serving a model), GET /live, GET /metrics,
+and the live mesh page GET /dashboard (+ /dashboard/state, frontend/dashboard.py).
 
 Every error is an OpenAI error body with the status from
 `meshllm.errors.ERROR_TABLE` (429 carries Retry-After); nothing a client sends
-can raise out of the app, and no traceback reaches a user. Request bodies are
-capped (`max_body_bytes`, 413). A client that disconnects cancels its request
-at once: a watcher on `receive()` cancels the handler, which closes the
-upstream streams, which cancels the gRPC calls down to the engine.
+can raise out of the app, and no traceback reaches a user. A client that
+disconnects cancels its request at once: a watcher on `receive()` cancels the
+handler, which closes the upstream streams, which cancels the gRPC calls down
+to the engine.
+
+Before a request runs (docs/security.md): with API keys set, every route but
+/health, /live, the dashboard page's files (and /metrics and /dashboard/state
+unless `metrics_auth`) needs `Authorization: Bearer KEY` (401
+`invalid_api_key`); POST bodies must be `application/json`
+(415); a body must arrive within `body_timeout_s` (408) and fit
+`max_body_bytes` (413). A refused request's body is read and dropped up to
+`DISCARD_LIMIT_BYTES` before the answer, and the connection then closed, so
+the client reads the status instead of a reset. Header timeouts and sizes are
+enforced below the app (`meshllm.frontend.http_guard`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import uvicorn
 from opentelemetry.trace import SpanKind
 
-from meshllm.errors import InvalidArgument, MeshError, Overloaded, Unknown, openai_error_body, spec_of
+from meshllm.errors import (
+    InvalidArgument,
+    MeshError,
+    Overloaded,
+    Unknown,
+    log_unexpected,
+    openai_error_body,
+    shorten,
+    spec_of,
+)
+from meshllm.frontend.auth import ApiKeys, AuthFailure, unauthorized_body
+from meshllm.frontend.dashboard import ASSETS, Dashboard, asset
+from meshllm.frontend.http_guard import guarded_protocol
 from meshllm.frontend.inference import Completion, InferenceCore
+
+if TYPE_CHECKING:
+    from meshllm.plane.tls import TlsConfig
+from meshllm.frontend import embeddings_api
 from meshllm.frontend.responses import collect, sse_events
+from meshllm.frontend.responses_api import ResponsesApi
+from meshllm.frontend.tokenize_api import detokenize, model_info, tokenize
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.transport import CallInfo
-from meshllm.protocol.openai import TextRequest, model_list, parse_chat, parse_completion
-from meshllm.tracing import extract_context, tracer
+from meshllm.protocol.openai import TextRequest, model_list, parse_chat, parse_completion, parse_json_body
+from meshllm.tracing import FRONTEND_SERVICE, extract_context, tracer
 
 __all__ = ["HttpServer", "OpenAIApp"]
 
@@ -40,13 +71,35 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+# How a completion becomes a response body: (whole JSON body, SSE events); chat/completions' or the Responses API's.
+Shape = tuple[Callable[[Completion], Awaitable[Any]], Callable[[Completion], AsyncIterator[bytes]]]
+EMBEDDINGS: Shape = (embeddings_api.collect, embeddings_api.events)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+IGNORED_HEADER = b"x-meshllm-ignored-params"  # request fields that had no effect, comma-separated
+CLOSE = (b"connection", b"close")
+WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="meshllm"')
+# Most of a refused or oversized body read (and dropped) before answering; past it the connection is cut.
+DISCARD_LIMIT_BYTES = 64 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+MODEL_KEY = "meshllm.model"  # scope key: the model a request named, for the request counter
 
 
 class BodyTooLarge(InvalidArgument):
     """The request body is over the frontend's limit (HTTP 413)."""
+
+
+class RequestTimeout(InvalidArgument):
+    """The request body did not arrive in time (HTTP 408)."""
+
+
+class UnsupportedMediaType(InvalidArgument):
+    """A POST body that is not application/json (HTTP 415)."""
+
+
+_STATUS: dict[type[MeshError], int] = {BodyTooLarge: 413, RequestTimeout: 408, UnsupportedMediaType: 415}
 
 
 class _Disconnect:
@@ -77,18 +130,44 @@ class _Disconnect:
 class OpenAIApp:
     """ASGI callable: OpenAI routes over an InferenceCore."""
 
-    def __init__(self, core: InferenceCore, *, max_body_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        core: InferenceCore,
+        *,
+        max_body_bytes: int = 4 * 1024 * 1024,
+        api_keys: ApiKeys | None = None,
+        metrics_auth: bool = False,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        dashboard: Dashboard | None = None,
+        strict_params: bool = False,
+    ) -> None:
         self.core = core
+        self.responses = ResponsesApi()  # /v1/responses, with its stored responses (frontend/responses_api.py)
+        self.strict_params = strict_params  # unknown request fields are a 400 (else named in IGNORED_HEADER)
+        self.dashboard = dashboard
         self.metrics = core.metrics
         self.max_body_bytes = max_body_bytes
+        self.api_keys = api_keys if api_keys is not None else ApiKeys()
+        self.body_timeout_s = body_timeout_s
+        self._open_paths = {"/health", "/live"} | (set() if metrics_auth else {"/metrics"})
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[int]]] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self._responses,
+            ("POST", "/v1/embeddings"): self._embeddings,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/live"): self._live,
             ("GET", "/metrics"): self._metrics,
+            ("POST", "/v1/tokenize"): self._tokenize,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/v1/detokenize"): self._detokenize,
+            ("POST", "/detokenize"): self._detokenize,
         }
+        if dashboard is not None:  # the live mesh page (frontend/dashboard.py): its state is governed like /metrics
+            self._routes.update({("GET", path): self._dashboard_asset for path in ASSETS})
+            self._routes[("GET", "/dashboard/state")] = self._dashboard_state
+            self._open_paths |= set(ASSETS) | (set() if metrics_auth else {"/dashboard/state"})
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,9 +176,14 @@ class OpenAIApp:
         path = scope["path"].rstrip("/") or "/"
         method = scope["method"]
         handler = self._routes.get((method, path))
+        if handler is None and method == "GET" and path.startswith("/v1/models/"):
+            handler = self._model  # GET /v1/models/{model}: names may hold "/" (org/name)
         status = 500
         try:
-            if handler is None:
+            refused = self._authorize(scope) if self.api_keys and path not in self._open_paths else None
+            if refused is not None:
+                status = await self._refuse(scope, receive, send, 401, unauthorized_body(refused), WWW_AUTHENTICATE)
+            elif handler is None:
                 if path in self._paths:
                     status = await _error(send, InvalidArgument(f"method {method} is not allowed on {path}"), status=405)
                 else:
@@ -107,15 +191,74 @@ class OpenAIApp:
             else:
                 status = await handler(scope, receive, send)
         except Exception as exc:  # never a traceback to a user
-            log.exception("unhandled error on %s %s", method, path)
+            log_unexpected(log, f"unhandled error on {method} {shorten(path)}", exc)
             status = await _error(send, Unknown(f"internal error: {type(exc).__name__}"))
         finally:
-            self.metrics.requests.labels(path if handler is not None else "other", str(status)).inc()
+            route = path if handler is not None else "other"
+            self.metrics.requests.labels(route, str(status), scope.get(MODEL_KEY, "")).inc()
+
+    # ------------------------------------------------------------ refusals before a request runs
+    def _authorize(self, scope: Scope) -> AuthFailure | None:
+        """Check the Bearer key: None when accepted (counted under its key id), else why not."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        result = self.api_keys.check(header)
+        if isinstance(result, AuthFailure):
+            self.metrics.auth_failures.labels("http", result.value).inc()
+            return result
+        self.metrics.key_used(result, "http")
+        return None
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, body: Any, *headers: Any) -> int:
+        """Answer a request refused before its body was read: drop the body (bounded), answer, close."""
+        declared = _content_length(scope)
+        sent_body = declared != 0 and (declared is not None or _header(scope, b"transfer-encoding") is not None)
+        if sent_body and not _expects_continue(scope) and (declared is None or declared <= DISCARD_LIMIT_BYTES):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.body_timeout_s):
+                    await _discard(receive, DISCARD_LIMIT_BYTES)
+        return await _json(send, status, body, [*headers, CLOSE])
+
+    def _media_type_error(self, scope: Scope) -> UnsupportedMediaType | None:
+        value = _header(scope, b"content-type")
+        media = value.split(b";", 1)[0].strip().lower() if value is not None else b""
+        if media == b"application/json":
+            return None
+        got = f"Content-Type {shorten(media.decode('latin-1'), 60)!r}" if media else "no Content-Type"
+        return UnsupportedMediaType(
+            f"request bodies must be JSON with Content-Type: application/json; this request sent {got} "
+            "(curl: add -H 'Content-Type: application/json')"
+        )
 
     # ------------------------------------------------------------ simple routes
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> int:
         body = model_list([(m.name, m.created, m.context_length) for m in self.core.registry.list()])
         return await _json(send, 200, body)
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send) -> int:
+        try:
+            body = model_info(self.core, scope["path"].rstrip("/").removeprefix("/v1/models/"))
+        except MeshError as exc:
+            return await _error(send, exc)
+        return await _json(send, 200, body)
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._post_json(scope, receive, send, tokenize)
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._post_json(scope, receive, send, detokenize)
+
+    async def _post_json(
+        self, scope: Scope, receive: Receive, send: Send, run: Callable[[InferenceCore, Any], Awaitable[Any]]
+    ) -> int:
+        """A JSON POST answered with one JSON body (tokenize, detokenize)."""
+        media_error = self._media_type_error(scope)
+        if media_error is not None:
+            return await self._refuse(scope, receive, send, 415, openai_error_body(media_error))
+        try:
+            result = await run(self.core, parse_json_body(await self._read_body(scope, receive)))
+        except MeshError as exc:
+            return await _error(send, exc)
+        return await _json(send, 200, result)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> int:
         models = [m.name for m in self.core.registry.list()]
@@ -132,6 +275,19 @@ class OpenAIApp:
         await send({"type": "http.response.body", "body": data})
         return 200
 
+    async def _dashboard_asset(self, scope: Scope, receive: Receive, send: Send) -> int:
+        found = asset(scope["path"].rstrip("/"))
+        assert found is not None  # only asset paths are routed here
+        body, content_type = found
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return 200
+
+    async def _dashboard_state(self, scope: Scope, receive: Receive, send: Send) -> int:
+        assert self.dashboard is not None
+        return await _json(send, 200, self.dashboard.state(), [(b"cache-control", b"no-store")])
+
     # ------------------------------------------------------------ generation routes
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> int:
         return await self._generate(scope, receive, send, parse_chat)
@@ -139,36 +295,51 @@ class OpenAIApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> int:
         return await self._generate(scope, receive, send, parse_completion)
 
-    async def _generate(self, scope: Scope, receive: Receive, send: Send, parse: Callable[[Any], TextRequest]) -> int:
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> int:
+        return await self._generate(scope, receive, send, embeddings_api.parse_embeddings, shape=EMBEDDINGS)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> int:
+        api = self.responses
+        return await self._generate(scope, receive, send, api.parse, shape=(api.collect, api.events))
+
+    async def _generate(
+        self, scope: Scope, receive: Receive, send: Send, parse: Callable[..., TextRequest], *, shape: Shape | None = None
+    ) -> int:
         # The request's server span: a child of the caller's W3C traceparent, parent of the router call.
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in (b"traceparent", b"tracestate")}
-        with tracer().start_as_current_span(
+        with tracer(FRONTEND_SERVICE).start_as_current_span(
             f"{scope['method']} {scope['path']}", context=extract_context(headers), kind=SpanKind.SERVER
         ) as span:
-            status = await self._generate_traced(scope, receive, send, parse)
+            status = await self._generate_traced(scope, receive, send, parse, shape or (collect, sse_events))
             span.set_attribute("http.response.status_code", status)
             return status
 
-    async def _generate_traced(self, scope: Scope, receive: Receive, send: Send, parse: Callable[[Any], TextRequest]) -> int:
+    async def _generate_traced(
+        self, scope: Scope, receive: Receive, send: Send, parse: Callable[..., TextRequest], shape: Shape
+    ) -> int:
         t0 = time.perf_counter()
+        media_error = self._media_type_error(scope)
+        if media_error is not None:
+            return await self._refuse(scope, receive, send, 415, openai_error_body(media_error))
         try:
-            body = await self._read_body(scope, receive)
-            try:
-                data = orjson.loads(body)
-            except orjson.JSONDecodeError as exc:
-                raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-            req = parse(data)
+            req = parse(parse_json_body(await self._read_body(scope, receive)), strict=self.strict_params)
         except MeshError as exc:
             return await _error(send, exc)
+        extra: list[tuple[bytes, bytes]] = []
+        if req.ignored:  # never silently: the client sees which of its fields had no effect
+            names = ",".join(req.ignored)
+            log.debug("%s %s: ignored request fields %s", scope["method"], scope["path"], names)
+            extra.append((IGNORED_HEADER, shorten(names, 1000).encode("latin-1", "replace")))
         watch = _Disconnect(receive)
         completion: Completion | None = None
         try:
             completion = await self.core.begin(req, call=_call_info(scope), t0=t0)
+            scope[MODEL_KEY] = completion.model.name  # a served model's name only: clients cannot add series
             if req.stream:
-                return await self._stream(send, completion, watch)
-            result = await collect(completion)
+                return await self._stream(send, shape[1](completion), watch, extra)
+            result = await shape[0](completion)
             watch.stop()
-            return await _json(send, 200, result)
+            return await _json(send, 200, result, extra)
         except MeshError as exc:
             watch.stop()
             return await _error(send, exc)
@@ -185,10 +356,11 @@ class OpenAIApp:
             if completion is not None:
                 await completion.aclose()
 
-    async def _stream(self, send: Send, completion: Completion, watch: _Disconnect) -> int:
-        events = sse_events(completion)
+    async def _stream(
+        self, send: Send, events: AsyncIterator[bytes], watch: _Disconnect, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> int:
         first = await anext(events)  # errors before the first event become a plain HTTP error
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *(headers or ())]})
         await send({"type": "http.response.body", "body": first, "more_body": True})
         async for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -197,14 +369,30 @@ class OpenAIApp:
         return 200
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    raise InvalidArgument("invalid Content-Length header") from None
-                if declared > self.max_body_bytes:
-                    raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {self.max_body_bytes} bytes")
+        """The whole body within `body_timeout_s` (else 408), at most `max_body_bytes` (else 413, body dropped)."""
+        declared = _content_length(scope)
+        if declared is None and _header(scope, b"content-length") is not None:
+            raise InvalidArgument("invalid Content-Length header")
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+        body: bytes | None = None
+        if declared is None or declared <= self.max_body_bytes:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await self._receive_body(receive)
+            except TimeoutError:
+                raise RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g}s") from None
+            if body is not None:
+                return body
+        # Over the limit: read the rest and drop it (bounded), so the client gets to read the 413.
+        if not _expects_continue(scope) and (declared is None or declared <= DISCARD_LIMIT_BYTES):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await _discard(receive, DISCARD_LIMIT_BYTES)
+        size = f" of {declared} bytes" if declared is not None else ""
+        raise BodyTooLarge(f"request body{size} is over the limit of {self.max_body_bytes} bytes")
+
+    async def _receive_body(self, receive: Receive) -> bytes | None:
+        """The body, or None as soon as it grows over the limit."""
         parts: list[bytes] = []
         size = 0
         while True:
@@ -214,11 +402,37 @@ class OpenAIApp:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise BodyTooLarge(f"request body is over the limit of {self.max_body_bytes} bytes")
+                return None
             parts.append(chunk)
             if not msg.get("more_body", False):
                 break
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _discard(receive: Receive, limit: int) -> None:
+    """Read and drop the rest of a body, up to `limit` bytes."""
+    size = 0
+    while size <= limit:
+        msg = await receive()
+        size += len(msg.get("body", b""))
+        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+            return
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", ()) if k == name), None)
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared body length, None when absent or not a number."""
+    value = _header(scope, b"content-length")
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """The client waits for `100 Continue` before its body: refusing without reading it sends none."""
+    value = _header(scope, b"expect")
+    return value is not None and value.lower() == b"100-continue"
 
 
 def _call_info(scope: Scope) -> CallInfo | None:
@@ -245,27 +459,42 @@ async def _json(send: Send, status: int, body: Any, headers: list[tuple[bytes, b
 async def _error(send: Send, err: MeshError, *, status: int | None = None) -> int:
     headers: list[tuple[bytes, bytes]] = []
     if status is None:
-        status = 413 if isinstance(err, BodyTooLarge) else spec_of(err).http_status
+        status = _STATUS.get(type(err)) or spec_of(err).http_status
     if isinstance(err, Overloaded):
         headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
-    if isinstance(err, BodyTooLarge):
-        headers.append((b"connection", b"close"))
+    if type(err) in _STATUS:
+        headers.append(CLOSE)
     return await _json(send, status, openai_error_body(err), headers)
 
 
 class HttpServer(AsyncCloseable):
     """uvicorn (httptools) serving an ASGI app on a pre-bound socket; close = graceful stop."""
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket) -> None:
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, reload: asyncio.Task[None] | None = None) -> None:
         self._server = server
         self._sock = sock
+        self._reload = reload  # HTTPS: loads changed certificate files (plane/tls.py keep_reloaded)
         self.host, self.port = sock.getsockname()[:2]
+        self.scheme = "https" if reload is not None else "http"
 
     @classmethod
     async def start(
-        cls, app: OpenAIApp, host: str, port: int, *, graceful_s: float = 10.0, reuse_port: bool = False
+        cls,
+        app: OpenAIApp,
+        host: str,
+        port: int,
+        *,
+        graceful_s: float = 10.0,
+        reuse_port: bool = False,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        tls: TlsConfig | None = None,
     ) -> HttpServer:
-        """Serve `app` on host:port; `reuse_port` shares the port with the other processes of `--workers N`."""
+        """Serve `app` on host:port; `reuse_port` shares the port with the other processes of `--workers N`.
+
+        `tls`: HTTPS (client certificates required when it has a CA), reloaded when its files change.
+
+        A request's headers must arrive within `header_timeout_s`, its body within the app's `body_timeout_s`.
+        """
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -275,14 +504,14 @@ class HttpServer(AsyncCloseable):
             sock.bind((host, port))
         except OSError as exc:
             sock.close()
-            from meshllm.config import ConfigError
+            from meshllm.ports import bind_error
 
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise bind_error(host, port, "--http-port", exc) from None
         sock.listen(2048)
         sock.setblocking(False)
         config = uvicorn.Config(
             app,
-            http="httptools",
+            http=guarded_protocol(header_timeout_s=header_timeout_s, body_timeout_s=app.body_timeout_s),
             loop="none",
             lifespan="off",
             ws="none",
@@ -296,15 +525,24 @@ class HttpServer(AsyncCloseable):
             backlog=2048,
         )
         config.load()
+        reload = None
+        if tls is not None:
+            from meshllm.plane.tls import TlsFiles, keep_reloaded, ssl_server_context
+
+            files = TlsFiles(tls)
+            config.ssl = ssl_server_context(files)
+            reload = asyncio.create_task(keep_reloaded(config.ssl, files), name="https-cert-reload")
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
-        return cls(server, sock)
+        return cls(server, sock, reload)
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     async def _aclose(self) -> None:
+        if self._reload is not None:
+            self._reload.cancel()
         await self._server.shutdown(sockets=[self._sock])

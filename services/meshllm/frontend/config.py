@@ -1,7 +1,8 @@
 """The frontend's typed configuration (`FrontendConfig`) and the `meshllm frontend` flag parser.
 
 Flags default to their `MESHLLM_*` variable. Three ways to reach workers:
-`--router-address host:port[,...]` (router replicas over gRPC), the embedded
+`--router-address host:port[,...]` (router replicas over gRPC; a request
+waits up to `--router-wait-s` while none can be reached), the embedded
 routing core (`--router-mode`, the default), or static mode
 (`--static-endpoint ns.component.endpoint --static-workers host:port[,...]
 --model-name NAME [--model-path PATH]`), which needs neither etcd nor NATS.
@@ -22,19 +23,27 @@ from meshllm.config import (
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
-    EventsKind,
     PlaneConfig,
     ServerConfig,
     add_plane_args,
     add_tracing_args,
     parse_host_port,
 )
-from meshllm.router.config import RouterMode
+from meshllm.frontend.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
+from meshllm.frontend.output_parsers import ParserChoice, parse_parser_flag
+from meshllm.frontend.reasoning import REASONING_PARSERS
+from meshllm.frontend.tools import TOOL_PARSERS
+from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
+from meshllm.plane.auth import MeshSecurity, add_security_args
+from meshllm.plane.tls import TlsConfig
+from meshllm.plane.transport import SessionLiveness
+from meshllm.router.config import RouterMode, add_liveness_args, check_health_flags
 
 __all__ = [
     "MAX_FRONTEND_WORKERS",
     "ROUTER_MODES",
     "FrontendConfig",
+    "add_output_args",
     "check_frontend_workers",
     "check_model_path",
     "frontend_arg_parser",
@@ -77,6 +86,7 @@ class FrontendConfig:
     http_port: int = 8000  # 0 = ephemeral
     grpc: ServerConfig | None = field(default_factory=ServerConfig)  # None = no Inference gRPC server
     router_addresses: tuple[str, ...] = ()
+    router_wait_s: float = DEFAULT_ROUTER_WAIT_S  # how long a request waits while no router replica can be reached
     router_mode: str = "kv"
     worker_component: str = "worker"
     max_inflight: int = 4096  # 0 = unlimited
@@ -95,8 +105,33 @@ class FrontendConfig:
     # prometheus_client multiprocess directory its /metrics view sums over.
     process_index: int | None = None
     shared_metrics_dir: Path | None = None
+    # Stall detection of the sessions to routers or workers (plane/transport.py SessionLiveness), and
+    # the embedded routing core's worker health checks (router/workers.py; interval 0 = none).
+    stall_timeout_s: float = 3.0
+    stream_stall_timeout_s: float = 30.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    # API keys of the HTTP and Inference gRPC APIs (frontend/auth.py; empty = open), and slow-client limits.
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    metrics_auth: bool = False  # /metrics needs a key too
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # TLS on the Inference gRPC API, the HTTP API (HTTPS) and the calls to routers and workers;
+    # the mesh token for those calls (plane/auth.py).
+    security: MeshSecurity = field(default_factory=MeshSecurity)
+    # With --tls-ca: whether the HTTP and Inference APIs require client certificates too
+    # (False: public clients use API keys while the calls into the mesh stay mTLS).
+    api_client_certs: bool = True
+    # Output parsers (frontend/output_parsers.py): NAME, MODEL=NAME,..., "auto" (card, then template) or "none";
+    # and whether unknown request fields are a 400 (else named in the x-meshllm-ignored-params header).
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    strict_params: bool = False
 
     def __post_init__(self) -> None:
+        _ = self.parsers  # validates the parser flags
+        _ = self.liveness  # validates the stall flags
+        check_health_flags(self.health_interval_s, self.health_timeout_s)
         check_frontend_workers(self.workers)
         if self.process_index is not None and self.shared_metrics_dir is None:
             raise ConfigError("a frontend process of a --workers group needs its shared metrics directory")
@@ -108,10 +143,17 @@ class FrontendConfig:
             parse_host_port(address, what="--router-address entry")
         for address in self.static_workers:
             parse_host_port(address, what="--static-workers entry")
+        if not 0 <= self.router_wait_s <= 3600:  # also refuses NaN
+            raise ConfigError(f"--router-wait-s must be between 0 and 3600 seconds, got {self.router_wait_s}")
         if self.max_inflight < 0:
             raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.metrics_auth and not self.api_keys:
+            raise ConfigError("--metrics-auth needs --api-keys or --api-keys-file")
+        for flag, value in (("--http-header-timeout", self.header_timeout_s), ("--http-body-timeout", self.body_timeout_s)):
+            if not 0 < value <= 3600:  # also refuses NaN
+                raise ConfigError(f"{flag} must be between 0 and 3600 seconds (> 0), got {value}")
         if self.retry_after_s <= 0:
             raise ConfigError("--retry-after must be > 0 seconds")
         if self.model_name is not None and not self.model_name.strip():
@@ -132,6 +174,27 @@ class FrontendConfig:
     def static(self) -> bool:
         return bool(self.static_workers) or self.static_endpoint is not None
 
+    @property
+    def api_security(self) -> MeshSecurity:
+        """The TLS of the frontend's own APIs: `security`, without client certificates when not `api_client_certs`."""
+        tls = self.security.tls
+        if tls is None or tls.ca is None or self.api_client_certs:
+            return self.security
+        return MeshSecurity(tls=TlsConfig(cert=tls.cert, key=tls.key), token=self.security.token)
+
+    @property
+    def parsers(self) -> ParserChoice:
+        """The reasoning and tool-call parsers per model (a one-line ConfigError for an unknown name)."""
+        return ParserChoice(
+            tool=parse_parser_flag(self.tool_call_parser, tuple(TOOL_PARSERS), "--tool-call-parser"),
+            reasoning=parse_parser_flag(self.reasoning_parser, REASONING_PARSERS, "--reasoning-parser"),
+        )
+
+    @property
+    def liveness(self) -> SessionLiveness:
+        """How long the frontend's sessions (to routers, or the embedded core's to workers) may stall."""
+        return SessionLiveness(stall_timeout_s=self.stall_timeout_s, stream_stall_timeout_s=self.stream_stall_timeout_s)
+
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> FrontendConfig:
         """Build from the flags of `frontend_arg_parser`."""
@@ -141,9 +204,7 @@ class FrontendConfig:
             raise ConfigError(f"--static-workers {ns.static_workers!r} lists no host:port")
         plane = PlaneConfig.from_namespace(ns)
         if endpoint is not None or workers:
-            events = plane.events if ns.events else EventsKind.NONE
-            namespace = endpoint[0] if endpoint is not None else plane.namespace
-            plane = PlaneConfig(namespace=namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
+            plane = plane.static(namespace=endpoint[0] if endpoint is not None else None, events_flag=ns.events)
         routers = tuple(a.strip() for a in (ns.router_address or "").split(",") if a.strip())
         return cls(
             plane=plane,
@@ -151,6 +212,7 @@ class FrontendConfig:
             http_port=ns.http_port,
             grpc=None if ns.grpc_port < 0 else ServerConfig(host=ns.grpc_host, port=ns.grpc_port),
             router_addresses=routers,
+            router_wait_s=ns.router_wait_s,
             router_mode=ns.router_mode,
             worker_component=endpoint[1] if endpoint is not None else ns.worker_component,
             max_inflight=ns.max_inflight,
@@ -163,7 +225,40 @@ class FrontendConfig:
             tokenizer_cache_dir=Path(ns.tokenizer_cache_dir) if ns.tokenizer_cache_dir else None,
             otlp_endpoint=ns.otlp_endpoint or None,
             workers=ns.workers,
+            stall_timeout_s=ns.stall_timeout,
+            stream_stall_timeout_s=ns.stream_stall_timeout,
+            health_interval_s=ns.worker_health_interval,
+            health_timeout_s=ns.worker_health_timeout,
+            api_keys=api_keys_from_namespace(ns),
+            metrics_auth=ns.metrics_auth,
+            header_timeout_s=ns.http_header_timeout,
+            body_timeout_s=ns.http_body_timeout,
+            security=MeshSecurity.from_namespace(ns),
+            api_client_certs=ns.api_client_certs == "required",
+            tool_call_parser=ns.tool_call_parser,
+            reasoning_parser=ns.reasoning_parser,
+            strict_params=ns.strict_params,
         )
+
+
+def add_output_args(parser: EnvArgumentParser) -> None:
+    """--tool-call-parser, --reasoning-parser, --strict-params (frontend and `meshllm run`)."""
+    g = parser.add_argument_group("OpenAI output parsing and strictness")
+    g.add_argument(
+        "--tool-call-parser", default="auto",
+        help=f"tool-call format: {', '.join(TOOL_PARSERS)}, auto (worker card, then chat template) or none; "
+        "one for every model or MODEL=NAME,...",
+    )  # fmt: skip
+    g.add_argument(
+        "--reasoning-parser", default="auto",
+        help=f"<think> reasoning split into reasoning_content: {', '.join(REASONING_PARSERS)}, auto (card, then "
+        "template) or none; one for every model or MODEL=NAME,...",
+    )  # fmt: skip
+    g.add_argument(
+        "--strict-params", action="store_true",
+        help="refuse request fields the API does not know with OpenAI's 400 (default: accept them and name every "
+        "ignored field in the x-meshllm-ignored-params response header)",
+    )  # fmt: skip
 
 
 def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "meshllm frontend") -> EnvArgumentParser:
@@ -179,6 +274,10 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     g.add_argument("--grpc-host", default="0.0.0.0", help="Inference gRPC listen host")
     g.add_argument("--grpc-port", type=int, default=0, help="Inference gRPC port (0 = ephemeral, -1 = off)")
     g.add_argument("--router-address", default="", help="router replicas host:port[,...] (default: embed the routing core)")
+    g.add_argument(
+        "--router-wait-s", type=float, default=DEFAULT_ROUTER_WAIT_S,
+        help="seconds a request waits for a router replica to be reachable (restart) before 503",
+    )  # fmt: skip
     g.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="policy of the embedded routing core")
     g.add_argument("--worker-component", default="worker", help="discovery component of the workers (embedded core)")
     g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
@@ -188,12 +287,25 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     g.add_argument("--model-path", default=None, help="HF directory or .gguf file: tokenizer and chat template")
     g.add_argument("--tokenizer-cache-dir", default="", help="where fetched/converted tokenizers are cached")
     g.add_argument(
+        "--api-client-certs", choices=("required", "none"), default="required",
+        help="with --tls-ca: whether the HTTP and Inference APIs require client certificates (none = API keys only)",
+    )  # fmt: skip
+    g.add_argument(
         "--frontend-workers", "--workers", dest="workers", type=int, default=1,
         help="frontend processes serving the same HTTP and gRPC ports (SO_REUSEPORT), each with its own routing core",
     )  # fmt: skip
+    g.add_argument(
+        "--http-header-timeout", type=float, default=10.0,
+        help="seconds a client has to send a request's headers (slow clients are answered 408 and closed)",
+    )  # fmt: skip
+    g.add_argument("--http-body-timeout", type=float, default=30.0, help="seconds a client has to send a request body (408)")
+    add_output_args(parser)
+    add_api_key_args(parser)
+    add_liveness_args(parser, health=True)
     s = parser.add_argument_group("static mode (no etcd, no NATS)")
     s.add_argument("--static-endpoint", default="", help="namespace.component.endpoint of the workers")
     s.add_argument("--static-workers", default=None, help="comma-separated worker host:port list")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_security_args(parser)
     add_tracing_args(parser)
     return parser

@@ -6,6 +6,11 @@ cross as gRPC statuses through the transport's error mapping (InvalidArgument
 → INVALID_ARGUMENT, NotFound → NOT_FOUND, Overloaded → RESOURCE_EXHAUSTED,
 ...). Each streamed TextChunk carries new text; the last one of a choice has
 its finish reason and usage. A cancelled call cancels the request upstream.
+
+With API keys set (frontend/auth.py), every method needs the metadata
+`authorization: Bearer KEY`; a missing or wrong key ends the call with
+UNAUTHENTICATED before anything runs. The server's health and reflection
+services stay open.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from meshllm.frontend.auth import ApiKeys, AuthFailure
 from meshllm.frontend.inference import InferenceCore
 from meshllm.plane.transport import CallInfo, ServiceBinding
 from meshllm.protocol.openai import TextRequest, parse_chat, parse_completion
@@ -75,12 +81,28 @@ def params_body(p: inference_pb2.TextParams, *, chat: bool) -> dict[str, Any]:
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Serves `meshllm.v1.Inference` over an InferenceCore."""
 
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: InferenceCore, api_keys: ApiKeys | None = None) -> None:
         self.core = core
+        self.api_keys = api_keys if api_keys is not None else ApiKeys()
+
+    async def _authorize(self, context: grpc.aio.ServicerContext, route: str) -> None:
+        """Return when the call carries an accepted key (or none is needed); else abort with UNAUTHENTICATED."""
+        if not self.api_keys:
+            return
+        header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        result = self.api_keys.check(header if isinstance(header, str | bytes) else None)
+        metrics = self.core.metrics
+        if isinstance(result, AuthFailure):
+            metrics.auth_failures.labels("grpc", result.value).inc()
+            metrics.requests.labels(f"grpc:{route}", "unauthenticated", "").inc()
+            how = "send the metadata 'authorization: Bearer YOUR_KEY'"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{result.message} ({how})")
+        metrics.key_used(str(result), "grpc")
 
     async def ChatCompletion(
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.TextChunk]:
+        await self._authorize(context, "ChatCompletion")
         messages = []
         for m in request.messages:
             msg: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -98,6 +120,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Completion(
         self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.TextChunk]:
+        await self._authorize(context, "Completion")
         body = {"model": request.model, "prompt": request.prompt, "stream": True, **params_body(request.params, chat=False)}
         if request.request_id:
             body["request_id"] = request.request_id
@@ -127,11 +150,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             if completion is not None:
                 await completion.aclose()
-            self.core.metrics.requests.labels(f"grpc:{route}", status).inc()
+            model = completion.model.name if completion is not None else ""  # a served model only: no client-made series
+            self.core.metrics.requests.labels(f"grpc:{route}", status, model).inc()
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
+        await self._authorize(context, "ListModels")
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(id=m.name, owned_by="meshllm", context_length=m.context_length, instances=m.instances)
@@ -140,6 +165,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
 
 
-def inference_binding(core: InferenceCore) -> ServiceBinding:
-    """How `start_server` registers the Inference service."""
-    return ServiceBinding("meshllm.v1.Inference", InferenceServicer(core), inference_pb2_grpc.add_InferenceServicer_to_server)
+def inference_binding(core: InferenceCore, api_keys: ApiKeys | None = None) -> ServiceBinding:
+    """How `start_server` registers the Inference service (`api_keys`: the keys its callers need)."""
+    servicer = InferenceServicer(core, api_keys)
+    return ServiceBinding("meshllm.v1.Inference", servicer, inference_pb2_grpc.add_InferenceServicer_to_server)

@@ -3,8 +3,10 @@
     async with await Frontend.start(config) as fe:      # serving when start() returns
         print(fe.url, fe.grpc_address)
                                                         # close = the ordered shutdown:
-    stop admitting (503, gRPC NOT_SERVING) → HTTP server stops (waits for open
-    responses, bounded) → gRPC server stops → model registry → router → channels → planes.
+    stop admitting (503, gRPC NOT_SERVING) → drain (open streams run on until
+    DRAIN_TIMEOUT_S, then each ends with an error: an OpenAI error event on HTTP,
+    UNAVAILABLE on gRPC) → HTTP server stops → gRPC server stops → model registry
+    → router → channels → planes.
 
 Upstream: `--router-address` → router replicas over gRPC (`RouterClient`s);
 otherwise the routing core is embedded (`meshllm.router.RouterCore`,
@@ -29,22 +31,26 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from meshllm.config import ConfigError
-from meshllm.errors import MeshError
+from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.app import HttpServer, OpenAIApp
+from meshllm.frontend.auth import exposure_warning
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
+from meshllm.frontend.dashboard import Dashboard
 from meshllm.frontend.grpc_api import inference_binding
 from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
-from meshllm.frontend.upstream import RouterReplicas, Upstream
+from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
+from meshllm.ports import check_free_all
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
 from meshllm.router.config import StaticEndpoint
+from meshllm.tracing import FRONTEND_SERVICE
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -52,6 +58,10 @@ __all__ = ["Frontend", "die_with_parent", "group_member", "main", "serve", "stat
 
 log = logging.getLogger("meshllm.frontend")
 T = TypeVar("T")
+# How long a shutdown lets open streams run on (the HTTP server's own grace period is as long),
+# and how long the streams cut at that deadline get to send their error events.
+DRAIN_TIMEOUT_S = 10.0
+CUT_WAIT_S = 2.0
 
 
 async def static_records(
@@ -96,16 +106,18 @@ class Frontend(AsyncCloseable):
         self.config = config
         shared = config.shared_metrics_dir
         self.metrics = FrontendMetrics(registry=SharedMetricsRegistry(shared)) if shared is not None else FrontendMetrics()
-        self.channels = ChannelCache(local=local)
+        self.channels = ChannelCache(local=local, liveness=config.liveness, security=config.security)
         self.discovery: Discovery | None = None
         self.bus: EventBus | None = None
         self.router: RouterCore | None = None
         self.upstream: Upstream | None = None
         self.registry: ModelRegistry | None = None
         self.core: InferenceCore | None = None
+        self.dashboard: Dashboard | None = None
         self.http: HttpServer | None = None
         self.grpc: GrpcServer | None = None
         self.shutdown = Shutdown()
+        self.drain_timeout_s = DRAIN_TIMEOUT_S
 
     @classmethod
     async def start(
@@ -132,6 +144,9 @@ class Frontend(AsyncCloseable):
 
     async def _start(self, store: MemoryStore | None, broker: MemoryBroker | None, upstream: Upstream | None) -> None:
         cfg = self.config
+        if cfg.process_index is None:  # the processes of `--workers N` share ports their supervisor checked
+            grpc = (cfg.grpc.host, cfg.grpc.port) if cfg.grpc is not None else ("", None)
+            check_free_all([(cfg.http_host, cfg.http_port, "--http-port"), (*grpc, "--grpc-port")])
         instances: list[discovery_pb2.Instance] = []
         cards: list[discovery_pb2.ModelCard] = []
         if cfg.static:
@@ -147,20 +162,52 @@ class Frontend(AsyncCloseable):
             cache_dir=cfg.tokenizer_cache_dir,
         ).start()
         self.core = InferenceCore(
-            self.registry, self.upstream, self.metrics, max_inflight=cfg.max_inflight, retry_after_s=cfg.retry_after_s
+            self.registry,
+            self.upstream,
+            self.metrics,
+            max_inflight=cfg.max_inflight,
+            retry_after_s=cfg.retry_after_s,
+            parsers=cfg.parsers,
         )
-        app = OpenAIApp(self.core, max_body_bytes=cfg.max_body_bytes)
-        # One of `--workers N` shares the port with its group (the gRPC server sets SO_REUSEPORT itself).
-        self.http = await HttpServer.start(app, cfg.http_host, cfg.http_port, reuse_port=cfg.process_index is not None)
+        routers = [RouterClient(self.channels, a) for a in cfg.router_addresses] if self.router is None else []
+        self.dashboard = await Dashboard(self.core, router=self.router, routers=routers).start()
+        app = OpenAIApp(
+            self.core,
+            max_body_bytes=cfg.max_body_bytes,
+            api_keys=cfg.api_keys,
+            metrics_auth=cfg.metrics_auth,
+            body_timeout_s=cfg.body_timeout_s,
+            dashboard=self.dashboard,
+            strict_params=cfg.strict_params,
+        )
+        # One of `--workers N` shares its ports with its group; any other frontend binds them exclusively.
+        shared = cfg.process_index is not None
+        self.http = await HttpServer.start(
+            app, cfg.http_host, cfg.http_port, reuse_port=shared, tls=cfg.api_security.tls, header_timeout_s=cfg.header_timeout_s
+        )
         if cfg.grpc is not None:
-            self.grpc = await start_server(cfg.grpc, [inference_binding(self.core)])
+            self.grpc = await start_server(
+                cfg.grpc,
+                [inference_binding(self.core, cfg.api_keys)],
+                port_flag="--grpc-port",
+                reuse_port=shared,
+                security=cfg.api_security,
+            )
         log.info("frontend serving HTTP on %s, Inference gRPC on %s", self.url, self.grpc_address or "(off)")
+        listeners = [("the OpenAI HTTP API", self.http.host, self.http.port)]
+        if self.grpc is not None:
+            listeners.append(("Inference gRPC", self.grpc.host, self.grpc.port))
+        warning = exposure_warning(listeners, cfg.api_keys)
+        if warning is not None and not cfg.process_index:  # one line for a `--workers N` group
+            log.warning("%s", warning)
 
     async def _open_upstream(self) -> Upstream:
         cfg = self.config
         assert self.discovery is not None and self.bus is not None
         if cfg.router_addresses:
-            return RouterReplicas.connect(self.channels, cfg.router_addresses, RouterClient)
+            return RouterReplicas.connect(
+                self.channels, cfg.router_addresses, RouterClient, wait_s=cfg.router_wait_s, migration_limit=self._migration_limit
+            )
         endpoint = StaticEndpoint(*cfg.static_endpoint) if cfg.static_endpoint else None
         rc = RouterConfig(
             plane=cfg.plane,
@@ -168,11 +215,22 @@ class Frontend(AsyncCloseable):
             static_endpoint=endpoint,
             static_workers=cfg.static_workers,
             model_name=cfg.model_name if cfg.static else None,
+            stall_timeout_s=cfg.stall_timeout_s,
+            stream_stall_timeout_s=cfg.stream_stall_timeout_s,
+            health_interval_s=cfg.health_interval_s,
+            health_timeout_s=cfg.health_timeout_s,
         )
         core = RouterCore(rc, self.discovery, self.bus, self.channels)
         self.router = core
         await core.start()
         return core
+
+    def _migration_limit(self, model: str) -> int:
+        """How often a request may resume on another router replica: its model card's migration limit."""
+        if self.registry is not None:
+            with contextlib.suppress(MeshError):
+                return int(self.registry.lookup(model).card.migration_limit)
+        return DEFAULT_MIGRATION_LIMIT
 
     @property
     def url(self) -> str:
@@ -190,8 +248,10 @@ class Frontend(AsyncCloseable):
     def _plan_shutdown(self) -> None:
         sd = self.shutdown
         sd.add("stop admitting", self._stop_admitting)
+        sd.add("drain", self._drain)
         sd.add("stop http", self._close(lambda: self.http), timeout_s=15)
         sd.add("stop grpc", self._close(lambda: self.grpc), timeout_s=10)
+        sd.add("stop dashboard", self._close(lambda: self.dashboard), timeout_s=5)
         sd.add("close models", self._close(lambda: self.registry), timeout_s=5)
         sd.add("close router", self._close(lambda: self.router), timeout_s=10)
         sd.add("close channels", self.channels.aclose, timeout_s=5)
@@ -203,6 +263,23 @@ class Frontend(AsyncCloseable):
             self.core.admitting = False
         if self.grpc is not None:
             await self.grpc.set_serving(False)
+
+    async def _drain(self) -> None:
+        """Let open streams finish until the drain deadline; then end each with an error the client sees."""
+        core = self.core
+        if core is None:
+            return
+        try:
+            async with asyncio.timeout(self.drain_timeout_s):
+                await core.wait_idle()
+            return
+        except TimeoutError:
+            pass
+        err = Unavailable(f"the frontend is shutting down and its drain deadline ({self.drain_timeout_s:g}s) passed; retry")
+        log.warning("drain deadline: ending %d open streams with an error", core.cut_all(err))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CUT_WAIT_S):
+                await core.wait_idle()
 
     @staticmethod
     def _close(get: Any) -> Any:
@@ -236,7 +313,7 @@ async def serve(config: FrontendConfig) -> int:
         return lines
 
     return await serve_until_signal(
-        "frontend", lambda: Frontend.start(config), ready, service_name="meshllm-frontend", otlp_endpoint=config.otlp_endpoint
+        "frontend", lambda: Frontend.start(config), ready, service_name=FRONTEND_SERVICE, otlp_endpoint=config.otlp_endpoint
     )
 
 

@@ -140,6 +140,10 @@ class ModelRegistry(AsyncCloseable):
             self._load_into(model)
         return await model.tokenization()
 
+    async def engines(self, name: str) -> set[str]:
+        """The engine names live instances serving `name` publish ("" where they name none, as in static mode)."""
+        return {i.metadata.get("engine", "") for i in (await self._discovery.list_instances()).values() if i.model == name}
+
     async def wait_for(self, name: str, *, timeout_s: float) -> ServedModel:
         """Wait until `name` is served (tests, `meshllm run` startup)."""
         async with asyncio.timeout(timeout_s), self._changed:
@@ -201,6 +205,7 @@ class ModelRegistry(AsyncCloseable):
                 return
             if t.cancelled():
                 model._loaded.set_exception(Unavailable(f"loading the tokenizer of {model.name!r} was cancelled"))
+                model._loaded.exception()  # retrieved: a shutdown cancels loads nobody waits for
             elif (exc := t.exception()) is not None:
                 model._loaded.set_exception(exc)
                 model._loaded.exception()  # retrieved: requests report it, the loop need not

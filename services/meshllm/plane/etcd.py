@@ -16,6 +16,12 @@ a fresh full snapshot.
 aetcd and grpc errors become `meshllm.errors` in exactly one place,
 `etcd_error`: CannotConnect (etcd refused or dropped the connection),
 NotFound (the lease is gone), Unavailable (anything else etcd answered).
+
+Security (`EtcdCredentials`, docs/security.md): TLS with the CA and client
+certificate given (or for `https://` endpoints), user/password auth. Wrong
+credentials or a failed TLS handshake stop `connect` with one line that
+names the flags to check. When etcd no longer knows the auth token (it
+expired unused: `--auth-token-ttl`) the call logs in again and is retried.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import contextlib
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
 import aetcd
@@ -34,7 +40,9 @@ from google.protobuf import json_format
 
 from meshllm.config import parse_host_port
 from meshllm.errors import CannotConnect, InvalidArgument, MeshError, NotFound, Unavailable
+from meshllm.plane.credentials import EtcdCredentials
 from meshllm.plane.discovery import Discovery, M, Record, SnapshotFeed, record_id
+from meshllm.plane.etcd_client import SecureClient, is_auth_failure, is_invalid_token
 
 __all__ = ["EtcdDiscovery", "etcd_error"]
 
@@ -71,6 +79,18 @@ def etcd_error(exc: BaseException, what: str, endpoint: str) -> MeshError:
     return Unavailable(message)
 
 
+# How a failed TLS handshake shows in grpc's "failed to connect" details.
+_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "socket closed", "tsi_", "unwrap failed")
+
+
+def _auth_hint(message: str) -> str:
+    if "permission denied" in message:
+        return "the etcd user needs a role with readwrite on the key prefix 'meshllm/'"
+    if "not enabled" in message:
+        return "etcd has auth disabled: drop --etcd-user or run `etcdctl auth enable`"
+    return "check --etcd-user and the password: MESHLLM_ETCD_PASSWORD or --etcd-password-file"
+
+
 _TRANSLATED = (aetcd.ClientError, grpc.aio.AioRpcError, TimeoutError, OSError)
 
 
@@ -104,7 +124,13 @@ class _Backoff:
 class EtcdDiscovery(Discovery):
     """Discovery in etcd v3: lease-bound records, watched with snapshot + watch-from-revision."""
 
-    def __init__(self, endpoints: Sequence[str], namespace: str, lease_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        namespace: str,
+        lease_ttl_s: float = 10.0,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         if not endpoints:
             raise InvalidArgument("no etcd endpoints", param="etcd_endpoints")
         if lease_ttl_s <= 0:
@@ -113,10 +139,8 @@ class EtcdDiscovery(Discovery):
         self.endpoints = tuple(endpoints)
         self.lease_ttl_s = lease_ttl_s
         self._call_timeout_s = min(5.0, max(1.0, lease_ttl_s / 2))
-        self._clients = [
-            aetcd.Client(host, port, timeout=self._call_timeout_s, options=_CHANNEL_OPTIONS)  # type: ignore[arg-type]
-            for host, port in (parse_host_port(ep, what="etcd endpoint") for ep in self.endpoints)
-        ]
+        self.credentials = credentials if credentials is not None else EtcdCredentials()
+        self._clients = [self._new_client(ep) for ep in self.endpoints]
         self._current = 0
         self._registered: dict[str, bytes] = {}  # key -> JSON value, everything this handle put
         self._lease: int | None = None
@@ -126,22 +150,54 @@ class EtcdDiscovery(Discovery):
         self._watch_tasks: set[asyncio.Task[None]] = set()
         self._feeds: set[SnapshotFeed[Any]] = set()
 
+    def _new_client(self, endpoint: str) -> SecureClient:
+        scheme, _, rest = endpoint.rpartition("://")
+        host, port = parse_host_port(rest, what="etcd endpoint")
+        tls = scheme == "https" or self.credentials.tls
+        return SecureClient(
+            host,
+            port,
+            self.credentials,
+            tls=tls,
+            timeout=self._call_timeout_s,
+            options=_CHANNEL_OPTIONS,  # type: ignore[arg-type]
+        )
+
     @classmethod
-    async def connect(cls, endpoints: Sequence[str], namespace: str, lease_ttl_s: float = 10.0) -> Self:
-        """A handle on the first endpoint that answers; raises CannotConnect when none does."""
-        discovery = cls(endpoints, namespace, lease_ttl_s)
+    async def connect(
+        cls,
+        endpoints: Sequence[str],
+        namespace: str,
+        lease_ttl_s: float = 10.0,
+        credentials: EtcdCredentials | None = None,
+    ) -> Self:
+        """A handle on the first endpoint that answers; raises CannotConnect when none does.
+
+        Refused credentials end the attempt at once (every endpoint would
+        refuse them too), with a message naming the flags to check.
+        """
+        discovery = cls(endpoints, namespace, lease_ttl_s, credentials)
         errors = []
         for index in range(len(discovery.endpoints)):
             discovery._current = index
             try:
-                await discovery._call("connect", discovery._client.get(b"meshllm/v1/"))
+                await discovery._call("connect", lambda c: c.get(b"meshllm/v1/"))
             except MeshError as exc:
+                if exc.__cause__ is not None and is_auth_failure(exc.__cause__):
+                    await discovery._close_clients()
+                    raise CannotConnect(f"{exc.message} ({_auth_hint(exc.message)})") from exc
                 errors.append(exc.message)
                 continue
-            log.info("discovery on etcd %s (namespace %s)", discovery.endpoint, namespace)
+            log.info("discovery on etcd %s (namespace %s; %s)", discovery.endpoint, namespace, discovery.credentials.describe())
             return discovery
         await discovery._close_clients()
-        raise CannotConnect("cannot reach etcd: " + "; ".join(errors))
+        hint = ""
+        if any(m in e.lower() for e in errors for m in _TLS_MARKERS):
+            hint = (
+                " (TLS failed: etcd refused the client certificate or serves one not trusted here;"
+                " check --etcd-ca, --etcd-cert and --etcd-key against etcd's --trusted-ca-file and certificate)"
+            )
+        raise CannotConnect("cannot reach etcd: " + "; ".join(errors) + hint)
 
     @property
     def endpoint(self) -> str:
@@ -149,17 +205,37 @@ class EtcdDiscovery(Discovery):
         return self.endpoints[self._current]
 
     @property
-    def _client(self) -> aetcd.Client:
+    def _client(self) -> SecureClient:
         return self._clients[self._current]
 
     # ------------------------------------------------------------ errors
 
-    async def _call(self, what: str, call: Awaitable[T]) -> T:
+    async def _call(self, what: str, call: Callable[[SecureClient], Awaitable[T]]) -> T:
+        """`call(client)` on the current endpoint, errors translated.
+
+        Once more after logging in again when etcd no longer knows our auth
+        token (it expired unused, or etcd lost it).
+        """
+        client = self._client
+        try:
+            return await self._call_once(what, call(client))
+        except MeshError as exc:
+            if exc.__cause__ is None or not is_invalid_token(exc.__cause__) or not self.credentials.user:
+                raise
+        await self._reauthenticate(client)
+        return await self._call_once(what, call(client))
+
+    async def _call_once(self, what: str, call: Awaitable[T]) -> T:
         # aetcd bounds its grpc calls by the client timeout, but not its own
         # queues and locks (e.g. creating a watch on a dying stream): bound all.
         with self._translated(what):
             async with asyncio.timeout(self._call_timeout_s + 1.0):
                 return await call
+
+    async def _reauthenticate(self, client: SecureClient) -> None:
+        with self._translated("authenticate"):
+            async with asyncio.timeout(self._call_timeout_s + 1.0):
+                await client.reauthenticate()
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
@@ -182,7 +258,7 @@ class EtcdDiscovery(Discovery):
             try:
                 if self._lease is not None:
                     try:
-                        await self._call("put", self._client.put(key.encode(), value, lease=self._lease))
+                        await self._call("put", lambda c: c.put(key.encode(), value, lease=self._lease))
                         return
                     except NotFound:
                         log.warning("etcd lease %x is gone; granting a new one", self._lease)
@@ -197,10 +273,10 @@ class EtcdDiscovery(Discovery):
 
     async def _grant_and_put_all(self) -> None:
         """Grant a lease and put every registered record under it, atomically. Holds `_lock`."""
-        lease = await self._call("grant lease", self._client.lease(max(1, math.ceil(self.lease_ttl_s))))
+        lease = await self._call("grant lease", lambda c: c.lease(max(1, math.ceil(self.lease_ttl_s))))
         txn = self._client.transactions
         puts = [txn.put(k.encode(), v, lease=lease.id) for k, v in self._registered.items()]
-        await self._call("put", self._client.transaction(compare=[], success=puts, failure=[]))
+        await self._call("put", lambda c: c.transaction(compare=[], success=puts, failure=[]))
         self._lease = lease.id
         if self._granted_before:
             log.info("etcd lease %x granted; re-registered %d record(s)", lease.id, len(puts))
@@ -235,7 +311,7 @@ class EtcdDiscovery(Discovery):
         lease = self._lease
         if lease is not None:
             with contextlib.suppress(NotFound):  # etcd answers TTL 0 for an unknown lease; some versions raise
-                reply = await self._call("refresh lease", self._client.refresh_lease(lease))
+                reply = await self._call("refresh lease", lambda c: c.refresh_lease(lease))
                 if reply is not None and reply.TTL > 0:
                     return
             log.warning(
@@ -255,7 +331,7 @@ class EtcdDiscovery(Discovery):
                 return
             try:
                 async with asyncio.timeout(_REVOKE_BOUND_S):
-                    await self._call("revoke lease", self._client.revoke_lease(lease))
+                    await self._call("revoke lease", lambda c: c.revoke_lease(lease))
                 log.info("etcd lease %x revoked", lease)
             except NotFound:
                 pass  # already expired
@@ -280,7 +356,7 @@ class EtcdDiscovery(Discovery):
 
     async def _read(self, prefix: str, kind: type[M]) -> tuple[dict[str, M], int]:
         """{key: record} under `prefix` and the revision it was read at."""
-        got = await self._call("get", self._client.get_prefix(prefix.encode()))
+        got = await self._call("get", lambda c: c.get_prefix(prefix.encode()))
         state = {}
         for kv in got:
             record = self._decode(kv.key, kv.value, kind)
@@ -328,7 +404,7 @@ class EtcdDiscovery(Discovery):
     async def _follow_once(self, prefix: str, kind: type[M], feed: SnapshotFeed[M], backoff: _Backoff) -> None:
         state, revision = await self._read(prefix, kind)
         feed.publish(_by_id(state))
-        watch = await self._call("watch", self._client.watch_prefix(prefix.encode(), start_revision=revision + 1))
+        watch = await self._call("watch", lambda c: c.watch_prefix(prefix.encode(), start_revision=revision + 1))
         backoff.reset()
         try:
             with self._translated(f"watch {prefix}"):

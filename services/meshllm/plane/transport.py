@@ -1,13 +1,14 @@
 """gRPC helpers: the server builder, the channel cache, error mapping, call metadata.
 
-Every meshllm server is built by `start_server`, which always registers
-server reflection and the standard `grpc.health.v1` service, and installs the
-one server-side error-mapping layer: a `MeshError` raised by a handler becomes
-its gRPC status (from `meshllm.errors.ERROR_TABLE`) plus a `meshllm-error`
-trailer naming its class; any other exception becomes `Unknown` with its
-message. Clients turn an `AioRpcError` back into the same class with
-`mesh_error`. W3C `traceparent` and the caller's deadline travel hop by hop
-through `CallInfo`.
+Every meshllm server is built by `start_server`, which binds its port
+exclusively, always registers server reflection (v1 and v1alpha) and the
+standard `grpc.health.v1` service, and installs the one server-side
+error-mapping layer: a `MeshError` raised by a handler becomes its gRPC
+status (from `meshllm.errors.ERROR_TABLE`) plus a `meshllm-error` trailer
+naming its class; any other exception becomes `Unknown` with its message.
+Clients turn an `AioRpcError` back into the same class with `mesh_error`.
+W3C `traceparent` and the caller's deadline travel hop by hop through
+`CallInfo`.
 """
 
 from __future__ import annotations
@@ -21,35 +22,42 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from meshllm.config import ServerConfig
+from meshllm.config import DEFAULT_STREAM_INTERVAL_MS, ConfigError, ServerConfig
 from meshllm.errors import (
     Cancelled,
+    InvalidArgument,
     MeshError,
     ResponseTimeout,
     StreamIncomplete,
     Unknown,
     error_from_status,
+    log_unexpected,
     spec_of,
 )
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.reflection import enable_reflection
+from meshllm.ports import check_free
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
 from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.tracing import otel_active
 
 if TYPE_CHECKING:
+    from meshllm.plane.auth import ClientSecurity, MeshSecurity
     from meshllm.plane.local import LocalPeers
 
 __all__ = [
     "DEFAULT_STREAM_INTERVAL_S",
     "ERROR_TRAILER",
+    "KEEPALIVE_TIMEOUT_MS",
+    "KEEPALIVE_TIME_MS",
     "TRACEPARENT",
     "CallInfo",
     "ChannelCache",
     "GenerateHandler",
     "GrpcServer",
     "ServiceBinding",
+    "SessionLiveness",
     "abort_with",
     "channel_options",
     "generate_stream",
@@ -68,15 +76,31 @@ T = TypeVar("T")
 S = TypeVar("S", bound=AsyncCloseable)
 
 
+# Keepalive: every connection is pinged every KEEPALIVE_TIME_MS, and one whose
+# ping is not answered within KEEPALIVE_TIMEOUT_MS fails its calls
+# (UNAVAILABLE "ping timeout"): a stopped process or a partitioned host is noticed
+# within about 3 s even on a quiet connection. grpc (1.85) waits
+# `grpc.http2.ping_timeout_ms` for a keepalive ping's ack whatever
+# keepalive_timeout_ms says; its default of 60 s was the ~61 s stall of a
+# SIGSTOPped worker's streams (issue 14), so both are set.
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 3_000
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Channel and server options shared by both sides."""
+    """Channel and server options shared by both sides (servers ping their clients the same way)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),  # 0 = ping however long no data flows
         ("grpc.keepalive_permit_without_calls", 1),
+        # Reconnect to a restarted peer within 0.5 s (the default backoff grows to 120 s); the
+        # connect timeout itself (grpc.min_reconnect_backoff_ms, 20 s) stays as it is.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500),
     ]
 
 
@@ -153,12 +177,50 @@ async def translate_stream(call: AsyncIterator[T]) -> AsyncIterator[T]:
 def _to_mesh(exc: BaseException, method: str) -> MeshError:
     if isinstance(exc, MeshError):
         return exc
-    log.exception("unexpected error in %s", method, exc_info=exc)
+    log_unexpected(log, f"unexpected error in {method}", exc)
     return Unknown(f"{type(exc).__name__}: {exc}")
 
 
+class _Malformed:
+    """What the request deserializer yields for bytes that are not a valid message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    # grpc.aio answers a deserializer's exception with UNKNOWN and logs a
+    # traceback per call; a marker lets the handler wrapper answer
+    # INVALID_ARGUMENT instead, with nothing logged.
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:
+            return _Malformed(InvalidArgument(f"the request message is not valid protobuf ({type(exc).__name__})"))
+
+    return parse
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream, raising InvalidArgument at its first malformed message."""
+    async for r in requests:
+        if isinstance(r, _Malformed):
+            raise r.error
+        yield r
+
+
 class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Turns exceptions escaping a handler into statuses (the one server-side mapping)."""
+    """Turns exceptions escaping a handler into statuses (the one server-side mapping).
+
+    Also for every method: request bytes that do not parse end the call with
+    INVALID_ARGUMENT (unary requests before the handler runs; streamed ones
+    when the handler reads the bad message).
+    """
 
     async def intercept_service(
         self,
@@ -169,17 +231,30 @@ class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method = details.method
+        handler = handler._replace(request_deserializer=_safe_deserializer(handler.request_deserializer))
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method, streaming=False))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method, streaming=False))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method, streaming=True))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method, streaming=True))
         return handler
 
 
-def _wrap_unary(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _request(request: Any, streaming: bool) -> Any:
+    if streaming:
+        return _checked(request)
+    if isinstance(request, _Malformed):
+        raise request.error
+    return request
+
+
+def _wrap_unary(fn: Callable[..., Any], method: str, *, streaming: bool) -> Callable[..., Any]:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            result = fn(request, context)
+            result = fn(_request(request, streaming), context)
             return await result if asyncio.iscoroutine(result) else result
         except grpc.aio.AbortError:
             raise
@@ -189,10 +264,13 @@ def _wrap_unary(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
     return unary
 
 
-def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _wrap_stream(fn: Callable[..., Any], method: str, *, streaming: bool) -> Callable[..., Any]:
+    if asyncio.iscoroutinefunction(fn):  # a handler that writes with context.write (grpc's health Watch)
+        return _wrap_unary(fn, method, streaming=streaming)
+
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in fn(request, context):
+            async for item in fn(_request(request, streaming), context):
                 yield item
         except grpc.aio.AbortError:
             raise
@@ -246,7 +324,7 @@ class CallInfo:
 
 
 # Least time between two messages (or in-process chunks) of one stream peer (--stream-interval-ms).
-DEFAULT_STREAM_INTERVAL_S = 0.001
+DEFAULT_STREAM_INTERVAL_S = DEFAULT_STREAM_INTERVAL_MS / 1000.0
 
 # What serves one Generate stream in process: a servicer's request runner, a routing core's generate.
 GenerateHandler = Callable[[GenerateRequest, CallInfo], AsyncIterator[GenerateChunk]]
@@ -298,35 +376,102 @@ class GrpcServer(AsyncCloseable):
         await self.server.stop(self.grace_s)
 
 
-async def start_server(config: ServerConfig, services: Sequence[ServiceBinding], *, serving: bool = True) -> GrpcServer:
-    """Build, bind and start a server; reflection and health are always on."""
+async def start_server(
+    config: ServerConfig,
+    services: Sequence[ServiceBinding],
+    *,
+    serving: bool = True,
+    port_flag: str = "--port",
+    reuse_port: bool = False,
+    security: MeshSecurity | None = None,
+) -> GrpcServer:
+    """Build, bind and start a server; reflection (v1 and v1alpha) and health are always on.
+
+    `security` (plane/auth.py): TLS (mTLS with a CA, certificates reloaded when
+    their files change) and the mesh-token check on the internal services.
+
+    The port is bound exclusively: gRPC sets SO_REUSEPORT by default on Linux,
+    which would let a second process share the port and take half of its
+    traffic. `reuse_port` (the processes of `meshllm frontend --workers N`)
+    shares it on purpose. A taken port raises `PortInUse` naming `port_flag`.
+    """
+    if not reuse_port:
+        check_free(config.host, config.port, port_flag)  # before gRPC logs its own bind error
+    from meshllm.plane.auth import MeshAuth
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [_ErrorMapping()]
+    if security is not None and security.token is not None:
+        interceptors.insert(0, MeshAuth(security.token))
     server = grpc.aio.server(
-        interceptors=[_ErrorMapping()],
+        interceptors=interceptors,
         options=[
             *channel_options(config.max_message_bytes),
-            # Accept the clients' 20 s keepalive pings (the default minimum is 5 min,
-            # which answers them with GOAWAY too_many_pings on idle meshes).
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            # Accept the clients' keepalive pings (the default minimum is 5 min, which
+            # answers them with GOAWAY too_many_pings on idle meshes). This is the
+            # name grpc reads; "min_recv_ping_interval_without_data_ms" is not one.
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
             ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ],
     )
     for svc in services:
         svc.register(svc.servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    try:
+        if security is not None and security.tls is not None:
+            from meshllm.plane.tls import TlsFiles, server_credentials
+
+            port = server.add_secure_port(f"{config.host}:{config.port}", server_credentials(TlsFiles(security.tls)))
+        else:
+            port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # grpc raises where older versions returned 0
+        port = 0
     if port == 0:
         from meshllm.config import ConfigError
 
-        raise ConfigError(f"cannot listen on {config.host}:{config.port}")
+        if config.port != 0:
+            check_free(config.host, config.port, port_flag)  # PortInUse: taken since the first probe
+        raise ConfigError(f"cannot listen on {config.host}:{config.port} ({port_flag})")
     gs = GrpcServer(server, port, config.host, [s.name for s in services], [s.closing for s in services if s.closing])
     health_pb2_grpc.add_HealthServicer_to_server(gs.health, server)
-    names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    enable_reflection([s.name for s in services] + [health.SERVICE_NAME], server)
     await server.start()
     await gs.set_serving(serving)
     return gs
 
 
 # ---------------------------------------------------------------- channels
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLiveness:
+    """When a client's Generate session, or one stream on it, counts as broken (plane/session.py).
+
+    A session server sends a heartbeat (an empty `SessionDown`) whenever its
+    streams are open and it sent nothing for `HEARTBEAT_S`, so a live peer is
+    never silent for long, even while every stream waits for a long prefill.
+    `step_s` below is the session's observed gap between messages (an
+    exponential mean: one engine step when tokens flow, a heartbeat interval
+    when none do).
+
+    - A session with open streams that receives nothing at all for
+      `max(stall_timeout_s, STALL_STEPS * step_s)` is broken: every stream
+      fails with `Disconnected` (which the router migrates) and the call is
+      cancelled.
+    - A stream that has had its first chunk and then none for
+      `max(stream_stall_timeout_s, STALL_STEPS * step_s)` fails the same way
+      (0 = never): the peer answers, but this stream makes no progress.
+    """
+
+    stall_timeout_s: float = 3.0
+    stream_stall_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.stall_timeout_s <= 3600:  # also refuses NaN
+            raise ConfigError(f"--stall-timeout must be between 1 and 3600 seconds, got {self.stall_timeout_s}")
+        if not (self.stream_stall_timeout_s == 0 or 1.0 <= self.stream_stall_timeout_s <= 3600):
+            raise ConfigError(
+                f"--stream-stall-timeout must be 0 (off) or between 1 and 3600 seconds, got {self.stream_stall_timeout_s}"
+            )
 
 
 class ChannelCache(AsyncCloseable):
@@ -336,20 +481,45 @@ class ChannelCache(AsyncCloseable):
     Generate session of `meshllm.plane.session`); it is closed with the channel.
     `local` (meshllm run) names the peers that live in this process
     (`meshllm.plane.local`): clients call those directly instead of over gRPC.
+    `liveness` bounds how long the process's sessions may stall.
+    `security` (plane/auth.py): channels use TLS with this process's
+    certificate and send the mesh token; when the certificate files change,
+    channels made from then on use the new ones (channels already made keep
+    their connections until they are dropped).
     """
 
-    def __init__(self, *, max_message_bytes: int = 64 * 1024 * 1024, local: LocalPeers | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        local: LocalPeers | None = None,
+        liveness: SessionLiveness | None = None,
+        security: MeshSecurity | None = None,
+    ) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._security: ClientSecurity | None = None
+        if security is not None and security.enabled:
+            from meshllm.plane.auth import ClientSecurity
+
+            self._security = ClientSecurity(security)
         self._shared: dict[tuple[str, str], AsyncCloseable] = {}
+        self._retired: list[grpc.aio.Channel] = []
         self._options = channel_options(max_message_bytes)
         self.local = local
+        self.liveness = liveness if liveness is not None else SessionLiveness()
 
     def get(self, address: str) -> grpc.aio.Channel:
         if self.closed:
             raise Cancelled("channel cache is closed")
+        if self._security is not None and self._security.rotated():
+            self._retired.extend(self._channels.values())  # in-flight calls finish on them; closed with the cache
+            self._channels = {}
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=self._options)
+            if self._security is not None:
+                ch = self._security.channel(address, self._options)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=self._options)
             self._channels[address] = ch
         return ch
 
@@ -371,5 +541,6 @@ class ChannelCache(AsyncCloseable):
     async def _aclose(self) -> None:
         shared, self._shared = list(self._shared.values()), {}
         await asyncio.gather(*(obj.aclose() for obj in shared), return_exceptions=True)
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [*self._channels.values(), *self._retired], {}
+        self._retired = []
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)

@@ -45,9 +45,7 @@ def chain_hash(parent_hash: int | None, block_tokens_hash: int) -> int:
     return _xxh3(_PAIR.pack(parent_hash, block_tokens_hash), SEED)
 
 
-def stored_blocks(
-    tokens: Sequence[int], block_size: int, *, parent_hash: int | None = None
-) -> list[tuple[int, int]]:
+def stored_blocks(tokens: Sequence[int], block_size: int, *, parent_hash: int | None = None) -> list[tuple[int, int]]:
     """(block_hash, tokens_hash) of every full block of `tokens`, in order."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -17,18 +17,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshllm.config import (
+    DEFAULT_STREAM_INTERVAL_MS,
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
-    EventsKind,
     PlaneConfig,
     ServerConfig,
     add_plane_args,
     add_tracing_args,
     parse_host_port,
 )
+from meshllm.plane.auth import MeshSecurity, add_security_args
+from meshllm.plane.transport import SessionLiveness
 
-__all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "router_arg_parser"]
+__all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "add_liveness_args", "check_health_flags", "router_arg_parser"]
 
 
 class RouterMode(enum.StrEnum):
@@ -86,6 +88,14 @@ class RouterConfig:
     resync_backoff_s: float = 0.2
     # A worker that failed a call is skipped for this long (discovery may lag).
     failure_cooldown_s: float = 5.0
+    # Stall detection (plane/transport.py SessionLiveness): a worker session with open streams
+    # that is silent this long, or a started stream without a chunk this long, counts as broken.
+    stall_timeout_s: float = 3.0
+    stream_stall_timeout_s: float = 30.0
+    # Health checks of every worker (router/workers.py); interval 0 = none.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token (plane/auth.py)
 
     def __post_init__(self) -> None:
         weights = (
@@ -98,6 +108,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
         if not math.isfinite(self.ttl_s) or self.ttl_s <= 0:
             raise ConfigError(f"--router-ttl must be > 0 seconds, got {self.ttl_s}")
+        _ = self.liveness  # validates the stall flags
+        check_health_flags(self.health_interval_s, self.health_timeout_s)
         if self.migration_limit < 0:
             raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.disagg_min_prompt_tokens < 0:
@@ -121,6 +133,11 @@ class RouterConfig:
                 raise ConfigError("static mode needs --model-name")
 
     @property
+    def liveness(self) -> SessionLiveness:
+        """How long the router's worker sessions and streams may stall."""
+        return SessionLiveness(stall_timeout_s=self.stall_timeout_s, stream_stall_timeout_s=self.stream_stall_timeout_s)
+
+    @property
     def static(self) -> bool:
         """True when the workers are given (no discovery)."""
         return bool(self.static_workers) or self.plane.discovery is DiscoveryKind.STATIC
@@ -132,10 +149,7 @@ class RouterConfig:
         endpoint = StaticEndpoint.parse(ns.static_endpoint) if ns.static_endpoint else None
         plane = PlaneConfig.from_namespace(ns)
         if workers or ns.static_endpoint:
-            # Static mode touches neither etcd nor (unless --events says so) NATS.
-            events = plane.events if ns.events else EventsKind.NONE
-            namespace = endpoint.namespace if endpoint is not None else plane.namespace
-            plane = PlaneConfig(namespace=namespace, discovery=DiscoveryKind.STATIC, events=events, nats_url=plane.nats_url)
+            plane = plane.static(namespace=endpoint.namespace if endpoint is not None else None, events_flag=ns.events)
         return cls(
             plane=plane,
             server=ServerConfig(host=ns.host, port=ns.port, stream_interval_ms=ns.stream_interval_ms),
@@ -154,6 +168,11 @@ class RouterConfig:
             otlp_endpoint=ns.otlp_endpoint or None,
             router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}",
             component=ns.component,
+            stall_timeout_s=ns.stall_timeout,
+            stream_stall_timeout_s=ns.stream_stall_timeout,
+            health_interval_s=ns.worker_health_interval,
+            health_timeout_s=ns.worker_health_timeout,
+            security=MeshSecurity.from_namespace(ns),
         )
 
 
@@ -170,8 +189,9 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g.add_argument(
         "--stream-interval-ms",
         type=float,
-        default=1.0,
-        help="least time between two stream messages to one client; faster engine steps are sent together (0 = every step)",
+        default=DEFAULT_STREAM_INTERVAL_MS,
+        help="least time between two stream messages to one client; faster engine steps are sent together "
+        "(0 = every step; a stream's first chunk never waits)",
     )
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
     g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
@@ -184,9 +204,7 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     )
     g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
     g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
-    g.add_argument(
-        "--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker"
-    )
+    g.add_argument("--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker")
     g.add_argument(
         "--disagg-max-local-hit",
         type=float,
@@ -199,6 +217,36 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
     g.add_argument("--router-id", default="", help="replica id shared with other routers (default: random)")
     g.add_argument("--component", default="router", help="discovery component / replica-sync subject of this router")
+    add_liveness_args(parser, health=True)
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
+    add_security_args(parser)
     add_tracing_args(parser)
     return parser
+
+
+def check_health_flags(interval_s: float, timeout_s: float) -> None:
+    """One-line ConfigErrors for out-of-range worker health-check flags."""
+    if not (interval_s == 0 or 0.1 <= interval_s <= 3600):  # also refuses NaN
+        raise ConfigError(f"--worker-health-interval must be 0 (off) or between 0.1 and 3600 seconds, got {interval_s}")
+    if not 0.1 <= timeout_s <= 600:
+        raise ConfigError(f"--worker-health-timeout must be between 0.1 and 600 seconds, got {timeout_s}")
+
+
+def add_liveness_args(parser: argparse.ArgumentParser, *, health: bool) -> None:
+    """The stall-detection flags (router, frontend), and the worker health-check flags when `health`."""
+    g = parser.add_argument_group("stall detection")
+    g.add_argument(
+        "--stall-timeout", type=float, default=3.0,
+        help="seconds a Generate session with open streams may send nothing (not even a heartbeat) before its streams "
+        "fail over (at least 5 of its observed steps)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stream-stall-timeout", type=float, default=30.0,
+        help="seconds a stream may go without a token after its first before it fails over (0 = never)",
+    )  # fmt: skip
+    if health:
+        g.add_argument(
+            "--worker-health-interval", type=float, default=1.0,
+            help="seconds between health checks of each worker; a failed one takes it out of routing (0 = none)",
+        )  # fmt: skip
+        g.add_argument("--worker-health-timeout", type=float, default=2.0, help="seconds a worker health check may take")

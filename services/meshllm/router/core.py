@@ -126,7 +126,8 @@ class RouterCore(AsyncCloseable):
         workers = tuple(static_workers) if static_workers is not None else config.static_workers
         self.pool = WorkerPool(
             discovery, channels, static_workers=workers, model_name=config.model_name,
-            failure_cooldown_s=config.failure_cooldown_s,
+            failure_cooldown_s=config.failure_cooldown_s, health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
         )  # fmt: skip
         self.feed = EventFeed(
             bus, config.plane.namespace, index=self.index, load=self.load, pool=self.pool, channels=channels,

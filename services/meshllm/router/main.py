@@ -24,6 +24,7 @@ from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_si
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
+from meshllm.ports import bind_error, check_free_all
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.router.core import RouterCore
 from meshllm.router.service import router_binding
@@ -41,7 +42,9 @@ class RouterServer(AsyncCloseable):
         self.config = config
         self.discovery: Discovery | None = None
         self.bus: EventBus | None = None
-        self.channels = ChannelCache(max_message_bytes=config.server.max_message_bytes)
+        self.channels = ChannelCache(
+            max_message_bytes=config.server.max_message_bytes, liveness=config.liveness, security=config.security
+        )
         self.core: RouterCore | None = None
         self.server: GrpcServer | None = None
         self.shutdown = Shutdown()
@@ -51,7 +54,11 @@ class RouterServer(AsyncCloseable):
     async def start(
         cls, config: RouterConfig, *, memory_store: MemoryStore | None = None, memory_broker: MemoryBroker | None = None
     ) -> RouterServer:
-        """Open planes, start the core, serve, register. Cleans up on failure."""
+        """Open planes, start the core, serve, register. Cleans up on failure.
+
+        A taken --port or --metrics-port is PortInUse before anything starts."""
+        host = config.server.host
+        check_free_all([(host, config.server.port, "--port"), (host, config.metrics_port, "--metrics-port")])
         self = cls(config)
         self._plan_shutdown()
         try:
@@ -63,12 +70,13 @@ class RouterServer(AsyncCloseable):
 
     async def _start(self, memory_store: MemoryStore | None, memory_broker: MemoryBroker | None) -> None:
         cfg = self.config
+        host = cfg.server.host
         self.discovery = await open_discovery(cfg.plane, memory_store=memory_store)
         self.bus = await open_events(cfg.plane, memory_broker=memory_broker, name=cfg.router_id)
         self.core = RouterCore(cfg, self.discovery, self.bus, self.channels)
         await self.core.start()
         binding = router_binding(self.core, stream_interval_s=cfg.server.stream_interval_ms / 1000.0)
-        self.server = await start_server(cfg.server, [binding])
+        self.server = await start_server(cfg.server, [binding], security=cfg.security)
         if not cfg.static:
             await self.discovery.register_instance(
                 discovery_pb2.Instance(
@@ -80,7 +88,10 @@ class RouterServer(AsyncCloseable):
             from prometheus_client import start_http_server
 
             registry = self.core.metrics.registry
-            self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=cfg.server.host, registry=registry)
+            try:
+                self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=host, registry=registry)
+            except OSError as exc:
+                raise bind_error(host, cfg.metrics_port, "--metrics-port", exc) from None
         log.info("router %s (%s) serving on %s", cfg.router_id, cfg.mode.value, self.address)
 
     @property

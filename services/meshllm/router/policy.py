@@ -97,9 +97,7 @@ class Candidate:
         return (self.worker_id, self.dp_rank)
 
 
-def score(
-    candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float, capacity_weight: float = 0.0
-) -> None:
+def score(candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float, capacity_weight: float = 0.0) -> None:
     """Fill in each candidate's pressure and cost (the formula of the module docstring)."""
     bs = max(block_size, 1)
     for c in candidates:
@@ -168,9 +166,7 @@ class LeastLoadedPolicy(Policy):
     name = "least-loaded"
 
     def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
-        return min(
-            candidates, key=lambda c: (c.decode_blocks, c.queued_prefill_tokens, c.in_flight, c.worker_id, c.dp_rank)
-        )
+        return min(candidates, key=lambda c: (c.decode_blocks, c.queued_prefill_tokens, c.in_flight, c.worker_id, c.dp_rank))
 
 
 def make_policy(mode: RouterMode, *, temperature: float, rng: random.Random) -> Policy:

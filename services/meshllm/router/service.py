@@ -13,14 +13,18 @@ from typing import cast
 
 import grpc
 
+from meshllm.errors import InvalidArgument
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo, ServiceBinding
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, RoutingHints
+from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.protocol.validate import Limits, validate_generate, validate_prompt
 from meshllm.router.core import RouterCore
-from meshllm.v1 import generate_pb2, router_pb2, router_pb2_grpc, session_pb2
+from meshllm.v1 import discovery_pb2, generate_pb2, router_pb2, router_pb2_grpc, session_pb2
 
 __all__ = ["RouterServicer", "hints_from_proto", "router_binding"]
+
+_ROLES = frozenset(discovery_pb2.WorkerRole.values())
 
 
 def hints_from_proto(m: generate_pb2.RoutingHints) -> RoutingHints:
@@ -33,9 +37,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def __init__(self, core: RouterCore, *, stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.core = core
-        self.sessions = SessionServer(
-            lambda req, call: core.generate(req, call=call), "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s
-        )
+        self.sessions = SessionServer(self.generate, "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s)
+
+    def _limits(self, model: str) -> Limits:
+        card = self.core.pool.card(model)
+        return Limits(context_length=card.context_length) if card is not None else Limits()
+
+    async def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+        """One validated request through the core (Generate and GenerateSession streams)."""
+        validate_generate(request, self._limits(self.core.resolve_model(request.get("model", ""))))
+        stream = cast(AsyncGenerator[GenerateChunk, None], self.core.generate(request, call=call))
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
 
     async def GenerateSession(
         self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
@@ -48,7 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         stream = cast(
             AsyncGenerator[GenerateChunk, None],
-            self.core.generate(request_from_proto(request), call=CallInfo.from_context(context)),
+            self.generate(request_from_proto(request), CallInfo.from_context(context)),
         )
         try:
             async for chunk in stream:
@@ -58,7 +74,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteDecision:
         hints = hints_from_proto(request.routing) if request.HasField("routing") else None
-        return await self.core.route(request.model, list(request.token_ids), hints, request.role or None)
+        if request.role not in _ROLES:
+            raise InvalidArgument(f"'role': unknown value {request.role}", param="role")
+        model = self.core.resolve_model(request.model)
+        validate_prompt(request.token_ids, self._limits(model))  # what Generate would refuse is not scored
+        return await self.core.route(model, list(request.token_ids), hints, request.role or None)
 
     async def ListWorkers(
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext

@@ -12,6 +12,8 @@ from meshllm.config import ConfigError
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
 from meshllm.lifecycle import run_loop, serve_until_signal
+from meshllm.ports import check_free_all
+from meshllm.tracing import worker_service_name
 from meshllm.worker.runtime import Worker
 
 __all__ = ["main", "run"]
@@ -27,11 +29,17 @@ def setup_logging() -> None:
 async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
     """Construct, start, serve until SIGTERM/SIGINT or a Drain RPC, shut down in order."""
     engine, config = await engine_cls.from_args(list(argv))
+
+    async def start() -> Worker:
+        host = config.server.host
+        check_free_all([(host, config.server.port, "--port"), (host, config.metrics_port, "--metrics-port")])
+        return await Worker.start(engine, config)
+
     return await serve_until_signal(
         "worker",
-        lambda: Worker.start(engine, config),
+        start,
         lambda w: [f"meshllm worker {w.id} ({config.engine}, {config.role.value}) serving on {w.address}"],
-        service_name=f"meshllm-worker-{config.engine}",
+        service_name=worker_service_name(config.role.value),
         otlp_endpoint=config.otlp_endpoint,
         closing=Worker.wait_closing,
     )

@@ -28,6 +28,8 @@ from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.validate import Limits
+from meshllm.tracing import untraced, worker_service_name
 from meshllm.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from meshllm.worker.metrics import WorkerMetrics
 from meshllm.worker.service import WorkerServicer, engine_config_proto
@@ -97,8 +99,16 @@ class Worker(AsyncCloseable):
         cfg = self.config
         self.discovery = await open_discovery(cfg.plane, memory_store=memory_store)
         self.bus = await open_events(cfg.plane, memory_broker=memory_broker)
-        self.sink = WorkerSink(self.id, self.bus, namespace=cfg.plane.namespace, component=cfg.component, on_load=self._on_load)
+        self.sink = WorkerSink(
+            self.id,
+            self.bus,
+            namespace=cfg.plane.namespace,
+            component=cfg.component,
+            on_load=self._on_load,
+            on_published=self.metrics.kv_events.inc,
+        )
         self.engine.sink = self.sink
+        self.engine.security = cfg.security
         t0 = time.monotonic()
         self.engine_config = await self.engine.start(self.id)
         self.metrics.model_load_time.set(time.monotonic() - t0)
@@ -110,16 +120,24 @@ class Worker(AsyncCloseable):
             info=self.info,
             validate_streams=cfg.validate_streams,
             stream_interval_s=cfg.server.stream_interval_ms / 1000.0,
+            limits=Limits(self.engine_config.context_length, self.engine_config.vocab_size),
         )
         self.servicer.on_drain_request = lambda: asyncio.ensure_future(self.aclose())
+        self.servicer.trace_service = worker_service_name(cfg.role.value)
         binding = ServiceBinding(
             "meshllm.v1.Worker", self.servicer, worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer.sessions.close
         )
-        self.server = await start_server(cfg.server, [binding])
+        self.server = await start_server(cfg.server, [binding], security=cfg.security)
         self.instance = self._instance(self.server.port)
         self.model_card = await self._model_card(self.engine_config)
+        self.metrics.label(model=self.model_card.name, role=cfg.role.value)
         if self._local is not None:
-            self._local.register(self.address, self.servicer.sessions.handler, self.servicer.sessions.method)
+            self._local.register(
+                self.address,
+                self.servicer.sessions.handler,
+                self.servicer.sessions.method,
+                service=worker_service_name(cfg.role.value),
+            )
         if not cfg.static:
             await self.discovery.register_instance(self.instance)
             await self.discovery.register_model(self.model_card)
@@ -127,7 +145,14 @@ class Worker(AsyncCloseable):
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=cfg.server.host, registry=self.metrics.registry)
+            from meshllm.ports import bind_error
+
+            try:
+                self._metrics_server, _ = start_http_server(
+                    cfg.metrics_port, addr=cfg.server.host, registry=self.metrics.registry
+                )
+            except OSError as exc:
+                raise bind_error(cfg.server.host, cfg.metrics_port, "--metrics-port", exc) from None
         self._plan_shutdown()
         log.info("worker %s serving %s at %s (role %s)", self.id, self.model_card.name, self.address, cfg.role.value)
 
@@ -233,10 +258,11 @@ class Worker(AsyncCloseable):
         """Run one canary request; True when it ends with a non-error terminal."""
         assert self.servicer is not None
         try:
-            async with asyncio.timeout(timeout_s):
-                async for chunk in self.servicer.run_request(request):
-                    if "finish_reason" in chunk:
-                        return chunk["finish_reason"] != "error"
+            with untraced():  # a health check, not a request: no trace
+                async with asyncio.timeout(timeout_s):
+                    async for chunk in self.servicer.run_request(request):
+                        if "finish_reason" in chunk:
+                            return chunk["finish_reason"] != "error"
         except Exception as exc:
             log.warning("health canary of %s failed: %s", self.id, exc)
         self.metrics.health_failures.inc()

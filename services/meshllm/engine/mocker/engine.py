@@ -126,6 +126,7 @@ class MockerEngine(LLMEngine):
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             context_length=cfg.context_length,
+            vocab_size=cfg.vocab_size,
             eos_token_ids=(cfg.eos_token_id,),
             tokenizer_source="builtin:mocker",
             kv_layout=KV_LAYOUT,
@@ -256,9 +257,7 @@ class MockerEngine(LLMEngine):
     def _accept_handle(self, data: bytes, prompt: list[int]) -> None:
         handle = decode_kv_handle(data)
         if handle.block_size != self.config.block_size:
-            raise FailedPrecondition(
-                f"kv_handle has block size {handle.block_size}, this mocker uses {self.config.block_size}"
-            )
+            raise FailedPrecondition(f"kv_handle has block size {handle.block_size}, this mocker uses {self.config.block_size}")
         if handle.prompt_tokens != len(prompt):
             raise InvalidArgument(
                 f"kv_handle covers {handle.prompt_tokens} prompt tokens, the request has {len(prompt)}", param="disagg"
