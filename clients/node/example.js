@@ -4,6 +4,11 @@
 //
 //   node example.js --inference 127.0.0.1:8001 --router 127.0.0.1:9000 [--model NAME]
 //                   [--prompt TEXT] [--max-tokens N] [--token-ids 1,2,3]
+//                   [--weather-tool [--tool-choice auto|none|required|get_weather]]
+//
+// --weather-tool offers a get_weather(city) function: the calls the model makes
+// stream as pieces (id and name first, then arguments) and are printed whole;
+// reasoning (with a frontend reasoning parser) is printed apart from the text.
 //
 // Addresses also come from MESHLLM_INFERENCE_ADDRESS / MESHLLM_ROUTER_ADDRESS.
 // The stubs are built at run time from protos/meshllm/v1/*.proto with
@@ -29,6 +34,8 @@ function options() {
       'max-tokens': { type: 'string', default: '32' },
       'token-ids': { type: 'string', default: '' },
       'timeout-s': { type: 'string', default: '60' },
+      'weather-tool': { type: 'boolean', default: false },
+      'tool-choice': { type: 'string', default: 'auto' },
     },
   });
   return values;
@@ -63,14 +70,20 @@ function streamChat(inference, request, seconds) {
   return new Promise((resolve, reject) => {
     const call = inference.ChatCompletion(request, { deadline: deadline(seconds) });
     const tokenIds = [];
+    const calls = new Map(); // tool calls by index, their pieces put together
     let terminal = null;
     call.on('data', (chunk) => {
+      if (chunk.reasoning) process.stdout.write(`[reasoning: ${chunk.reasoning}]`);
       if (chunk.text) process.stdout.write(chunk.text);
+      for (const piece of chunk.tool_calls) {
+        const c = calls.get(piece.index) || { id: '', name: '', arguments: '' };
+        calls.set(piece.index, { id: c.id || piece.id, name: c.name || piece.name, arguments: c.arguments + piece.arguments });
+      }
       tokenIds.push(...chunk.token_ids);
       if (chunk.finish_reason !== 'FINISH_REASON_UNSPECIFIED') terminal = chunk;
     });
     call.on('error', reject);
-    call.on('end', () => resolve({ terminal, tokenIds }));
+    call.on('end', () => resolve({ terminal, tokenIds, calls }));
   });
 }
 
@@ -89,19 +102,27 @@ async function main() {
     }
     console.log(`model: ${model}`);
 
+    const request = { model, messages: [{ role: 'user', content: opts.prompt }], params: { max_tokens: Number(opts['max-tokens']) } };
+    if (opts['weather-tool']) {
+      const parameters = { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] };
+      request.tools = [{ name: 'get_weather', description: 'The current weather in a city.', parameters: JSON.stringify(parameters) }];
+      const modes = { auto: 'MODE_AUTO', none: 'MODE_NONE', required: 'MODE_REQUIRED' };
+      const choice = opts['tool-choice'];
+      request.tool_choice = choice in modes ? { mode: modes[choice] } : { function: choice };
+    }
     process.stdout.write('text: ');
-    const { terminal, tokenIds } = await streamChat(
-      inference,
-      { model, messages: [{ role: 'user', content: opts.prompt }], params: { max_tokens: Number(opts['max-tokens']) } },
-      seconds,
-    );
+    const { terminal, tokenIds, calls } = await streamChat(inference, request, seconds);
     process.stdout.write('\n');
+    for (const [, c] of [...calls.entries()].sort((a, b) => a[0] - b[0])) {
+      console.log(`tool_call: ${c.name} ${c.arguments} id=${c.id}`);
+    }
     if (terminal === null) throw new Error('the stream ended without a terminal chunk');
     if (terminal.finish_reason === 'FINISH_REASON_ERROR') {
       throw new Error(`generation failed: ${terminal.error.code}: ${terminal.error.message}`);
     }
     const usage = terminal.usage || {};
-    console.log(`finish_reason: ${terminal.finish_reason} prompt_tokens=${usage.prompt_tokens} completion_tokens=${usage.completion_tokens}`);
+    const reason = terminal.finish_reason + (terminal.tool_calls_finished ? ' (tool_calls)' : '');
+    console.log(`finish_reason: ${reason} prompt_tokens=${usage.prompt_tokens} completion_tokens=${usage.completion_tokens}`);
 
     // Which worker would serve a prompt made of these token ids (default: what the chat produced)?
     const given = opts['token-ids'].split(',').filter((s) => s.trim() !== '').map(Number);

@@ -7,12 +7,13 @@ or signal handlers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -21,6 +22,8 @@ import uvloop
 
 __all__ = [
     "FORCED_EXIT_STATUS",
+    "Admission",
+    "Admits",
     "AsyncCloseable",
     "Shutdown",
     "ShutdownStep",
@@ -61,6 +64,68 @@ class AsyncCloseable:
 
     async def _aclose(self) -> None:
         raise NotImplementedError
+
+
+class Admission:
+    """A service's admission and drain state: admitting or not, requests in flight, a wait for none.
+
+    The caller decides whether to admit (`admitting`, its own limits, its own
+    error), then counts the request in with `enter()` and out with `exit()`,
+    exactly once each (`admitted()` pairs them). `wait_idle()` returns once
+    nothing is in flight. `on_change(+1 | -1)` mirrors the count, e.g. into
+    an in-flight gauge.
+    """
+
+    def __init__(self, on_change: Callable[[int], object] | None = None) -> None:
+        self.admitting = True
+        self.inflight = 0
+        self._on_change = on_change
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+        if self._on_change is not None:
+            self._on_change(1)
+
+    def exit(self) -> None:
+        self.inflight -= 1
+        if self._on_change is not None:
+            self._on_change(-1)
+        if not self.inflight:
+            self._idle.set()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """`enter()` now, `exit()` when the block ends however it ends."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.exit()
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight (at once when nothing is)."""
+        await self._idle.wait()
+
+
+class Admits:
+    """Mixin for a service gated by its `admission`: `admitting` (read and set) and `wait_idle()`."""
+
+    admission: Admission
+
+    @property
+    def admitting(self) -> bool:
+        return self.admission.admitting
+
+    @admitting.setter
+    def admitting(self, value: bool) -> None:
+        self.admission.admitting = value
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight."""
+        await self.admission.wait_idle()
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,8 @@ def _text_of(ids: Sequence[int]) -> str:
 class EchoEngine(LLMEngine):
     """Echoes the prompt's "ECHO:" text byte by byte (see the module docstring)."""
 
+    supports_prompt_logprobs = True  # except for a "NOPLP" prompt, which plays an engine that leaves them out
+
     def __init__(self, model: str = "echo") -> None:
         self.model = model
         self.stops: dict[str, float] = {}  # request id -> when the engine saw its stop

@@ -68,6 +68,19 @@ def test_python_grpc_example_streams_through_inference_and_routes_to_a_mesh_work
     assert out.count("\nworker: ") == len(mesh.workers), out
 
 
+def test_python_grpc_example_offers_a_tool_and_reports_a_refusal_in_one_line(mesh: MeshRun) -> None:
+    """Locks: --weather-tool with auto streams as usual; forcing it on the mocker (no guided decoding) is one clear line."""
+    base = [sys.executable, str(CLIENTS / "python" / "grpc_example.py"), "--inference", mesh.inference_address,
+            "--router", "", "--max-tokens", "8", "--weather-tool"]  # fmt: skip
+    out = run_client(base)
+    assert "finish_reason: FINISH_REASON_" in out and "route:" not in out, out
+    done = subprocess.run([*base, "--tool-choice", "required"], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpc_example: INVALID_ARGUMENT: 'tool_choice': 'required' needs guided decoding"), done.stderr
+    assert "the mocker engine" in last, done.stderr
+
+
 @pytest.fixture(scope="module")
 def node_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """clients/node copied beside a copy of protos/ (the example's ../../protos), installed with `npm ci`."""
@@ -95,3 +108,17 @@ def test_node_example_streams_through_inference_and_routes_to_a_mesh_worker(mesh
     assert routed_worker(out) in {w.worker_id for w in mesh.workers}, out
     assert out.count("  candidate ") == len(mesh.workers), out
     assert out.count("\nworker: ") == len(mesh.workers), out
+
+
+def test_node_example_sends_the_weather_tool_through_the_generated_stubs(mesh: MeshRun, node_client: Path) -> None:
+    """Locks: the proto-loader stubs carry tools / tool_choice; forcing the tool on the mocker is one clear line."""
+    node = shutil.which("node")
+    assert node is not None
+    base = [node, "example.js", "--inference", mesh.inference_address, "--router", mesh.router_address,
+            "--max-tokens", "8", "--weather-tool"]  # fmt: skip
+    out = run_client(base, cwd=node_client)
+    assert re.search(r"^finish_reason: FINISH_REASON_(LENGTH|STOP|EOS) ", out, re.MULTILINE), out
+    done = subprocess.run(
+        [*base, "--tool-choice", "get_weather"], cwd=node_client, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "needs guided decoding" in done.stderr and "mocker engine" in done.stderr, done

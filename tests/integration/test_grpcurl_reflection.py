@@ -266,3 +266,24 @@ def test_inference_chat_completion_streams_text_through_reflection(mesh: MeshRun
     assert "".join(c.get("text", "") for c in chunks).strip()
     assert chunks[-1]["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
     assert chunks[-1]["usage"]["completionTokens"] <= 8
+
+
+def test_a_forced_tool_choice_on_the_mocker_is_refused_as_docs_grpcurl_shows(mesh: MeshRun, grpcurl: Any) -> None:
+    """docs/grpcurl.md's tool call (camelCase JSON through reflection): INVALID_ARGUMENT before any engine work."""
+    g = grpcurl(mesh.inference_address)
+    parameters = '{"type": "object", "properties": {"city": {"type": "string"}}}'
+    body = {
+        "model": "mocker",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": "get_weather", "parameters": parameters}],
+        "toolChoice": {"function": "get_weather"},
+        "params": {"max_tokens": 64},
+    }
+    with pytest.raises(grpc.RpcError) as info:
+        g.call("meshllm.v1.Inference/ChatCompletion", body)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    doc = (ROOT / "docs" / "grpcurl.md").read_text()
+    assert f"Message: {info.value.details()}" in doc  # type: ignore[attr-defined]
+    body["toolChoice"] = {"mode": "MODE_AUTO"}  # auto needs nothing of the engine
+    chunks = g.call("meshllm.v1.Inference/ChatCompletion", body)
+    assert chunks[-1]["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")

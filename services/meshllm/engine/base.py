@@ -14,10 +14,10 @@ import asyncio
 import enum
 import json
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self
 
 from meshllm.config import (
     DEFAULT_STREAM_INTERVAL_MS,
@@ -46,6 +46,7 @@ __all__ = [
     "FinishReason",
     "GenerateChunk",
     "GenerateRequest",
+    "KvPull",
     "KvTransfer",
     "LLMEngine",
     "LoadMetrics",
@@ -179,6 +180,12 @@ class KvTransfer:
     n_tokens: int = 0
 
 
+#: `(address, kv_handle, layout)` → the pieces of the KV held by the worker at
+#: `address` (its `Worker.PullKv`). The worker gives it to its engine, so an
+#: engine pulls from a peer without knowing the worker's client or transport.
+KvPull = Callable[[str, bytes, str], AsyncIterator[KvTransfer]]
+
+
 def terminal(
     reason: FinishReason,
     usage: Usage,
@@ -204,7 +211,8 @@ class LLMEngine(abc.ABC):
     1. `from_args(argv)` (async classmethod) — parses the engine's flags plus the
        common worker flags (use `worker_arg_parser`) and returns
        `(engine, WorkerConfig)`. It constructs; it does not load anything.
-    2. The framework sets `engine.sink` (an `EngineSink`) and calls
+    2. The framework sets `engine.sink` (an `EngineSink`) and `engine.kv_pull`
+       (a `KvPull`), then calls
        `start(worker_id)` once. `start` loads the model and returns an
        `EngineConfig`. From then on the engine is *ready*: `generate` may be
        called any number of times **concurrently**.
@@ -249,8 +257,14 @@ class LLMEngine(abc.ABC):
 
     #: Set by the framework before `start`; engines report KV events and load here.
     sink: EngineSink = NullSink()
-    #: Set by the framework before `start`: TLS and mesh token for the engine's own calls to peers (KV pulls).
-    security: MeshSecurity | None = None
+    #: What the engine can do beyond generating tokens, published in its ModelCard (`capabilities`): the
+    #: frontend refuses a request needing one the engine lacks with a 400 before any engine work. Set
+    #: True only what `generate` honours: `output.prompt_logprobs`, `output.embedding`, `sampling.guided`.
+    supports_prompt_logprobs: ClassVar[bool] = False
+    supports_embeddings: ClassVar[bool] = False
+    supports_guided_decoding: ClassVar[bool] = False
+    #: Set by the framework before `start`: pulls a peer worker's held KV (disaggregated decode); None outside a worker.
+    kv_pull: KvPull | None = None
 
     @classmethod
     @abc.abstractmethod

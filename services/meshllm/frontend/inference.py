@@ -24,12 +24,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
+from meshllm.frontend.capabilities import check_capabilities
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
-from meshllm.frontend.output_parsers import OutputParser, ParserChoice, check_guided_engines
+from meshllm.frontend.output_parsers import OutputParser, ParserChoice
 from meshllm.frontend.postprocess import ChoiceStream, Delta
 from meshllm.frontend.preprocess import Plan, preprocess, prompt_logprobs_asked
 from meshllm.frontend.upstream import Upstream
+from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import TextRequest, usage_body
 from meshllm.protocol.types import GenerateChunk
@@ -39,7 +41,7 @@ __all__ = ["Completion", "InferenceCore"]
 T = TypeVar("T")
 
 
-class InferenceCore:
+class InferenceCore(Admits):
     """Admission (`max_inflight` → Overloaded), model lookup and request start."""
 
     def __init__(
@@ -58,10 +60,7 @@ class InferenceCore:
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.retry_after_s = retry_after_s
-        self.inflight = 0
-        self.admitting = True
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.admission = Admission(on_change=metrics.inflight.inc)
         self._open: set[Completion] = set()
 
     async def begin(self, req: TextRequest, *, call: CallInfo | None = None, t0: float | None = None) -> Completion:
@@ -70,35 +69,23 @@ class InferenceCore:
             raise Unavailable("the frontend is shutting down")
         if self.max_inflight and self.inflight >= self.max_inflight:
             raise Overloaded(f"too many requests in flight ({self.inflight}); retry later", retry_after_s=self.retry_after_s)
-        self._enter()
+        self.admission.enter()
         try:
             model = self.registry.lookup(req.model)
             tk = await self.registry.tokenization(model)
             rid = req.request_id or f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            if req.tool_choice == "required" or req.tool_choice.startswith("function:"):
-                check_guided_engines(model.name, await self.registry.engines(model.name), req.tool_choice)
+            await check_capabilities(req, model, self.registry)  # a 400 before any engine work
             outputs = self.parsers.factory(req, model.name, model.card, tk.template)
             plan = await preprocess(req, model, tk, rid)
         except BaseException:
-            self._exit()
+            self.admission.exit()
             raise
         t0 = time.perf_counter() if t0 is None else t0
         return Completion(self, req, model, tk, plan, rid, call, t0, outputs=outputs)
 
-    def _enter(self) -> None:
-        self.inflight += 1
-        self.metrics.inflight.inc()
-        self._idle.clear()
-
-    def _exit(self) -> None:
-        self.inflight -= 1
-        self.metrics.inflight.dec()
-        if not self.inflight:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        """Return once nothing is in flight."""
-        await self._idle.wait()
+    @property
+    def inflight(self) -> int:
+        return self.admission.inflight
 
     def cut_all(self, err: MeshError) -> int:
         """End every open stream with `err` (the drain deadline passed); returns how many were open.
@@ -291,7 +278,7 @@ class Completion:
             m.input_tokens.inc(u["prompt_tokens"])
             m.output_tokens.inc(u["completion_tokens"])
             m.cached_tokens.inc(u["prompt_tokens_details"]["cached_tokens"])
-            self.core._exit()
+            self.core.admission.exit()
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshllm.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from meshllm.frontend.capabilities import Capabilities, combine
 from meshllm.frontend.chat_template import ChatTemplate
 from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from meshllm.lifecycle import AsyncCloseable
@@ -69,6 +70,7 @@ class ServedModel:
     source: str
     _loaded: asyncio.Future[Tokenization] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     failed_at: float | None = None  # monotonic time of the last failed load (a later request retries)
+    capabilities: Capabilities = field(default_factory=Capabilities)  # over every live card (frontend/capabilities.py)
 
     @property
     def context_length(self) -> int:
@@ -180,6 +182,8 @@ class ModelRegistry(AsyncCloseable):
                 model.created = old.created
             self._load_into(model)
             models[name] = model
+        for name, cards in by_name.items():
+            models[name].capabilities = combine(cards)
         for name in self._models.keys() - models.keys():
             log.info("model %s is no longer served", name)
         for name in models.keys() - self._models.keys():

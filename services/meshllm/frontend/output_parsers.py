@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GUIDED_ENGINES", "OutputParser", "Parsed", "ParserChoice", "check_guided_engines", "parse_parser_flag"]
 
-#: Engines that enforce guided decoding (the constraint `tool_choice` "required" / named needs). Instances
-#: that name no engine (static mode) are given the benefit of the doubt.
+#: Engines that enforce guided decoding (the constraint `tool_choice` "required" / named needs), by name: the
+#: check for workers whose ModelCard predates `capabilities` (frontend/capabilities.py decides for the others).
+#: Instances that name no engine (static mode) are given the benefit of the doubt.
 GUIDED_ENGINES = frozenset({"llamacpp", "trtllm"})
 
 

@@ -7,10 +7,10 @@ Sources (`load_tokenizer(source)`):
     DIR               a Hugging Face model directory: tokenizer.json, plus
                       tokenizer_config.json (chat_template, bos/eos tokens),
                       chat_template.jinja / chat_template.json and
-                      generation_config.json (eos ids) when present (`tokenizer_hf`)
+                      generation_config.json (eos ids) when present (`meshllm.tokenizers.hf`)
     DIR/tokenizer.json  the same, naming the file
     FILE.gguf         a GGUF model: the exact fast tokenizer is built from the
-                      file's metadata and cached on disk (`tokenizer_gguf`)
+                      file's metadata and cached on disk (`meshllm.tokenizers.gguf`)
 
 A bad source raises `ConfigError` (an `InvalidArgument`) with a one-line message.
 
@@ -28,8 +28,8 @@ from typing import Protocol, runtime_checkable
 
 from meshllm.config import ConfigError
 from meshllm.frontend.tokenizer_builtin import BuiltinTokenizer, builtin_tokenizer
-from meshllm.frontend.tokenizer_gguf import default_cache_dir, is_gguf, load_gguf_tokenizer
-from meshllm.frontend.tokenizer_hf import HFTokenizer, load_hf_tokenizer
+from meshllm.tokenizers.gguf import default_cache_dir, is_gguf, load_gguf_tokenizer
+from meshllm.tokenizers.hf import HFTokenizer, load_hf_tokenizer
 
 __all__ = [
     "ASYNC_ENCODE_THRESHOLD",

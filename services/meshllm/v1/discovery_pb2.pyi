@@ -69,8 +69,18 @@ class RuntimeLimits(_message.Message):
     max_num_batched_tokens: int
     def __init__(self, total_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
+class EngineCapabilities(_message.Message):
+    __slots__ = ("prompt_logprobs", "embeddings", "guided_decoding")
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
+    prompt_logprobs: bool
+    embeddings: bool
+    guided_decoding: bool
+    def __init__(self, prompt_logprobs: _Optional[bool] = ..., embeddings: _Optional[bool] = ..., guided_decoding: _Optional[bool] = ...) -> None: ...
+
 class ModelCard(_message.Message):
-    __slots__ = ("name", "model_type", "tokenizer_source", "chat_template", "context_length", "kv_block_size", "eos_token_ids", "migration_limit", "tool_call_parser", "reasoning_parser", "runtime_limits", "checksum", "instance_id", "bos_token_id")
+    __slots__ = ("name", "model_type", "tokenizer_source", "chat_template", "context_length", "kv_block_size", "eos_token_ids", "migration_limit", "tool_call_parser", "reasoning_parser", "runtime_limits", "checksum", "instance_id", "bos_token_id", "capabilities")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +95,7 @@ class ModelCard(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: ModelType
     tokenizer_source: str
@@ -99,4 +110,5 @@ class ModelCard(_message.Message):
     checksum: str
     instance_id: str
     bos_token_id: int
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., tokenizer_source: _Optional[str] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., migration_limit: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., runtime_limits: _Optional[_Union[RuntimeLimits, _Mapping]] = ..., checksum: _Optional[str] = ..., instance_id: _Optional[str] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+    capabilities: EngineCapabilities
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., tokenizer_source: _Optional[str] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., migration_limit: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., runtime_limits: _Optional[_Union[RuntimeLimits, _Mapping]] = ..., checksum: _Optional[str] = ..., instance_id: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ...) -> None: ...

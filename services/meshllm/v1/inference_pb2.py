@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from meshllm.v1 import generate_pb2 as meshllm_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshllm/v1/inference.proto\x12\nmeshllm.v1\x1a\x19meshllm/v1/generate.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x94\x04\n\nTextParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12*\n\x06guided\x18\x0f \x01(\x0b\x32\x1a.meshllm.v1.GuidedDecodingB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x83\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.ChatMessage\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.meshllm.v1.TextParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"n\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.meshllm.v1.TextParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xc4\x01\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.meshllm.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.meshllm.v1.Usage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.meshllm.v1.Error\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"T\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tinstances\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.meshllm.v1.ModelInfo2\xe2\x01\n\tInference\x12\x42\n\x0e\x43hatCompletion\x12\x17.meshllm.v1.ChatRequest\x1a\x15.meshllm.v1.TextChunk0\x01\x12\x44\n\nCompletion\x12\x1d.meshllm.v1.CompletionRequest\x1a\x15.meshllm.v1.TextChunk0\x01\x12K\n\nListModels\x12\x1d.meshllm.v1.ListModelsRequest\x1a\x1e.meshllm.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshllm/v1/inference.proto\x12\nmeshllm.v1\x1a\x19meshllm/v1/generate.proto\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.meshllm.v1.ToolCall\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa6\x01\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.meshllm.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"y\n\x0bTextLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.meshllm.v1.TopTextLogprobB\n\n\x08_logprob\"B\n\x0eTopTextLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xc6\x04\n\nTextParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12*\n\x06guided\x18\x0f \x01(\x0b\x32\x1a.meshllm.v1.GuidedDecoding\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x8b\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.ChatMessage\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.meshllm.v1.TextParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1f\n\x05tools\x18\x05 \x03(\x0b\x32\x10.meshllm.v1.Tool\x12+\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x16.meshllm.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"n\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.meshllm.v1.TextParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xfb\x02\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.meshllm.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.meshllm.v1.Usage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.meshllm.v1.Error\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\treasoning\x18\x08 \x01(\t\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.meshllm.v1.ToolCall\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.meshllm.v1.TextLogprob\x12\x30\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x17.meshllm.v1.TextLogprob\x12\x1b\n\x13tool_calls_finished\x18\x0c \x01(\x08\"\x13\n\x11ListModelsRequest\"T\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tinstances\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.meshllm.v1.ModelInfo2\xe2\x01\n\tInference\x12\x42\n\x0e\x43hatCompletion\x12\x17.meshllm.v1.ChatRequest\x1a\x15.meshllm.v1.TextChunk0\x01\x12\x44\n\nCompletion\x12\x1d.meshllm.v1.CompletionRequest\x1a\x15.meshllm.v1.TextChunk0\x01\x12K\n\nListModels\x12\x1d.meshllm.v1.ListModelsRequest\x1a\x1e.meshllm.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshllm.v1.inference_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=69
-  _globals['_CHATMESSAGE']._serialized_end=149
-  _globals['_TEXTPARAMS']._serialized_start=152
-  _globals['_TEXTPARAMS']._serialized_end=684
-  _globals['_CHATREQUEST']._serialized_start=687
-  _globals['_CHATREQUEST']._serialized_end=818
-  _globals['_COMPLETIONREQUEST']._serialized_start=820
-  _globals['_COMPLETIONREQUEST']._serialized_end=930
-  _globals['_TEXTCHUNK']._serialized_start=933
-  _globals['_TEXTCHUNK']._serialized_end=1129
-  _globals['_LISTMODELSREQUEST']._serialized_start=1131
-  _globals['_LISTMODELSREQUEST']._serialized_end=1150
-  _globals['_MODELINFO']._serialized_start=1152
-  _globals['_MODELINFO']._serialized_end=1236
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1238
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1297
-  _globals['_INFERENCE']._serialized_start=1300
-  _globals['_INFERENCE']._serialized_end=1526
+  _globals['_CHATMESSAGE']._serialized_end=191
+  _globals['_TOOL']._serialized_start=193
+  _globals['_TOOL']._serialized_end=254
+  _globals['_TOOLCHOICE']._serialized_start=257
+  _globals['_TOOLCHOICE']._serialized_end=423
+  _globals['_TOOLCHOICE_MODE']._serialized_start=336
+  _globals['_TOOLCHOICE_MODE']._serialized_end=413
+  _globals['_TOOLCALL']._serialized_start=425
+  _globals['_TOOLCALL']._serialized_end=495
+  _globals['_TEXTLOGPROB']._serialized_start=497
+  _globals['_TEXTLOGPROB']._serialized_end=618
+  _globals['_TOPTEXTLOGPROB']._serialized_start=620
+  _globals['_TOPTEXTLOGPROB']._serialized_end=686
+  _globals['_TEXTPARAMS']._serialized_start=689
+  _globals['_TEXTPARAMS']._serialized_end=1271
+  _globals['_CHATREQUEST']._serialized_start=1274
+  _globals['_CHATREQUEST']._serialized_end=1541
+  _globals['_COMPLETIONREQUEST']._serialized_start=1543
+  _globals['_COMPLETIONREQUEST']._serialized_end=1653
+  _globals['_TEXTCHUNK']._serialized_start=1656
+  _globals['_TEXTCHUNK']._serialized_end=2035
+  _globals['_LISTMODELSREQUEST']._serialized_start=2037
+  _globals['_LISTMODELSREQUEST']._serialized_end=2056
+  _globals['_MODELINFO']._serialized_start=2058
+  _globals['_MODELINFO']._serialized_end=2142
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2144
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2203
+  _globals['_INFERENCE']._serialized_start=2206
+  _globals['_INFERENCE']._serialized_end=2432
 # @@protoc_insertion_point(module_scope)

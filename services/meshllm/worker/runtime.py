@@ -18,24 +18,26 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from meshllm import __version__
-from meshllm.engine.base import DisaggregationMode, EngineConfig, LLMEngine, LoadMetrics, WorkerConfig
+from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics, WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
-from meshllm.plane.transport import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.types import GenerateRequest
 from meshllm.protocol.validate import Limits
 from meshllm.tracing import untraced, worker_service_name
 from meshllm.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from meshllm.worker.client import WorkerClient
 from meshllm.worker.metrics import WorkerMetrics
 from meshllm.worker.service import WorkerServicer, engine_config_proto
 from meshllm.worker.sink import WorkerSink
 
-__all__ = ["ROLE_TO_PB", "Worker"]
+__all__ = ["ROLE_TO_PB", "Worker", "peer_kv_pull"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Worker(AsyncCloseable):
         self._metrics_server: Any = None
         self._planned = False
         self._closing = asyncio.Event()
+        self._peers: ChannelCache | None = None  # the engine's KV pulls from peer workers
 
     # ------------------------------------------------------------ start
     @classmethod
@@ -108,7 +111,8 @@ class Worker(AsyncCloseable):
             on_published=self.metrics.kv_events.inc,
         )
         self.engine.sink = self.sink
-        self.engine.security = cfg.security
+        self._peers = ChannelCache(security=cfg.security)
+        self.engine.kv_pull = peer_kv_pull(self._peers)
         t0 = time.monotonic()
         self.engine_config = await self.engine.start(self.id)
         self.metrics.model_load_time.set(time.monotonic() - t0)
@@ -208,6 +212,11 @@ class Worker(AsyncCloseable):
             checksum=checksum,
             instance_id=self.id,
         )
+        engine = type(self.engine)
+        card.capabilities.prompt_logprobs = engine.supports_prompt_logprobs
+        card.capabilities.embeddings = engine.supports_embeddings
+        card.capabilities.guided_decoding = engine.supports_guided_decoding
+        card.capabilities.SetInParent()  # present even when all False: "cannot", not "not said"
         if ec.bos_token_id is not None:
             card.bos_token_id = ec.bos_token_id
         return card
@@ -321,6 +330,8 @@ class Worker(AsyncCloseable):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._peers is not None:
+            await self._peers.aclose()
         if self.sink is not None:
             self.sink.close()
         if self.bus is not None:
@@ -344,3 +355,13 @@ class Worker(AsyncCloseable):
             return
         await self.shutdown.run()
         log.info("worker %s stopped (%s)", self.id, ", ".join(f"{k} {v:.2f}s" for k, v in self.shutdown.durations.items()))
+
+
+def peer_kv_pull(channels: ChannelCache) -> KvPull:
+    """The `KvPull` a worker gives its engine: a peer's held KV through its `Worker.PullKv`, over `channels`."""
+
+    async def pull(address: str, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        async for chunk in WorkerClient(channels, address).pull_kv(kv_handle, layout=layout):
+            yield KvTransfer(chunk.data, chunk.total_bytes, chunk.layout, chunk.n_tokens)
+
+    return pull

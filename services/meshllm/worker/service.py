@@ -26,6 +26,7 @@ import grpc
 
 from meshllm.engine.base import Context, EngineConfig, LLMEngine
 from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete, log_unexpected
+from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.auth import caller_identity, session_scope
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 FILE_CHUNK = 1 << 20
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
     """Serves one started engine. `admitting` gates new Generate calls."""
 
     def __init__(
@@ -64,13 +65,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self._info = info
         self.validate_streams = validate_streams
-        self.admitting = True
+        self.admission = Admission(on_change=metrics.inflight.inc)
         self.inflight: dict[str, Context] = {}
         self._owner: dict[str, str] = {}  # request id -> the caller scope that started it
         self._aborted: set[str] = set()
         self._cut: set[str] = set()  # stopped by the drain deadline: they end with EngineShutdown
-        self._idle = asyncio.Event()
-        self._idle.set()
         self.requests_served = 0
         self.on_drain_request: Callable[[], Any] | None = None
         self.trace_service: str | None = None  # the service.name of its spans (set by the runtime)
@@ -105,7 +104,44 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def run_request(
         self, req: GenerateRequest, traceparent: str | None = None, *, scope: str = "internal"
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Run one request through the engine for the caller `scope` (also used by the health canary)."""
+        """Run one request through the engine for the caller `scope` (also used by the health canary).
+
+        Steps: admission (`_admit`), tracing and metrics (`_RequestTrace`), the
+        engine's stream up to its terminal, cancellation (`_cancel`), release
+        (`_release`).
+        """
+        ctx = self._admit(req, traceparent, scope)
+        trace = _RequestTrace(self.trace_service, req, ctx.id)
+        stream = self._engine_stream(req, ctx)
+        finished = False
+        try:
+            async for chunk in stream:
+                trace.chunk(chunk)
+                if "finish_reason" in chunk:
+                    self._check_cut(chunk, ctx.id)
+                    trace.finish(chunk["finish_reason"])
+                yield chunk
+                if "finish_reason" in chunk:
+                    finished = True
+                    break
+            if not finished:
+                raise StreamIncomplete(f"engine stream for {ctx.id} ended without a terminal chunk")
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:  # the caller went away (gRPC cancel)
+                self._cancel(ctx)
+                trace.finish("cancelled")
+            raise
+        except Exception as exc:
+            trace.failed(exc)
+            raise
+        finally:
+            trace.end()
+            with contextlib.suppress(Exception):
+                await _aclose(stream)
+            self._release(ctx.id)
+
+    def _admit(self, req: GenerateRequest, traceparent: str | None, scope: str) -> Context:
+        """Admission: refuse while draining, validate, register the request's Context under its id."""
         if not self.admitting:
             raise EngineShutdown("worker is draining and admits no new requests")
         validate_generate(req, self.limits)
@@ -117,64 +153,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ctx = Context(rid, traceparent=traceparent)
         self.inflight[rid] = ctx
         self._owner[rid] = scope
-        self._idle.clear()
-        self.metrics.inflight.inc()
+        self.admission.enter()
         self.metrics.requests.inc()
-        span = tracer(self.trace_service).start_span(
-            "engine.generate",
-            attributes={
-                "model": req.get("model", ""),
-                "input_tokens": len(req["token_ids"]),
-                "disagg_role": req.get("disagg", {}).get("request_type", "aggregated"),
-                "request_id": rid,
-            },
-        )
-        t0 = time.monotonic()
-        output_tokens = 0
+        return ctx
+
+    def _engine_stream(self, req: GenerateRequest, ctx: Context) -> AsyncIterator[GenerateChunk]:
         stream = self.engine.generate(req, ctx)
-        if self.validate_streams:
-            stream = validate_stream(stream, req, ctx)
-        finished = False
-        try:
-            async for chunk in stream:
-                n = len(chunk.get("token_ids", ()))
-                if n and not output_tokens:
-                    span.set_attribute("ttft_ms", (time.monotonic() - t0) * 1000.0)
-                output_tokens += n
-                if "finish_reason" in chunk:
-                    if chunk["finish_reason"] == "cancelled" and rid in self._cut:
-                        raise EngineShutdown(f"the worker stopped request {rid} at its drain deadline; retry it elsewhere")
-                    span.set_attribute("finish_reason", chunk["finish_reason"])
-                yield chunk
-                if "finish_reason" in chunk:
-                    finished = True
-                    break
-            if not finished:
-                raise StreamIncomplete(f"engine stream for {rid} ended without a terminal chunk")
-        except (asyncio.CancelledError, GeneratorExit):
-            # The caller went away (gRPC cancel): stop the request, tell the engine.
-            if not finished:
-                ctx.stop()
-                self._schedule_abort(ctx)
-                span.set_attribute("finish_reason", "cancelled")
-            raise
-        except Exception as exc:
-            span.record_exception(exc)
-            span.set_attribute("finish_reason", "error")
-            raise
-        finally:
-            span.set_attribute("output_tokens", output_tokens)
-            span.end()
-            with contextlib.suppress(Exception):
-                await _aclose(stream)
-            self.inflight.pop(rid, None)
-            self._owner.pop(rid, None)
-            self._aborted.discard(rid)
-            self._cut.discard(rid)
-            self.metrics.inflight.dec()
-            self.requests_served += 1
-            if not self.inflight:
-                self._idle.set()
+        return validate_stream(stream, req, ctx) if self.validate_streams else stream
+
+    def _check_cut(self, terminal: GenerateChunk, rid: str) -> None:
+        """A "cancelled" terminal of a request stopped at the drain deadline is an error the caller can retry."""
+        if terminal.get("finish_reason") == "cancelled" and rid in self._cut:
+            raise EngineShutdown(f"the worker stopped request {rid} at its drain deadline; retry it elsewhere")
+
+    def _cancel(self, ctx: Context) -> None:
+        """Cancellation: stop the request and tell the engine (once)."""
+        ctx.stop()
+        self._schedule_abort(ctx)
+
+    def _release(self, rid: str) -> None:
+        self.inflight.pop(rid, None)
+        self._owner.pop(rid, None)
+        self._aborted.discard(rid)
+        self._cut.discard(rid)
+        self.requests_served += 1
+        self.admission.exit()
 
     def _schedule_abort(self, ctx: Context) -> None:
         if ctx.id in self._aborted:
@@ -250,10 +253,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.ModelFileChunk(name=name, data=data[off : off + FILE_CHUNK], offset=off, total_bytes=len(data))
 
     # ------------------------------------------------------------ lifecycle helpers
-    async def wait_idle(self) -> None:
-        """Return once no request is in flight."""
-        await self._idle.wait()
-
     def stop_all(self) -> None:
         """Stop every in-flight request (drain timeout passed): each ends with EngineShutdown (UNAVAILABLE).
 
@@ -264,6 +263,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._cut.add(ctx.id)
             ctx.stop()
             self._schedule_abort(ctx)
+
+
+class _RequestTrace:
+    """Tracing and per-request metrics of one request: the `engine.generate` span, its TTFT and token count."""
+
+    def __init__(self, service: str | None, req: GenerateRequest, rid: str) -> None:
+        self.span = tracer(service).start_span(
+            "engine.generate",
+            attributes={
+                "model": req.get("model", ""),
+                "input_tokens": len(req["token_ids"]),
+                "disagg_role": req.get("disagg", {}).get("request_type", "aggregated"),
+                "request_id": rid,
+            },
+        )
+        self.t0 = time.monotonic()
+        self.output_tokens = 0
+
+    def chunk(self, chunk: GenerateChunk) -> None:
+        n = len(chunk.get("token_ids", ()))
+        if n and not self.output_tokens:
+            self.span.set_attribute("ttft_ms", (time.monotonic() - self.t0) * 1000.0)
+        self.output_tokens += n
+
+    def finish(self, reason: str) -> None:
+        self.span.set_attribute("finish_reason", reason)
+
+    def failed(self, exc: BaseException) -> None:
+        self.span.record_exception(exc)
+        self.finish("error")
+
+    def end(self) -> None:
+        self.span.set_attribute("output_tokens", self.output_tokens)
+        self.span.end()
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

@@ -57,7 +57,7 @@ from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
-from meshllm.errors import ContextLengthExceeded, EngineShutdown, InvalidArgument, MeshError, NotFound
+from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, TokenLogprob
 
 __all__ = ["LlamaCppEngine"]
@@ -115,6 +115,10 @@ class _Stream:
 class LlamaCppEngine(LLMEngine):
     """llama.cpp with continuous batching, prefix caching, KV events and real KV transfer."""
 
+    supports_prompt_logprobs = True  # the prompt is evaluated with logits on (see the module docstring)
+    supports_embeddings = True  # a second, pooling context (backend.embed)
+    supports_guided_decoding = True  # GBNF grammars (sampling.guided_grammar)
+
     def __init__(self, config: LlamaCppConfig) -> None:
         self.config = config
         self.worker_id = ""
@@ -125,7 +129,6 @@ class LlamaCppEngine(LLMEngine):
         self._runner: Runner | None = None
         self._info: Any = None
         self._live: dict[Context, tuple[Sequence, _Stream]] = {}
-        self._channels: Any = None
         self._files: dict[str, Path] = {}
         self._files_dir: Path | None = None
         self._closing: asyncio.Future[None] | None = None
@@ -184,8 +187,6 @@ class LlamaCppEngine(LLMEngine):
         if runner is not None:
             await runner.stop()
         self.holds.clear()
-        if self._channels is not None:
-            await self._channels.aclose()
         if self._files_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self._files_dir, True)
 
@@ -413,11 +414,9 @@ class LlamaCppEngine(LLMEngine):
         address = disagg.get("prefill_address")
         if not address:
             raise InvalidArgument("a generation_only request needs disagg.prefill_address to pull its KV from", param="disagg")
-        from meshllm.plane.transport import ChannelCache
-
-        if self._channels is None:
-            self._channels = ChannelCache(security=self.security)
-        return await pull_remote(self._channels, address, raw, layout=self.layout, n_tokens=len(prompt))
+        if self.kv_pull is None:
+            raise FailedPrecondition("this engine cannot pull KV from another worker: it runs outside a worker")
+        return await pull_remote(self.kv_pull, address, raw, layout=self.layout, n_tokens=len(prompt))
 
 
 def _logprobs(request: GenerateRequest, key: Literal["logprobs", "prompt_logprobs"]) -> int | None:

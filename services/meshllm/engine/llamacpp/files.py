@@ -2,7 +2,7 @@
 
 A GGUF file carries its tokenizer; frontends without the file fetch a plain
 Hugging Face tokenizer directory instead: `tokenizer.json` (the exact fast
-tokenizer built from the GGUF metadata by `meshllm.frontend.tokenizer_gguf`,
+tokenizer built from the GGUF metadata by `meshllm.tokenizers.gguf`,
 cached on disk after the first build), `tokenizer_config.json` (chat template,
 bos/eos tokens) and `generation_config.json` (every eos id). The engine
 advertises `tokenizer_source = ""`, so the worker's model card points
@@ -23,9 +23,8 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
 
 def write_model_files(gguf: Path, directory: Path, *, context_length: int, eos_token_ids: Sequence[int]) -> dict[str, Path]:
     """Write the tokenizer files of `gguf` into `directory` (blocking: run it in a thread)."""
-    # The GGUF → tokenizer.json builder lives with the frontend's tokenizers; the
-    # engine reuses it (and its on-disk cache) rather than carrying a second copy.
-    from meshllm.frontend.tokenizer_gguf import load_gguf_tokenizer
+    # Imported here: it pulls in `gguf` and `tokenizers`, which only this call needs.
+    from meshllm.tokenizers.gguf import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer(gguf)
     config = {

@@ -19,14 +19,10 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from meshllm.engine.base import KvTransfer
+from meshllm.engine.base import KvPull, KvTransfer
 from meshllm.errors import FailedPrecondition, InvalidArgument, StreamIncomplete
 from meshllm.protocol.kv import tokens_hash
-
-if TYPE_CHECKING:
-    from meshllm.plane.transport import ChannelCache
 
 __all__ = ["PIECE_BYTES", "KvHandle", "KvHolds", "check_layout", "pieces", "pull_remote"]
 
@@ -74,14 +70,12 @@ def check_layout(theirs: str, ours: str, *, who: str) -> None:
         raise FailedPrecondition(f"KV layout mismatch: {who} has {theirs!r}, this worker {ours!r}; KV cannot move between them")
 
 
-async def pull_remote(channels: ChannelCache, address: str, raw_handle: bytes, *, layout: str, n_tokens: int) -> bytes:
-    """Pull a held KV from the prefill worker at `address` (`Worker.PullKv`), checking layout and length."""
-    from meshllm.worker.client import WorkerClient  # the decode side talks to the prefill worker as any client
-
+async def pull_remote(pull: KvPull, address: str, raw_handle: bytes, *, layout: str, n_tokens: int) -> bytes:
+    """Pull a held KV from the prefill worker at `address` through `pull`, checking layout and length."""
     t0 = time.monotonic()
     buf = bytearray()
     total = -1
-    async for chunk in WorkerClient(channels, address).pull_kv(raw_handle, layout=layout):
+    async for chunk in pull(address, raw_handle, layout):
         if total < 0:
             check_layout(chunk.layout, layout, who=f"the prefill worker at {address}")
             total = chunk.total_bytes

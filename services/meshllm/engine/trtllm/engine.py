@@ -101,6 +101,8 @@ class _InFlight:
 class TrtllmEngine(LLMEngine):
     """TensorRT-LLM for every role; KV events and load from the live engine."""
 
+    supports_guided_decoding = True  # with guided_decoding_backend in --extra-engine-args (else a clear 400 per request)
+
     def __init__(self, config: TrtllmConfig, *, trt: ModuleType | None = None) -> None:
         self.config = config
         self.default_max_tokens = DEFAULT_MAX_TOKENS

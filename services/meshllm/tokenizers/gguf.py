@@ -31,8 +31,8 @@ from gguf import GGUF_MAGIC, GGUFValueType, Keys
 from tokenizers import Tokenizer as FastTokenizer
 
 from meshllm.config import ConfigError
-from meshllm.frontend.tokenizer_gguf_build import build_tokenizer_json
-from meshllm.frontend.tokenizer_hf import HFTokenizer
+from meshllm.tokenizers.gguf_build import build_tokenizer_json
+from meshllm.tokenizers.hf import HFTokenizer
 
 __all__ = ["CACHE_FORMAT", "cache_key", "default_cache_dir", "is_gguf", "load_gguf_tokenizer", "read_gguf_metadata"]
 
