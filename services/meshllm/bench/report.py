@@ -60,13 +60,23 @@ class RequestRecord:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100); NaN for no values."""
-    if not values:
+    return _percentile_sorted(sorted(values), q)
+
+
+def _percentile_sorted(s: Sequence[float], q: float) -> float:
+    if not s:
         return math.nan
-    s = sorted(values)
     k = (len(s) - 1) * q / 100.0
     lo = math.floor(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _dist_ms(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """Mean, median, p90 and p99 of `values` (seconds) in milliseconds, sorting once."""
+    s = sorted(values)
+    p50, p90, p99 = (_percentile_sorted(s, q) * _MS for q in (50, 90, 99))
+    return _mean(values) * _MS, p50, p90, p99
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -158,6 +168,10 @@ def summarize(
     in_tokens = sum(r.prompt_tokens for r in ok)
     intended = [(r.prompt_tokens, r.intended_prompt_tokens) for r in ok if r.intended_prompt_tokens]
     good = sum(1 for r in ok if meets(r, slo)) if slo else 0
+    ttft_mean, ttft_p50, ttft_p90, ttft_p99 = _dist_ms(ttfts)
+    itl_mean, itl_p50, itl_p90, itl_p99 = _dist_ms(gaps)
+    tpot_mean, tpot_p50, tpot_p90, tpot_p99 = _dist_ms(tpots)
+    e2e_mean, e2e_p50, e2e_p90, e2e_p99 = _dist_ms(e2es)
     return LevelResult(
         concurrency=concurrency,
         requests=len(records),
@@ -166,18 +180,18 @@ def summarize(
         req_per_s=_per_s(len(ok), duration_s),
         output_tok_per_s=_per_s(out_tokens, duration_s),
         input_tok_per_s=_per_s(in_tokens, duration_s),
-        ttft_p50_ms=percentile(ttfts, 50) * _MS,
-        ttft_p99_ms=percentile(ttfts, 99) * _MS,
-        itl_p50_ms=percentile(gaps, 50) * _MS,
-        itl_p99_ms=percentile(gaps, 99) * _MS,
-        tpot_mean_ms=_mean(tpots) * _MS,
-        e2e_p50_ms=percentile(e2es, 50) * _MS,
-        e2e_p99_ms=percentile(e2es, 99) * _MS,
+        ttft_p50_ms=ttft_p50,
+        ttft_p99_ms=ttft_p99,
+        itl_p50_ms=itl_p50,
+        itl_p99_ms=itl_p99,
+        tpot_mean_ms=tpot_mean,
+        e2e_p50_ms=e2e_p50,
+        e2e_p99_ms=e2e_p99,
         mean_isl=in_tokens / len(ok) if ok else math.nan,
         mean_osl=out_tokens / len(ok) if ok else math.nan,
         first_error=errors[0].error if errors else None,
-        ttft_p90_ms=percentile(ttfts, 90) * _MS,
-        itl_p90_ms=percentile(gaps, 90) * _MS,
+        ttft_p90_ms=ttft_p90,
+        itl_p90_ms=itl_p90,
         events_per_request=sum(r.events for r in ok) / len(ok) if ok else math.nan,
         mode=mode,
         request_rate=request_rate,
@@ -185,16 +199,16 @@ def summarize(
         total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
         total_tok_per_s=_per_s(in_tokens + out_tokens, duration_s),
-        ttft_mean_ms=_mean(ttfts) * _MS,
-        ttft_median_ms=percentile(ttfts, 50) * _MS,
-        itl_mean_ms=_mean(gaps) * _MS,
-        itl_median_ms=percentile(gaps, 50) * _MS,
-        tpot_median_ms=percentile(tpots, 50) * _MS,
-        tpot_p90_ms=percentile(tpots, 90) * _MS,
-        tpot_p99_ms=percentile(tpots, 99) * _MS,
-        e2e_mean_ms=_mean(e2es) * _MS,
-        e2e_median_ms=percentile(e2es, 50) * _MS,
-        e2e_p90_ms=percentile(e2es, 90) * _MS,
+        ttft_mean_ms=ttft_mean,
+        ttft_median_ms=ttft_p50,
+        itl_mean_ms=itl_mean,
+        itl_median_ms=itl_p50,
+        tpot_median_ms=tpot_p50,
+        tpot_p90_ms=tpot_p90,
+        tpot_p99_ms=tpot_p99,
+        e2e_mean_ms=e2e_mean,
+        e2e_median_ms=e2e_p50,
+        e2e_p90_ms=e2e_p90,
         slo=dict(slo) if slo else None,
         slo_attainment=good / len(records) if slo and records else math.nan,
         goodput_req_per_s=_per_s(good, duration_s) if slo else math.nan,

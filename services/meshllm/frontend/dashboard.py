@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -83,7 +84,13 @@ def asset(path: str) -> tuple[bytes, bytes] | None:
     if entry is None:
         return None
     name, content_type = entry
-    return resources.files("meshllm.frontend").joinpath("static", name).read_bytes(), content_type
+    return _static(name), content_type
+
+
+@functools.cache
+def _static(name: str) -> bytes:
+    """A file of the package's static/ folder, read once (not on the event loop per request)."""
+    return resources.files("meshllm.frontend").joinpath("static", name).read_bytes()
 
 
 @dataclass(slots=True)

@@ -124,6 +124,7 @@ class Completion:
         self.created = int(time.time())
         self.call = call
         self.t0 = t0
+        prompt_logprobs = prompt_logprobs_asked(req) is not None
         self.choices = [
             ChoiceStream(
                 i,
@@ -132,7 +133,7 @@ class Completion:
                 stop=req.stop,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=req.logprobs is not None,
-                prompt_logprobs=prompt_logprobs_asked(req) is not None,
+                prompt_logprobs=prompt_logprobs,
                 prompt_index=p,
                 output=outputs() if outputs is not None else None,
             )

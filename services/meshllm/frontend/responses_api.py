@@ -35,15 +35,16 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
 import orjson
 
-from meshllm.errors import InvalidArgument, MeshError, NotFound
+from meshllm.errors import InvalidArgument, MeshError, NotFound, openai_error_body
 from meshllm.frontend.inference import Completion
-from meshllm.frontend.responses import DONE, collect, sse_events
+from meshllm.frontend.postprocess import Delta
+from meshllm.frontend.responses import collect
 from meshllm.protocol.openai import TextRequest, parse_chat
 from meshllm.protocol.openai.responses import (
     ResponseEcho,
@@ -140,7 +141,7 @@ class ResponsesRequest(TextRequest):
 
 @dataclass(slots=True)
 class _Output:
-    """The output items of a streamed response, built as the chat chunks arrive."""
+    """The output items of a streamed response, built as the deltas arrive."""
 
     items: list[dict[str, Any]] = field(default_factory=list)
     open_kind: str | None = None  # "message" | "reasoning" | "function_call"
@@ -200,17 +201,16 @@ class ResponsesApi:
 
     # ------------------------------------------------------------ streaming
     async def events(self, c: Completion) -> AsyncIterator[bytes]:
-        """The SSE events; raises (an HTTP error) only before the first."""
-        ctx = _context(c)
-        chat = cast(AsyncGenerator[bytes, None], sse_events(c))
-        try:
-            async for event in self._events(ctx, chat):
-                yield event
-        finally:
-            await chat.aclose()
+        """The SSE events; raises (an HTTP error) only before the first.
 
-    async def _events(self, ctx: ResponseContext, chat: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        first = await anext(chat)  # upstream errors before any output are a plain HTTP error
+        Built from the completion's deltas directly (not from the chat stream's JSON events: no JSON
+        round trip per token). Held-back deltas (nothing to show yet) are skipped as the chat stream does.
+        """
+        ctx = _context(c)
+        deltas = c.deltas()
+        first = await anext(deltas)
+        while not _shows(first):  # upstream errors before any output are a plain HTTP error
+            first = await anext(deltas)
         seq = [0]
 
         def event(kind: str, **data: Any) -> bytes:
@@ -224,29 +224,24 @@ class ResponsesApi:
         yield event("response.created", response=response("in_progress"))
         yield event("response.in_progress", response=response("in_progress"))
         out = _Output()
-        usage: dict[str, Any] | None = None
         finish: str | None = None
-        raw: bytes | None = first
-        while raw is not None and raw != DONE:
-            obj = orjson.loads(raw.removeprefix(b"data: "))
-            if "error" in obj:
-                for b in _close(out, event):
+        d: Delta | None = first
+        try:
+            while d is not None:
+                for b in _feed(out, d, event):
                     yield b
-                err = obj["error"]
-                yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-                yield event(
-                    "response.failed",
-                    response=response("failed", out.items, error={"code": "server_error", "message": err.get("message")}),
-                )
-                return
-            if not obj["choices"]:
-                usage = obj.get("usage")
-            else:
-                choice = obj["choices"][0]
-                for b in _feed(out, choice["delta"], event):
-                    yield b
-                finish = choice.get("finish_reason") or finish
-            raw = await anext(chat, None)
+                finish = d.finish_reason or finish
+                d = await anext(deltas, None)
+        except MeshError as exc:
+            for b in _close(out, event):
+                yield b
+            err = openai_error_body(exc)["error"]
+            yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+            yield event(
+                "response.failed",
+                response=response("failed", out.items, error={"code": "server_error", "message": err.get("message")}),
+            )
+            return
         for b in _close(out, event):
             yield b
         if not out.items:  # nothing was generated: still one (empty) message, as OpenAI answers
@@ -256,7 +251,7 @@ class ResponsesApi:
                 yield b
         status = "incomplete" if finish == "length" else "completed"
         self._remember(ctx, out.items)
-        final = response(status, out.items, usage=responses_usage(usage))
+        final = response(status, out.items, usage=responses_usage(c.usage()))
         yield event("response.incomplete" if status == "incomplete" else "response.completed", response=final)
 
     def _remember(self, ctx: ResponseContext, output: Sequence[dict[str, Any]]) -> None:
@@ -332,12 +327,17 @@ def _close(out: _Output, event: Event) -> list[bytes]:
     return events
 
 
-def _feed(out: _Output, delta: dict[str, Any], event: Event) -> list[bytes]:
-    """Events for one chat delta: reasoning, content, tool-call pieces (each opens its item when needed)."""
+def _shows(d: Delta) -> bool:
+    """Whether a delta has anything to show (else bytes are held back: a split character, a possible marker)."""
+    return bool(d.text or d.finish_reason is not None or d.reasoning or d.tool_calls)
+
+
+def _feed(out: _Output, d: Delta, event: Event) -> list[bytes]:
+    """Events for one delta: reasoning, content, tool-call pieces (each opens its item when needed)."""
     events: list[bytes] = []
     for kind, text, name in (
-        ("reasoning", delta.get("reasoning_content"), "response.reasoning_text.delta"),
-        ("message", delta.get("content"), "response.output_text.delta"),
+        ("reasoning", d.reasoning, "response.reasoning_text.delta"),
+        ("message", d.text, "response.output_text.delta"),
     ):
         if not text:
             continue
@@ -348,13 +348,12 @@ def _feed(out: _Output, delta: dict[str, Any], event: Event) -> list[bytes]:
         events.append(
             event(name, item_id=out.items[-1]["id"], output_index=len(out.items) - 1, content_index=0, delta=text, **extra)
         )
-    for call in delta.get("tool_calls") or ():
-        fn = call.get("function") or {}
-        if call.get("id") is not None:  # the first piece of a call: its id and name
-            events += _open(out, "function_call", event, call_id=call["id"], name=fn.get("name", ""))
-            out.calls[call["index"]] = len(out.items) - 1
-        args = fn.get("arguments") or ""
-        if args and out.open_kind == "function_call" and out.calls.get(call["index"]) == len(out.items) - 1:
+    for call in d.tool_calls or ():
+        if call.id is not None:  # the first piece of a call: its id and name
+            events += _open(out, "function_call", event, call_id=call.id, name=call.name or "")
+            out.calls[call.index] = len(out.items) - 1
+        args = call.arguments
+        if args and out.open_kind == "function_call" and out.calls.get(call.index) == len(out.items) - 1:
             out.text.append(args)
             events.append(
                 event(

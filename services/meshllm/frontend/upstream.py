@@ -34,7 +34,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import aclosing
 from typing import Protocol
 
 from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
@@ -104,21 +103,15 @@ class RouterReplicas:
         return cls([client(channels, a) for a in addresses], wait_s=wait_s, migration_limit=migration_limit)
 
     def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
-        state = MigrationState(request, limit=self._limit(request.get("model", "")))
-        return self._resume(state, call)
-
-    async def _resume(self, state: MigrationState, call: CallInfo | None) -> AsyncIterator[GenerateChunk]:
         """Attempts until one ends with its terminal chunk; `state.current_worker` is the replica streaming now."""
+        state = MigrationState(request, limit=self._limit(request.get("model", "")))
 
         def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
             self.resumed += resent
 
-        attempts = migrating(
+        return migrating(
             state, lambda req: self._open(req, call, state), peer="router replica", on_failure=failure, errors_as_terminal=False
         )
-        async with aclosing(attempts) as stream:
-            async for chunk in stream:
-                yield chunk
 
     def _order(self, excluded: set[str]) -> list[Replica]:
         start = next(self._next) % len(self._clients)

@@ -58,11 +58,12 @@ def wake(waiter: asyncio.Future[None] | None) -> None:
 class _Pipe:
     """One stream's chunks on the client: merged while the consumer lags."""
 
-    __slots__ = ("error", "last_at", "queue", "waiter")
+    __slots__ = ("error", "expired", "last_at", "queue", "waiter")
 
     def __init__(self) -> None:
         self.queue: collections.deque[GenerateChunk] = collections.deque()
         self.error: MeshError | None = None
+        self.expired = False  # its deadline passed (set by a timer: no wait_for per wake-up)
         self.waiter: asyncio.Future[None] | None = None
         self.last_at = 0.0  # loop time its last chunk arrived; 0 = none yet (no progress deadline before the first)
 
@@ -82,6 +83,10 @@ class _Pipe:
     def fail(self, err: MeshError) -> None:
         if self.error is None:
             self.error = err
+        self._wake()
+
+    def expire(self) -> None:
+        self.expired = True
         self._wake()
 
     def _wake(self) -> None:
@@ -291,6 +296,7 @@ class SessionClient(AsyncCloseable):
         )
         pipe = session.open(sid, op)
         loop = asyncio.get_running_loop()
+        timer = None if deadline is None else loop.call_later(deadline - time.monotonic(), pipe.expire)
         finished = False
         try:
             while True:
@@ -305,15 +311,13 @@ class SessionClient(AsyncCloseable):
                 if pipe.error is not None:
                     finished = True
                     raise pipe.error
-                pipe.waiter = waiter = loop.create_future()
-                if deadline is None:
-                    await waiter
-                else:
-                    try:
-                        await asyncio.wait_for(waiter, deadline - time.monotonic())
-                    except TimeoutError:
-                        raise ResponseTimeout(f"no answer from {self.peer} before the deadline") from None
+                if pipe.expired:
+                    raise ResponseTimeout(f"no answer from {self.peer} before the deadline")
+                pipe.waiter = loop.create_future()
+                await pipe.waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             session.release(sid, cancel=not finished)
             if span is not None:
                 span.end()

@@ -220,7 +220,13 @@ class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     Also for every method: request bytes that do not parse end the call with
     INVALID_ARGUMENT (unary requests before the handler runs; streamed ones
     when the handler reads the bad message).
+
+    The wrapped handler of a method is built once and kept (grpc hands back
+    the same registered handler for every call of it), not once per call.
     """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -230,7 +236,15 @@ class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, details.method)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         handler = handler._replace(request_deserializer=_safe_deserializer(handler.request_deserializer))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method, streaming=False))
@@ -426,8 +440,6 @@ async def start_server(
     except RuntimeError:  # grpc raises where older versions returned 0
         port = 0
     if port == 0:
-        from meshllm.config import ConfigError
-
         if config.port != 0:
             check_free(config.host, config.port, port_flag)  # PortInUse: taken since the first probe
         raise ConfigError(f"cannot listen on {config.host}:{config.port} ({port_flag})")

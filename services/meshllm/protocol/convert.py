@@ -212,8 +212,10 @@ def chunk_into_proto(m: pb.GenerateChunk, c: GenerateChunk) -> None:
         m.usage.prompt_tokens = u["prompt_tokens"]
         m.usage.completion_tokens = u["completion_tokens"]
         m.usage.cached_tokens = u["cached_tokens"]
-    _logprobs_into(m.logprobs, c.get("logprobs", ()))
-    _logprobs_into(m.prompt_logprobs, c.get("prompt_logprobs", ()))
+    if lps := c.get("logprobs"):  # per token: a plain chunk touches no logprob field
+        _logprobs_into(m.logprobs, lps)
+    if lps := c.get("prompt_logprobs"):
+        _logprobs_into(m.prompt_logprobs, lps)
     if emb := c.get("embedding"):
         m.embedding.extend(emb)
     if "disagg" in c:

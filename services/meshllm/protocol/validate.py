@@ -108,10 +108,11 @@ class Limits:
 
 
 def _check_ids(param: str, ids: Iterable[int], vocab_size: int) -> None:
-    if vocab_size:
-        for t in ids:
-            if t >= vocab_size:
-                raise bad(param, f"token id {t} is outside the vocabulary (size {vocab_size})")
+    # max() runs in C: every prompt is checked on each hop, so no per-token Python loop unless one is bad.
+    ids = ids if isinstance(ids, Sequence) else list(ids)
+    if vocab_size and ids and max(ids) >= vocab_size:
+        t = next(t for t in ids if t >= vocab_size)
+        raise bad(param, f"token id {t} is outside the vocabulary (size {vocab_size})")
 
 
 def validate_prompt(token_ids: Sequence[int], limits: Limits = Limits(), *, param: str = "token_ids") -> None:

@@ -43,15 +43,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         card = self.core.pool.card(model)
         return Limits(context_length=card.context_length) if card is not None else Limits()
 
-    async def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
-        """One validated request through the core (Generate and GenerateSession streams)."""
+    def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+        """One validated request through the core (Generate and GenerateSession streams).
+
+        Validates at the call (both callers turn the error into the stream's) and returns the core's
+        stream itself: no extra generator layer per chunk.
+        """
         validate_generate(request, self._limits(self.core.resolve_model(request.get("model", ""))))
-        stream = cast(AsyncGenerator[GenerateChunk, None], self.core.generate(request, call=call))
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()
+        return self.core.generate(request, call=call)
 
     async def GenerateSession(
         self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext

@@ -41,8 +41,11 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
-async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncGenerator[GenerateChunk, None]:
-    """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py)."""
+def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncGenerator[GenerateChunk, None]:
+    """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py).
+
+    Returns `migrating`'s generator itself: no extra generator layer per chunk.
+    """
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
 
     def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
@@ -57,10 +60,7 @@ async def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | Non
             f"({exc.code}); migrated", worker_id=failed,
         )  # fmt: skip
 
-    attempts = migrating(state, lambda req: _attempt(core, req, state, call), peer="worker", on_failure=failure)
-    async with aclosing(attempts) as stream:
-        async for chunk in stream:
-            yield chunk
+    return migrating(state, lambda req: _attempt(core, req, state, call), peer="worker", on_failure=failure)
 
 
 async def _attempt(

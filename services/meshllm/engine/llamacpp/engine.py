@@ -104,11 +104,13 @@ class _Stream:
     def take(self) -> GenerateChunk:
         """The tokens (and logprobs, and the prompt's once) delivered since the last take, as a chunk."""
         chunk: GenerateChunk = {"token_ids": self.tokens}
-        if self.logprobs:
+        self.tokens = []
+        if self.logprobs:  # the (rarely asked) logprob lists are replaced only when they were filled
             chunk["logprobs"] = self.logprobs
+            self.logprobs = []
         if self.prompt_logprobs:
             chunk["prompt_logprobs"] = self.prompt_logprobs
-        self.tokens, self.logprobs, self.prompt_logprobs = [], [], []
+            self.prompt_logprobs = []
         return chunk
 
 
