@@ -13,19 +13,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm.certs import CertFiles, DevPki
-from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig, ServerConfig
-from meshllm.engine.base import WorkerConfig
+from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
-from meshllm.frontend.config import FrontendConfig
-from meshllm.frontend.main import Frontend
-from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
 from meshllm.plane.tls import TlsConfig
-from meshllm.router.config import RouterConfig
-from meshllm.router.main import RouterServer
-from meshllm.worker.runtime import Worker
+from meshllm.testing.minimesh import MiniMesh, start_mini_mesh
 
 PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 MODEL = "mocker"
@@ -66,16 +58,7 @@ def mocker() -> MockerEngine:
     return MockerEngine(MockerConfig(block_size=16, num_gpu_blocks=4096, speedup_ratio=1000.0, context_length=2048))
 
 
-@dataclass
-class SecureMesh:
-    worker: Worker
-    router: RouterServer
-    frontend: Frontend
-
-    async def aclose(self) -> None:
-        await self.frontend.aclose()
-        await self.router.aclose()
-        await self.worker.aclose()
+SecureMesh = MiniMesh
 
 
 async def start_secure_mesh(
@@ -85,7 +68,6 @@ async def start_secure_mesh(
 
     All with mTLS from `pki` (each its own certificate), or all with `security`.
     """
-    store, broker = MemoryStore(), MemoryBroker()
 
     def sec(name: str) -> MeshSecurity:
         if pki is None:
@@ -93,37 +75,9 @@ async def start_secure_mesh(
             return security
         return pki.security(getattr(pki, name))
 
-    worker = await Worker.start(
-        mocker(),
-        WorkerConfig(engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=sec("worker")),
-        memory_store=store,
-        memory_broker=broker,
+    return await start_mini_mesh(
+        engine=mocker(), security=sec, via_router=True, router_mode="kv", max_inflight=4096, api_client_certs=api_client_certs
     )
-    started: list[AsyncCloseable] = [worker]
-    try:
-        router = await RouterServer.start(
-            RouterConfig(plane=PLANE, security=sec("router")), memory_store=store, memory_broker=broker
-        )
-        started.append(router)
-        config = FrontendConfig(
-            plane=PLANE,
-            http_port=0,
-            grpc=ServerConfig(port=0),
-            router_addresses=(router.address,),
-            security=sec("frontend"),
-            api_client_certs=api_client_certs,
-        )
-        frontend = await Frontend.start(config, memory_store=store, memory_broker=broker)
-        started.append(frontend)
-        assert frontend.registry is not None and router.core is not None
-        await frontend.registry.wait_for(MODEL, timeout_s=15)
-        core = router.core
-        await core.pool.wait_until(lambda: len(core.pool.all()) == 1)
-    except BaseException:
-        for s in reversed(started):
-            await s.aclose()
-        raise
-    return SecureMesh(worker, router, frontend)
 
 
 # ---------------------------------------------------------------- raw clients

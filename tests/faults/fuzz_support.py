@@ -13,8 +13,10 @@ import asyncio
 import logging
 import threading
 import traceback
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
+
+from hypothesis import HealthCheck, settings
 
 T = TypeVar("T")
 
@@ -67,3 +69,14 @@ def capture_tracebacks() -> Iterator[TracebackLog]:
         yield handler
     finally:
         root.removeHandler(handler)
+
+
+def fuzz_settings(examples: int) -> Callable[[T], T]:
+    """The hypothesis settings of every fuzz test: `examples` derandomized examples, no deadline, no database."""
+    return settings(  # type: ignore[no-any-return]
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )

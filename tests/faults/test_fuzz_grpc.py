@@ -25,15 +25,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from meshllm.plane.transport import ERROR_TRAILER
-from meshllm.testing.minimesh import CONTEXT_LENGTH, MODEL, MiniMesh, start_mini_mesh
+from meshllm.testing.minimesh import CONTEXT_LENGTH, MODEL, MiniMesh
 from meshllm.v1 import generate_pb2, inference_pb2, router_pb2, session_pb2, worker_pb2
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_support import Loop, TracebackLog, capture_tracebacks
+from fuzz_support import Loop, TracebackLog, fuzz_settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,20 +237,6 @@ async def send(
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def fuzz_mesh(loop: Loop) -> Iterator[MiniMesh]:
-    m = loop.run(start_mini_mesh(), timeout_s=60)
-    yield m
-    loop.run(m.aclose(), timeout_s=60)
-
-
-@pytest.fixture(scope="module")
 def channels(loop: Loop) -> Iterator[dict[str, grpc.aio.Channel]]:
     chans: dict[str, grpc.aio.Channel] = {}
     yield chans
@@ -261,21 +247,10 @@ def channels(loop: Loop) -> Iterator[dict[str, grpc.aio.Channel]]:
     loop.run(close())
 
 
-@pytest.fixture(scope="module")
-def tracebacks() -> Iterator[TracebackLog]:
-    yield from capture_tracebacks()
-
-
 CODES: dict[str, int] = {}
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-)
+@fuzz_settings(EXAMPLES)
 @given(msg=messages())
 def test_no_message_gets_unknown_or_internal(
     loop: Loop,

@@ -16,18 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from meshllm.testing.minimesh import MODEL, MiniMesh, start_mini_mesh
+from meshllm.testing.minimesh import MODEL, MiniMesh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_support import Loop, TracebackLog, capture_tracebacks
+from fuzz_support import Loop, TracebackLog, fuzz_settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,35 +116,10 @@ async def http(url: str, method: str, path: str, body: bytes) -> tuple[int, byte
     return int(status_line[1]), raw
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def fuzz_mesh(loop: Loop) -> Iterator[MiniMesh]:
-    m = loop.run(start_mini_mesh(), timeout_s=60)
-    yield m
-    loop.run(m.aclose(), timeout_s=60)
-
-
-@pytest.fixture(scope="module")
-def tracebacks() -> Iterator[TracebackLog]:
-    yield from capture_tracebacks()
-
-
 STATUSES: dict[int, int] = {}
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-)
+@fuzz_settings(EXAMPLES)
 @given(req=requests())
 def test_no_request_gets_a_5xx(loop: Loop, fuzz_mesh: MiniMesh, tracebacks: TracebackLog, req: tuple[str, str, bytes]) -> None:
     method, path, body = req

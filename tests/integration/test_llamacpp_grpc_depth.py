@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import pytest_asyncio
+from mesh_run import MeshRun
 from openai import AsyncOpenAI
 from test_llamacpp_support import require_model
 
-from meshllm.testing.processes import MeshllmProcess
 from meshllm.v1 import generate_pb2, inference_pb2, inference_pb2_grpc
 
 require_model()
@@ -42,22 +42,12 @@ class Run:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def run() -> AsyncIterator[Run]:
-    proc = MeshllmProcess(
-        "run", "--engine", "llamacpp", "--workers", "1", "--http-port", "0", "--grpc-port", "0",
-        "--tool-call-parser", "hermes", "--", "--n-ctx", "1024", "--n-seq-max", "2",
-    )  # fmt: skip
-    try:
-        lines: list[str] = []
-        while not (lines and lines[-1].startswith("try:")):
-            lines.append(await proc.line(180))
-        http = next(line.split()[3] for line in lines if line.startswith("OpenAI HTTP API"))
-        address = next(line.split()[2] for line in lines if line.startswith("Inference gRPC"))
-        async with grpc.aio.insecure_channel(address) as channel:
+    args = ("--engine", "llamacpp", "--workers", "1", "--tool-call-parser", "hermes", "--", "--n-ctx", "1024", "--n-seq-max", "2")
+    with MeshRun.start(*args) as mesh:
+        async with grpc.aio.insecure_channel(mesh.inference_address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             models = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=30)
-            yield Run(http, stub, models.models[0].id)
-    finally:
-        await proc.stop()
+            yield Run(f"{mesh.http_url}/v1", stub, models.models[0].id)
 
 
 async def test_a_named_tool_choice_is_forced_through_a_grammar_over_grpc(run: Run) -> None:

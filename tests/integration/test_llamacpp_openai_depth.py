@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from mesh_run import MeshRun
 from openai import AsyncOpenAI
 from test_llamacpp_support import MODEL, SYSTEM, require_model
-
-from meshllm.testing.processes import MeshllmProcess
 
 require_model()
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -29,18 +28,9 @@ TOLERANCE = 1e-4
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client() -> AsyncIterator[AsyncOpenAI]:
-    proc = MeshllmProcess(
-        "run", "--engine", "llamacpp", "--workers", "1", "--http-port", "0", "--", "--n-ctx", "512", "--n-seq-max", "2",
-    )  # fmt: skip
-    try:
-        lines: list[str] = []
-        while not (lines and lines[-1].startswith("try:")):
-            lines.append(await proc.line(180))
-        url = next(line.split()[3] for line in lines if line.startswith("OpenAI HTTP API"))
-        async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60) as c:
+    with MeshRun.start("--engine", "llamacpp", "--workers", "1", "--", "--n-ctx", "512", "--n-seq-max", "2") as mesh:
+        async with AsyncOpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
             yield c
-    finally:
-        await proc.stop()
 
 
 async def model_of(client: AsyncOpenAI) -> str:

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from mesh_run import MeshRun
 from openai import AsyncOpenAI
 from test_llamacpp_support import require_model
-
-from meshllm.testing.processes import MeshllmProcess
 
 require_model()
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -50,19 +49,10 @@ FEW_SHOT: Any = [{"role": "system", "content": SYSTEM}, *shot("Rome"), *shot("Be
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client() -> AsyncIterator[AsyncOpenAI]:
-    proc = MeshllmProcess(
-        "run", "--engine", "llamacpp", "--workers", "1", "--http-port", "0", "--tool-call-parser", "hermes",
-        "--", "--n-ctx", "1024", "--n-seq-max", "2",
-    )  # fmt: skip
-    try:
-        lines: list[str] = []
-        while not (lines and lines[-1].startswith("try:")):
-            lines.append(await proc.line(180))
-        url = next(line.split()[3] for line in lines if line.startswith("OpenAI HTTP API"))
-        async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
+    args = ("--engine", "llamacpp", "--workers", "1", "--tool-call-parser", "hermes", "--", "--n-ctx", "1024", "--n-seq-max", "2")
+    with MeshRun.start(*args) as mesh:
+        async with AsyncOpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             yield c
-    finally:
-        await proc.stop()
 
 
 async def model_of(client: AsyncOpenAI) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshllm.errors import InvalidArgument
-from meshllm.frontend.output_parsers import GUIDED_ENGINES, check_guided_engines
+from meshllm.frontend.output_parsers import check_guided_engines, unguided
 from meshllm.protocol.openai import TextRequest
 from meshllm.v1 import discovery_pb2
 
@@ -66,12 +66,7 @@ async def check_capabilities(req: TextRequest, model: ServedModel, registry: Mod
     forced = req.tool_choice == "required" or req.tool_choice.startswith("function:")
     if forced and caps.guided_decoding is False:
         engines = sorted(e for e in await registry.engines(model.name) if e) or ["engine"]
-        what = "'required'" if req.tool_choice == "required" else "a named function"
-        raise InvalidArgument(
-            f"'tool_choice': {what} needs guided decoding, which the {', '.join(engines)} engine serving {model.name!r} "
-            f"does not enforce (engines that do: {', '.join(sorted(GUIDED_ENGINES))}); use 'auto'",
-            param="tool_choice",
-        )
+        raise unguided(model.name, engines, req.tool_choice)
     if forced and caps.guided_decoding is None:
         check_guided_engines(model.name, await registry.engines(model.name), req.tool_choice)
     if caps.prompt_logprobs is False and prompt_logprobs_asked(req) is not None:

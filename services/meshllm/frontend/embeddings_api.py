@@ -33,6 +33,7 @@ from meshllm.protocol.openai import TextRequest
 from meshllm.protocol.openai.extensions import request_fields
 from meshllm.protocol.types import GenerateRequest
 from meshllm.protocol.validate import UINT32_MAX
+from meshllm.protocol.validate import bad as _bad
 
 __all__ = ["MAX_INPUTS", "EmbeddingsRequest", "collect", "events", "parse_embeddings"]
 
@@ -45,10 +46,6 @@ class EmbeddingsRequest(TextRequest):
     """An embeddings request as the completion path runs it (one prompt per input)."""
 
     encoding_format: str = "float"
-
-
-def _bad(param: str, why: str) -> InvalidArgument:
-    return InvalidArgument(f"'{param}': {why}", param=param)
 
 
 def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:

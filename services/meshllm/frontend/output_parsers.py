@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from meshllm.protocol.openai import TextRequest
     from meshllm.v1.discovery_pb2 import ModelCard
 
-__all__ = ["GUIDED_ENGINES", "OutputParser", "Parsed", "ParserChoice", "check_guided_engines", "parse_parser_flag"]
+__all__ = ["GUIDED_ENGINES", "OutputParser", "Parsed", "ParserChoice", "check_guided_engines", "parse_parser_flag", "unguided"]
 
 #: Engines that enforce guided decoding (the constraint `tool_choice` "required" / named needs), by name: the
 #: check for workers whose ModelCard predates `capabilities` (frontend/capabilities.py decides for the others).
@@ -51,12 +51,17 @@ def check_guided_engines(model: str, engines: set[str], tool_choice: str) -> Non
     """InvalidArgument when a worker of `model` runs an engine that cannot force a tool call."""
     cannot = sorted(e for e in engines if e and e not in GUIDED_ENGINES)
     if cannot:
-        what = "'required'" if tool_choice == "required" else "a named function"
-        raise InvalidArgument(
-            f"'tool_choice': {what} needs guided decoding, which the {', '.join(cannot)} engine serving {model!r} "
-            f"does not enforce (engines that do: {', '.join(sorted(GUIDED_ENGINES))}); use 'auto'",
-            param="tool_choice",
-        )
+        raise unguided(model, cannot, tool_choice)
+
+
+def unguided(model: str, engines: list[str], tool_choice: str) -> InvalidArgument:
+    """The 400 for a forced `tool_choice` on `engines` (names) that do not enforce guided decoding."""
+    what = "'required'" if tool_choice == "required" else "a named function"
+    return InvalidArgument(
+        f"'tool_choice': {what} needs guided decoding, which the {', '.join(engines)} engine serving {model!r} "
+        f"does not enforce (engines that do: {', '.join(sorted(GUIDED_ENGINES))}); use 'auto'",
+        param="tool_choice",
+    )
 
 
 def parse_parser_flag(value: str, known: tuple[str, ...] | Mapping[str, object], flag: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
@@ -260,12 +260,8 @@ class WorkerPool(AsyncCloseable):
     async def _check(self, w: PoolWorker) -> None:
         why = ""
         try:
-            check = self.channels.get(w.address).unary_unary(
-                "/grpc.health.v1.Health/Check",
-                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=health_pb2.HealthCheckResponse.FromString,
-            )
-            resp = await check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout_s)
+            stub = health_pb2_grpc.HealthStub(self.channels.get(w.address))
+            resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout_s)
             if resp.status != health_pb2.HealthCheckResponse.SERVING:
                 why = f"it reports {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
         except grpc.aio.AioRpcError as exc:

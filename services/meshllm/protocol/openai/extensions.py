@@ -24,6 +24,7 @@ __all__ = [
     "COMPLETION_FIELDS",
     "IGNORED_FIELDS",
     "check_schema",
+    "guided_field",
     "named_schema",
     "parse_json_body",
     "request_fields",
@@ -155,19 +156,9 @@ def structured_outputs(body: Mapping[str, Any]) -> GuidedDecoding | None:
         if text is None:
             raise InvalidArgument("'structured_outputs.json': expected a JSON schema", param="structured_outputs.json")
         kinds.append({"json_schema": check_schema(text, "structured_outputs.json")})
-    for key, kind in (("regex", "regex"), ("grammar", "grammar")):
-        if (g := so.get(key)) is not None:
-            if not isinstance(g, str) or not g:
-                raise InvalidArgument(
-                    f"'structured_outputs.{key}': expected a non-empty string", param=f"structured_outputs.{key}"
-                )
-            kinds.append({kind: g})  # type: ignore[misc]
-    if (c := so.get("choice")) is not None:
-        if not isinstance(c, list) or not c or not all(isinstance(x, str) for x in c):
-            raise InvalidArgument(
-                "'structured_outputs.choice': expected a non-empty array of strings", param="structured_outputs.choice"
-            )
-        kinds.append({"choice": list(c)})
+    for kind in ("regex", "grammar", "choice"):
+        if (v := so.get(kind)) is not None:
+            kinds.append(guided_field(kind, v, f"structured_outputs.{kind}"))
     if so.get("json_object"):
         kinds.append({"json_object": True})
     if len(kinds) != 1:
@@ -175,6 +166,17 @@ def structured_outputs(body: Mapping[str, Any]) -> GuidedDecoding | None:
             "'structured_outputs': give exactly one of json, regex, choice, grammar, json_object", param="structured_outputs"
         )
     return kinds[0]
+
+
+def guided_field(kind: str, value: Any, param: str) -> GuidedDecoding:
+    """One regex / grammar (a non-empty string) or choice (a non-empty array of strings) constraint."""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
+            raise InvalidArgument(f"'{param}': expected a non-empty array of strings", param=param)
+        return {"choice": list(value)}
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"'{param}': expected a non-empty string", param=param)
+    return {kind: value}  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------- forcing a tool call (vLLM's schemas)

@@ -23,6 +23,7 @@ from meshllm.protocol.openai.extensions import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     check_schema,
+    guided_field,
     request_fields,
     structured_outputs,
     tool_choice,
@@ -184,15 +185,9 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
         if not isinstance(gj, str):
             raise _bad("guided_json", "expected a JSON schema object or string")
         kinds.append({"json_schema": check_schema(gj, "guided_json")})
-    for key, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
-        if (g := body.get(key)) is not None:
-            if not isinstance(g, str) or not g:
-                raise _bad(key, "expected a non-empty string")
-            kinds.append({kind: g})  # type: ignore[misc]
-    if (gc := body.get("guided_choice")) is not None:
-        if not isinstance(gc, list) or not gc or not all(isinstance(c, str) for c in gc):
-            raise _bad("guided_choice", "expected a non-empty array of strings")
-        kinds.append({"choice": list(gc)})
+    for kind in ("regex", "grammar", "choice"):
+        if (g := body.get(f"guided_{kind}")) is not None:
+            kinds.append(guided_field(kind, g, f"guided_{kind}"))
     if (so := structured_outputs(body)) is not None:
         kinds.append(so)
     if len(kinds) > 1:

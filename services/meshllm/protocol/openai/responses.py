@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshllm.errors import InvalidArgument
+from meshllm.protocol.validate import bad as _bad
 
 __all__ = [
     "ResponseEcho",
@@ -76,10 +77,6 @@ class ResponseEcho:
     metadata: dict[str, str]
     text: dict[str, Any]
     user: str | None
-
-
-def _bad(param: str, why: str) -> InvalidArgument:
-    return InvalidArgument(f"'{param}': {why}", param=param)
 
 
 def _text_of(content: Any, param: str) -> str:
