@@ -10,7 +10,7 @@ import pytest
 
 from meshllm.engine.base import Context
 from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
-from meshllm.engine.mocker.timing import decode_ms, prefill_ms, step_ms, transfer_seconds
+from meshllm.engine.mocker.timing import StepPacer, decode_ms, prefill_ms, step_ms, transfer_seconds
 from meshllm.protocol.types import GenerateChunk
 
 
@@ -91,3 +91,52 @@ async def test_ttft_of_a_1000_token_prompt_on_an_idle_mocker_matches_the_formula
     await engine.cleanup()
     assert min(ttfts) >= expected * 0.999
     assert min(ttfts) == pytest.approx(expected, rel=0.10)
+
+
+def _run_steps(pacer: StepPacer, steps: int, step_s: float, compute_s: float, overshoot_s: float, t0: float = 0.0) -> float:
+    """Drive `steps` back-to-back steps on a simulated clock whose every wait ends `overshoot_s` late; returns the end."""
+    now = t0
+    for _ in range(steps):
+        started = now
+        now += compute_s
+        now = max(now, pacer.step_end(started, step_s)) + overshoot_s
+    return now
+
+
+def test_busy_steps_follow_the_model_whatever_the_timer_overshoot() -> None:
+    """A timer waking 0.6 ms late on every 0.76 ms step adds one overshoot in total, not one per step."""
+    end = _run_steps(StepPacer(), steps=1000, step_s=0.00076, compute_s=0.0001, overshoot_s=0.0006)
+    assert end == pytest.approx(1000 * 0.00076 + 0.0006, abs=1e-9)
+
+
+def test_without_the_pacer_the_overshoot_accumulates() -> None:
+    """The rule the pacer replaced (wait from each step's start) loses the overshoot every step: what it fixes."""
+    now = 0.0
+    for _ in range(1000):
+        now = max(now + 0.0001, now + 0.00076) + 0.0006
+    assert now > 1000 * 0.00076 * 1.7
+
+
+def test_a_step_slower_to_compute_than_its_model_is_not_waited_for() -> None:
+    """Compute longer than the model's step: no wait, and no credit carried past `max_lag_s` (no catch-up burst)."""
+    pacer = StepPacer(max_lag_s=0.005)
+    now = 0.0
+    for _ in range(100):
+        end = pacer.step_end(now, 0.0001)
+        assert end <= now + 0.0001
+        now += 0.001  # every step computes for 1 ms
+    assert now - pacer.step_end(now, 0.0001) < 0.005  # the timeline restarted instead of drifting behind
+
+
+def test_after_idle_or_a_stall_the_timeline_restarts_at_the_present() -> None:
+    pacer = StepPacer(max_lag_s=0.005)
+    assert pacer.step_end(0.0, 0.001) == pytest.approx(0.001)
+    assert pacer.step_end(0.5, 0.001) == pytest.approx(0.501)  # 499 ms late: a stall, not a timer
+    pacer.idle()
+    assert pacer.step_end(0.5015, 0.001) == pytest.approx(0.5025)  # idle: not started at the old due time
+
+
+def test_a_step_never_starts_before_the_previous_one_ends() -> None:
+    pacer = StepPacer()
+    first = pacer.step_end(1.0, 0.002)
+    assert pacer.step_end(1.001, 0.002) == pytest.approx(first + 0.002)  # woke early: still after the first

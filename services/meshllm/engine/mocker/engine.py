@@ -44,7 +44,7 @@ from meshllm.engine.mocker.config import MockerConfig, add_mocker_args
 from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
 from meshllm.engine.mocker.scheduler import Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
-from meshllm.engine.mocker.timing import step_ms, transfer_seconds
+from meshllm.engine.mocker.timing import StepPacer, step_ms, transfer_seconds
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, Usage
@@ -331,8 +331,10 @@ class MockerEngine(LLMEngine):
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
         sched, blocks, speedup = self.scheduler, self.blocks, self.config.speedup_ratio
+        pacer = StepPacer()
         while True:
             if not sched.has_work():
+                pacer.idle()
                 self._report_load()
                 self._wake.clear()
                 await self._wake.wait()
@@ -340,6 +342,7 @@ class MockerEngine(LLMEngine):
             t0 = loop.time()
             plan = sched.schedule(t0)
             if not plan.seqs:  # only transfers in flight, or nothing fits until KV is released
+                pacer.idle()
                 self._report_load()
                 self._wake.clear()
                 ready = sched.next_ready_at()
@@ -350,7 +353,7 @@ class MockerEngine(LLMEngine):
             usage = blocks.usage
             model_ms = step_ms(plan.prefill_tokens, plan.decode_seqs > 0, usage)
             if speedup > 0:  # the step's own compute counts towards its simulated duration
-                await asyncio.sleep(max(0.0, t0 + model_ms / 1000.0 / speedup - loop.time()))
+                await asyncio.sleep(max(0.0, pacer.step_end(t0, model_ms / 1000.0 / speedup) - loop.time()))
             else:
                 await asyncio.sleep(0)
             sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
