@@ -67,6 +67,16 @@ def test_smollm2_special_tokens_are_single_ids(smollm2: HFTokenizer) -> None:
 
 
 @needs_smollm2
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_smollm2_encode_gives_the_ids_of_the_tokenizers_full_encode(smollm2: HFTokenizer, text: str) -> None:
+    """`encode` takes tokenizers' offset-free fast path: the same ids as `Tokenizer.encode`, with and without specials."""
+    templated = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    for t in (text, templated):
+        for special in (False, True):
+            assert smollm2.encode(t, add_special_tokens=special) == smollm2.fast.encode(t, add_special_tokens=special).ids
+
+
+@needs_smollm2
 def test_smollm2_known_ids(smollm2: HFTokenizer) -> None:
     """Merges, byte-level spaces and single digits (SmolLM's Digits pre-tokenizer) give the vocab's ids."""
     assert smollm2.encode("Hello, world!") == [19556, 28, 905, 17]
