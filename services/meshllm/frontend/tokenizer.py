@@ -16,13 +16,17 @@ A bad source raises `ConfigError` (an `InvalidArgument`) with a one-line message
 
 Every tokenizer is safe to share between concurrent requests: `encode` and
 `decode` hold no per-call state. `encode_async` moves long prompts to a thread so
-that tokenizing them never blocks the event loop.
+that tokenizing them never blocks the event loop. A tokenizer whose `encode`
+releases the GIL (`releases_gil = True`: the `tokenizers`-backed ones) has every
+prompt but the shortest encoded in a thread: that work then runs on another
+core, beside the event loop, instead of taking turns with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -33,6 +37,7 @@ from meshllm.tokenizers.hf import HFTokenizer, load_hf_tokenizer
 
 __all__ = [
     "ASYNC_ENCODE_THRESHOLD",
+    "PARALLEL_ENCODE_THRESHOLD",
     "BuiltinTokenizer",
     "HFTokenizer",
     "Tokenizer",
@@ -45,6 +50,8 @@ __all__ = [
 # Prompts longer than this (in characters) are tokenized in a worker thread;
 # shorter ones are faster inline than the thread hop (~50 µs).
 ASYNC_ENCODE_THRESHOLD = 4096
+# The same for tokenizers that release the GIL: above this the thread hop buys a second core.
+PARALLEL_ENCODE_THRESHOLD = 256
 
 
 @runtime_checkable
@@ -110,7 +117,9 @@ def load_tokenizer(source: str, *, cache_dir: Path | None = None) -> Tokenizer:
 
 
 async def encode_async(tok: Tokenizer, text: str, *, add_special_tokens: bool = False) -> list[int]:
-    """`tok.encode(text)`, in a worker thread when `text` is long, so the event loop keeps running."""
-    if len(text) <= ASYNC_ENCODE_THRESHOLD:
+    """`tok.encode(text)`, in a worker thread when `text` is long (see the module docstring)."""
+    limit = PARALLEL_ENCODE_THRESHOLD if getattr(tok, "releases_gil", False) else ASYNC_ENCODE_THRESHOLD
+    if len(text) <= limit:
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+    encode = partial(tok.encode, text, add_special_tokens=add_special_tokens)
+    return await asyncio.get_running_loop().run_in_executor(None, encode)
