@@ -29,6 +29,7 @@ import datetime
 import os
 import shlex
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +41,7 @@ from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
 from mesh_report import Results, build_info, code_fingerprint, section, summary_line
 from mesh_systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
+from runinfo import load_sentence, median_range
 
 from meshllm.frontend.tokenizer import load_tokenizer
 
@@ -219,20 +221,27 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
 
 
 def tls_summary(res: Results) -> str:
-    """Per system and level: mean over repeats of req/s and TTFT/ITL p50/p90/p99, plus every repeat's req/s."""
-    lines = [f"TLS cost: {res.repeats} repeat(s), {res.requests} requests per level, load average {res.load_avg}"]
+    """Per system and level: medians over repeats of req/s and TTFT/ITL p50/p90/p99, every repeat's req/s, and
+    req/s against the plaintext variant (median and range of the per-repeat ratios: repeat i against repeat i)."""
+    lines = [f"TLS cost: {res.repeats} repeat(s), {res.requests} requests per level; medians over the repeats. "
+             f"{load_sentence(res.load_avg)}"]  # fmt: skip
     for (speedup, kind, c), rows in sorted(res.rows.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
 
-        def mean(key: str, rows: list[dict[str, Any]] = rows) -> float:
-            return sum(r[key] for r in rows) / len(rows)
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.median(r[key] for r in rows)
 
-        ttft = "/".join(f"{mean(f'ttft_p{q}_ms'):.1f}" for q in (50, 90, 99))
-        itl = "/".join(f"{mean(f'itl_p{q}_ms'):.2f}" for q in (50, 90, 99))
+        ttft = "/".join(f"{med(f'ttft_p{q}_ms'):.1f}" for q in (50, 90, 99))
+        itl = "/".join(f"{med(f'itl_p{q}_ms'):.2f}" for q in (50, 90, 99))
         each = ", ".join(f"{r['req_per_s']:.1f}" for r in rows)
+        plain = res.rows.get((speedup, kind.removesuffix("+mtls"), c), []) if kind.endswith("+mtls") else []
+        vs = ""
+        if plain:
+            ratios = [t["req_per_s"] / p["req_per_s"] for t, p in zip(rows, plain, strict=False) if p["req_per_s"]]
+            vs = f"; × plaintext {median_range(ratios, '{:.2f}', '×')}"
         lines.append(
-            f"  speedup {speedup:g} c={c} {LABELS[kind]}: {mean('req_per_s'):.1f} req/s ({each}); TTFT p50/p90/p99 "
+            f"  speedup {speedup:g} c={c} {LABELS[kind]}: {med('req_per_s'):.1f} req/s ({each}){vs}; TTFT p50/p90/p99 "
             f"{ttft} ms; ITL p50/p90/p99 {itl} ms; errors {sum(r['errors'] for r in rows)}; "
-            f"CPU-ms/req {sum(sum(r['cpu_ms'].values()) for r in rows) / len(rows):.2f}"
+            f"CPU-ms/req {statistics.median(sum(r['cpu_ms'].values()) for r in rows):.2f}"
         )
     return "\n".join(lines)
 
