@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh_profile import Profile
-from mesh_systems import LABELS, dynamo_venv
+from mesh_systems import DYNAMO_VERSION, LABELS, dynamo_venv
 from runinfo import load_sentence
 
 __all__ = ["Results", "build_info", "section"]
@@ -290,6 +290,9 @@ def section(res: Results, heading: str) -> str:
     ]
     if res.failures:
         text += ["**Failed** (no figures from these):", "", *(f"- {f}" for f in res.failures), ""]
+    installed = next((p.split(" ", 1)[1] for p in info["packages"].split(", ") if p.startswith("ai-dynamo ")), None)
+    if "dynamo" in res.systems and installed not in (None, DYNAMO_VERSION):
+        text += [f"**Dynamo's installed version is {installed}**, not the {DYNAMO_VERSION} the labels name.", ""]
     if info.get("fingerprint_end", info["fingerprint"]) != info["fingerprint"]:
         text += ["**The code under services/ changed while this ran** (someone edited the tree): systems started "
                  "later ran newer code, so the figures mix versions.", ""]  # fmt: skip

@@ -99,8 +99,11 @@ def test_mocker_prints_the_repeats_it_ran_and_a_measured_load(monkeypatch: pytes
 
 def test_llamacpp_mesh_ttft_is_repeated_pairs_with_their_count() -> None:
     llamacpp = load("llamacpp")
-    name, value = llamacpp.mesh_row(500, {"cold_s": [3.0, 3.6, 3.3], "routed_s": [0.15, 0.12, 0.3]})
-    assert "3 pair(s)" in name
+    mesh = {"cold_s": [3.0, 3.6, 3.3], "routed_s": [0.15, 0.12, 0.3], "routed_cached": [480.0, 480.0, 0.0],
+            "routed_prompt": [510.0, 510.0, 510.0]}  # fmt: skip
+    name, value = llamacpp.mesh_row(500, mesh)
+    assert "3 pair(s)" in name and "found cached: 480/510, 480/510, 0/510" in name  # as measured, a miss too
+    assert name.startswith("mesh TTFT, 510-token chat prompt")  # the size the server counted
     assert value.startswith("3300 ms (3000–3600, median of 3) → 150 ms (120–300, median of 3)")
     assert "20.0× (11.0–30.0, median of 3) faster" in value  # the pairs' ratios 20, 30, 11: their median
     _, single = llamacpp.mesh_row(500, {"cold_s": [3.0], "routed_s": [0.15]})
@@ -222,8 +225,11 @@ def test_split_mesh_report_states_its_load_and_p90_p99_beside_every_p50() -> Non
     assert "2 repeat(s), medians shown" in text and "0.3–0.9" in text and NOISE not in text
     assert "other jobs" not in text
     assert percentile_lines_complete(text) == []
+    assert "installed version" not in text  # no ai-dynamo read: nothing to compare
+    res.info["packages"] = "grpcio 1, ai-dynamo 9.9.9"
     res.load_avg = BUSY
-    assert NOISE in report.section(res, "## Split mesh")
+    busy = report.section(res, "## Split mesh")
+    assert NOISE in busy and "Dynamo's installed version is 9.9.9" in busy
 
 
 #: Claims issue 19 found printed as literal text, whatever the run measured.
