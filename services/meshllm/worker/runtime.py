@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import __version__
 from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics, WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
