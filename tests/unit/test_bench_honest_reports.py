@@ -232,6 +232,26 @@ def test_split_mesh_report_states_its_load_and_p90_p99_beside_every_p50() -> Non
     assert NOISE in busy and "Dynamo's installed version is 9.9.9" in busy
 
 
+def test_tls_cost_pairs_each_repeat_with_its_plaintext_run_and_prints_the_tail() -> None:
+    load("mesh_report")
+    tls = load("mesh_tls")
+    res = tls.Results(
+        argv="bench/mesh.py --tls --repeats 3", systems=["split", "split+mtls"], speedups=[1000.0], levels=[32],
+        requests=10, warmup=2, repeats=3, workers=2, router_mode="round-robin", load="synthetic load",
+    )  # fmt: skip
+    res.rows = {(1000.0, "split", 32): [_mesh_row(100.0), _mesh_row(160.0), _mesh_row(130.0)],
+                (1000.0, "split+mtls", 32): [_mesh_row(90.0), _mesh_row(120.0), _mesh_row(120.0)]}  # fmt: skip
+    res.info = {"machine": "m", "python": "3", "commit": "c", "packages": "grpcio 1", "fingerprint": "f", "date": "d"}
+    res.load_avg = QUIET
+    text = tls.tls_section(res)
+    row = next(line for line in text.splitlines() if line.startswith("| meshllm split, mTLS"))
+    # per-repeat ratios 0.90, 0.75, 0.92: their median and range, not a ratio of two unrelated runs
+    assert "| 120.0 (90.0, 120.0, 120.0) | 0.90× (0.75–0.92, median of 3) |" in row
+    assert percentile_lines_complete(text) == [] and "10.0 / 20.0 / 30.0" in row
+    assert "3 repeat(s)" in text and NOISE not in text and "other jobs" not in text
+    assert "frontend 5.00 → 5.00" in text
+
+
 #: Claims issue 19 found printed as literal text, whatever the run measured.
 FIXED_CLAIMS = (
     "other jobs shared the machine",
