@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import math
 import os
 import platform
@@ -22,7 +21,7 @@ from typing import Any
 
 from mesh_profile import Profile
 from mesh_systems import DYNAMO_VERSION, LABELS, dynamo_venv
-from runinfo import load_sentence
+from runinfo import load_sentence, versions
 
 __all__ = ["Results", "build_info", "section"]
 
@@ -80,24 +79,19 @@ def build_info() -> dict[str, str]:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return out.stdout.strip()
 
-    versions = []
-    for name in PACKAGES:
-        try:
-            versions.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    found = [v for v in (versions(*PACKAGES),) if v]
     dyn = dynamo_venv() / "bin" / "python"
     if dyn.exists():
         code = "import importlib.metadata as m; print(m.version('ai-dynamo'))"
         out = subprocess.run([str(dyn), "-c", code], capture_output=True, text=True, check=False).stdout.strip()
         if out:
-            versions.append(f"ai-dynamo {out}")
+            found.append(f"ai-dynamo {out}")
     dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "commit": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
-        "packages": ", ".join(versions),
+        "packages": ", ".join(found),
         "fingerprint": code_fingerprint(),
     }
 

@@ -14,26 +14,20 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from types import TracebackType
 
 __all__ = [
     "LoadMonitor",
     "best_phrase",
-    "git_commit",
     "llama_cpp_build",
     "load_sentence",
     "machine",
     "median_range",
-    "percentiles",
     "today",
     "versions",
 ]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def today() -> str:
@@ -54,17 +48,6 @@ def versions(*names: str) -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return ", ".join(found)
-
-
-def git_commit() -> str:
-    """The short HEAD commit, with ' with uncommitted changes' when tracked files differ from it."""
-
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
-
-    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
 
 
 def llama_cpp_build() -> str:
@@ -156,8 +139,3 @@ def median_range(values: Iterable[float], fmt: str = "{:.2f}", unit: str = "") -
     if len(vals) == 1:
         return f"{med} (one run)"
     return f"{med} ({fmt.format(min(vals))}–{fmt.format(max(vals))}, median of {len(vals)})"
-
-
-def percentiles(row: dict[str, float], what: str, fmt: str = "{:.1f}") -> str:
-    """'p50 / p90 / p99' of `what` ('ttft', 'itl') from a row's `{what}_p50_ms`, `_p90_ms`, `_p99_ms`."""
-    return " / ".join(fmt.format(row[f"{what}_{p}_ms"]) for p in ("p50", "p90", "p99"))
