@@ -11,29 +11,17 @@ text.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_support import BENCH
+from bench_support import load_bench as load
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 QUIET = [0.3, 0.6, 0.9]  # load samples below any core count
 BUSY = [0.8, 5.5, 2.0]  # a peak above 2 cores (the tests pin os.cpu_count() to 2)
-
-
-def load(name: str) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # as when run as `python bench/NAME.py` (its sibling imports)
-    spec = importlib.util.spec_from_file_location(f"meshllm_bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
