@@ -221,13 +221,7 @@ async def test_open_discovery_uses_the_opener_registered_for_the_kind(monkeypatc
     assert DiscoveryKind.ETCD in discovery._OPENERS
     store = MemoryStore()
 
-    async def opener(
-        config: PlaneConfig,
-        *,
-        memory_store: MemoryStore | None,
-        static_instances: object,
-        static_models: object,
-    ) -> discovery.Discovery:
+    async def opener(config: PlaneConfig, args: discovery.OpenArgs) -> discovery.Discovery:
         return MemoryDiscovery(store, config.namespace)
 
     monkeypatch.setitem(discovery._OPENERS, DiscoveryKind.ETCD, opener)

@@ -10,23 +10,14 @@ planes never loads `aetcd` or `nats-py`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.discovery import Discovery, MemoryStore, register_discovery
+from meshllm.plane.discovery import Discovery, OpenArgs, register_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, register_events
-from meshllm.v1 import discovery_pb2
 
 __all__: list[str] = []
 
 
-async def _open_etcd(
-    config: PlaneConfig,
-    *,
-    memory_store: MemoryStore | None,
-    static_instances: Sequence[discovery_pb2.Instance],
-    static_models: Sequence[discovery_pb2.ModelCard],
-) -> Discovery:
+async def _open_etcd(config: PlaneConfig, args: OpenArgs) -> Discovery:
     from meshllm.plane.etcd import EtcdDiscovery
 
     return await EtcdDiscovery.connect(

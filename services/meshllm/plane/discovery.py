@@ -30,9 +30,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.errors import InvalidArgument, Unavailable
@@ -45,6 +45,7 @@ __all__ = [
     "DiscoveryOpener",
     "MemoryDiscovery",
     "MemoryStore",
+    "OpenArgs",
     "SnapshotFeed",
     "StaticDiscovery",
     "instance_entry",
@@ -341,18 +342,17 @@ class StaticDiscovery(Discovery):
 # ---------------------------------------------------------------- factory
 
 
-class DiscoveryOpener(Protocol):
-    """Builds (and connects) the Discovery of one kind from the plane config."""
+@dataclass(frozen=True, slots=True)
+class OpenArgs:
+    """What `open_discovery` hands an opener besides the config; each backend uses what it needs."""
 
-    async def __call__(
-        self,
-        config: PlaneConfig,
-        *,
-        memory_store: MemoryStore | None,
-        static_instances: Sequence[discovery_pb2.Instance],
-        static_models: Sequence[discovery_pb2.ModelCard],
-    ) -> Discovery: ...
+    memory_store: MemoryStore | None = None  # memory: the process-wide store of `meshllm run`
+    static_instances: Sequence[discovery_pb2.Instance] = ()  # static: the fixed records
+    static_models: Sequence[discovery_pb2.ModelCard] = ()
 
+
+#: Builds (and connects) the Discovery of one kind.
+DiscoveryOpener = Callable[[PlaneConfig, OpenArgs], Awaitable[Discovery]]
 
 _OPENERS: dict[DiscoveryKind, DiscoveryOpener] = {}
 
@@ -381,27 +381,15 @@ async def open_discovery(
         raise InvalidArgument(
             f"no discovery backend is registered for {config.discovery.value!r} (import meshllm.plane.backends)"
         )
-    return await opener(config, memory_store=memory_store, static_instances=static_instances, static_models=static_models)
+    return await opener(config, OpenArgs(memory_store, static_instances, static_models))
 
 
-async def _open_memory(
-    config: PlaneConfig,
-    *,
-    memory_store: MemoryStore | None,
-    static_instances: Sequence[discovery_pb2.Instance],
-    static_models: Sequence[discovery_pb2.ModelCard],
-) -> Discovery:
-    return MemoryDiscovery(memory_store if memory_store is not None else MemoryStore(), config.namespace)
+async def _open_memory(config: PlaneConfig, args: OpenArgs) -> Discovery:
+    return MemoryDiscovery(args.memory_store if args.memory_store is not None else MemoryStore(), config.namespace)
 
 
-async def _open_static(
-    config: PlaneConfig,
-    *,
-    memory_store: MemoryStore | None,
-    static_instances: Sequence[discovery_pb2.Instance],
-    static_models: Sequence[discovery_pb2.ModelCard],
-) -> Discovery:
-    return StaticDiscovery(config.namespace, static_instances, static_models)
+async def _open_static(config: PlaneConfig, args: OpenArgs) -> Discovery:
+    return StaticDiscovery(config.namespace, args.static_instances, args.static_models)
 
 
 register_discovery(DiscoveryKind.MEMORY, _open_memory)
