@@ -28,10 +28,7 @@ Targets (ISSUE 5): ≥ 200,000 block-events/s applied; p99 lookup < 1 ms.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import platform
 import random
 import statistics
 import sys
@@ -39,6 +36,7 @@ import time
 from pathlib import Path
 
 from benchdoc import write_section
+from runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.kv_index import KvIndex
@@ -222,28 +220,32 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     lat = measure_lookup(index, docs_tokens, held, rng, args.lookups)
     for name, values in lat.items():
         best[f"{name}_p50"] = statistics.median(values)
+        best[f"{name}_p90"] = pct(values, 90)
         best[f"{name}_p99"] = pct(values, 99)
         best[f"{name}_max"] = max(values)
     best["fill_events"] = float(fill_events)
     return best
 
 
-def render(r: dict[str, float], args: argparse.Namespace) -> str:
-    load = os.getloadavg()[0]
+def render(r: dict[str, float], args: argparse.Namespace, loads: list[float], build: str) -> str:
     ok_events = "meets" if min(r["apply_fill"], r["apply_churn"]) >= TARGET_EVENTS_PER_S else "MISSES"
     ok_p99 = "meets" if r["total_p99"] < TARGET_P99_MS else "MISSES"
     ok_decide = "meets" if r["decide_p99"] < TARGET_P99_MS else "misses"
-    decide_p99 = f"{r['decide_p99'] * 1000:,.0f} µs ({ok_decide} the {TARGET_P99_MS:g} ms target)"
-    today = datetime.date.today().isoformat()
+    target_ms = f"{TARGET_P99_MS:g} ms"
+
+    def us(name: str, fmt: str = "{:,.0f}") -> str:
+        return " / ".join(fmt.format(r[f"{name}_{p}"] * 1000) for p in ("p50", "p90", "p99"))
+
     return f"""## KV indexer
 
-`.venv/bin/python bench/indexer.py` on {today} ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}).
+`.venv/bin/python bench/indexer.py --repeat {args.repeat} --lookups {args.lookups}` on {today()} ({machine()}; {build}).
 {WORKERS} workers × {BLOCKS_PER_WORKER:,} resident blocks (block size {BLOCK_SIZE}; {int(r["indexed_blocks"]):,} indexed
 (worker, block) pairs, {int(r["distinct_hashes"]):,} distinct hashes: documents share 1,024-token prefixes).
 Apply: the fill ({int(r["fill_events"]):,} stored block-events in 64-block batches), then as many churn
-block-events (remove 16 + store 16 per event pair); best of {args.repeat} runs. Lookup: {args.lookups:,} prompts
-of 4,096 tokens (half fully cached, a quarter half-cached, a quarter sharing only the system prefix),
-each hashed and walked over all {WORKERS} workers. 1-minute load average {load:.1f} when the run ended.
+block-events (remove 16 + store 16 per event pair); the {best_phrase(args.repeat)} (highest rate). Lookup: one run
+of {args.lookups:,} prompts of 4,096 tokens (half fully cached, a quarter half-cached, a quarter sharing only the
+system prefix), each hashed and walked over all {WORKERS} workers; percentiles over the prompts.
+{load_sentence(loads)}
 
 | measurement | value |
 |---|---|
@@ -251,11 +253,10 @@ each hashed and walked over all {WORKERS} workers. 1-minute load average {load:.
 | block-events/s applied, churn | {r["apply_churn"]:,.0f} ({ok_events} the {TARGET_EVENTS_PER_S:,} target) |
 | block-events/s incl. protobuf decode, fill | {r["decode_fill"]:,.0f} |
 | block-events/s incl. protobuf decode, churn | {r["decode_churn"]:,.0f} |
-| lookup p50 (hash + walk) | {r["total_p50"] * 1000:,.0f} µs |
-| lookup p99 (hash + walk) | {r["total_p99"] * 1000:,.0f} µs ({ok_p99} the {TARGET_P99_MS:g} ms target) |
+| lookup p50 / p90 / p99 (hash + walk) | {us("total")} µs (p99 {ok_p99} the {TARGET_P99_MS:g} ms target) |
 | lookup max (hash + walk) | {r["total_max"] * 1000:,.0f} µs |
-| walk alone p50 / p99 | {r["walk_p50"] * 1000:,.1f} / {r["walk_p99"] * 1000:,.1f} µs |
-| lookup + capacity of all {WORKERS} workers p50 / p99 | {r["decide_p50"] * 1000:,.0f} / {decide_p99} |
+| walk alone p50 / p90 / p99 | {us("walk", "{:,.1f}")} µs |
+| lookup + capacity of all {WORKERS} workers p50 / p90 / p99 | {us("decide")} µs (p99 {ok_decide} the {target_ms} target) |
 
 The index maps each block hash to a bitmask of (worker, dp rank) slots and keeps each slot's blocks in
 an ordered dict (its eviction order, with reuse counts); applying a stored block is one dict update plus
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookups", type=int, default=4000, help="prompts looked up")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
-    section = render(run(args), args)
+    with LoadMonitor() as monitor:
+        figures = run(args)
+    section = render(figures, args, monitor.samples, versions("protobuf", "xxhash"))
     print(section)
     if not args.no_write:
         write_section("## KV indexer", section)

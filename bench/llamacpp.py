@@ -15,7 +15,8 @@ Measurements (best of `--repeat` runs, greedy, `LlamaCppEngine.generate` driven 
   loopback, then `Worker.PullKv` of its kv handle: bytes and seconds;
 - *mesh TTFT*: `meshllm run`'s mesh in-process (2 workers, KV router), a long
   system prompt streamed through the OpenAI API, then the same system prompt
-  with another question: the router sends it to the worker caching it;
+  with another question: the router sends it to the worker caching it; one
+  such cold/repeated pair per repeat, each with a system prompt of its own;
 - *baseline*: llama-cpp-python's own `Llama` class in this process, same
   model, threads and attention — single-sequence decode and prompt
   evaluation, each run right after the engine's — so the engine's figures
@@ -26,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchdoc import write_section
+from runinfo import LoadMonitor, best_phrase, llama_cpp_build, load_sentence, machine, median_range, today
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
@@ -107,11 +106,11 @@ class Baseline:
         return time.perf_counter() - t0
 
 
-async def engine_figures(args: argparse.Namespace, prompts: list[list[int]], long: list[list[int]]) -> dict[str, float]:
+async def engine_figures(args: argparse.Namespace, prompts: list[list[int]], long: list[list[int]]) -> dict[str, Any]:
     """Engine figures, each run paired with the baseline's right after it (the machine's load drifts)."""
     engine, _ = await LlamaCppEngine.from_args(["--n-ctx", "1024", "--n-seq-max", "8", *args.engine_args])
     await engine.start("bench")
-    out: dict[str, float] = {"threads": engine.config.n_threads}
+    out: dict[str, Any] = {"threads": engine.config.n_threads, "layout": engine.layout}
     base = Baseline(args.model, engine.config.n_threads)
     try:
         await decode_rate(engine, prompts[:1], 4)  # warm-up
@@ -159,43 +158,67 @@ async def transfer_figures(args: argparse.Namespace, prompt: list[int]) -> dict[
     return best
 
 
-async def mesh_figures(args: argparse.Namespace, system: str) -> dict[str, float]:
-    """TTFT through frontend + KV router + 2 workers: a long system prompt cold, then routed to its cache."""
+async def mesh_figures(args: argparse.Namespace, systems: list[str]) -> dict[str, list[float]]:
+    """TTFT through frontend + KV router + 2 workers: per system prompt, cold, then repeated (routed to its cache)."""
     from openai import AsyncOpenAI
 
     from meshllm.run import Mesh, RunConfig
 
     config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=("--n-ctx", "1024", *args.engine_args))
-    ttft: list[float] = []
+    out: dict[str, list[float]] = {"cold_s": [], "routed_s": [], "routed_cached": [], "routed_prompt": []}
     async with await Mesh.start(config) as mesh, AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="-") as client:  # type: ignore[union-attr]
-        for q in ("When did wing 3 open?", "When did wing 7 open?"):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            t0 = time.perf_counter()
-            stream: Any = await client.chat.completions.create(
-                model=mesh.model,
-                messages=messages,
-                max_tokens=2,
-                temperature=0,
-                stream=True,  # type: ignore[arg-type]
-            )
-            first = 0.0
-            async for chunk in stream:
-                if not first and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter() - t0
-            ttft.append(first)
-    return {"cold_s": ttft[0], "routed_s": ttft[1]}
+        for system in systems:
+            for q, kind in (("When did wing 3 open?", "cold"), ("When did wing 7 open?", "routed")):
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+                t0 = time.perf_counter()
+                stream: Any = await client.chat.completions.create(
+                    model=mesh.model,
+                    messages=messages,
+                    max_tokens=2,
+                    temperature=0,
+                    stream=True,  # type: ignore[arg-type]
+                    stream_options={"include_usage": True},
+                )
+                first = 0.0
+                async for chunk in stream:
+                    if not first and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter() - t0
+                    if chunk.usage is not None and kind == "routed":
+                        details = chunk.usage.prompt_tokens_details
+                        out["routed_cached"].append(float(details.cached_tokens or 0) if details else 0.0)
+                        out["routed_prompt"].append(float(chunk.usage.prompt_tokens))
+                out[f"{kind}_s"].append(first)
+    return out
 
 
-def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+def mesh_row(n: int, mesh: dict[str, list[float]]) -> tuple[str, str]:
+    """The mesh TTFT row: medians with ranges over the cold/repeated pairs, and the median of the pairs' ratios."""
+    pairs = len(mesh["cold_s"])
+    ratios = [c / r for c, r in zip(mesh["cold_s"], mesh["routed_s"], strict=True) if r > 0]
+    ms = [[v * 1000 for v in mesh[k]] for k in ("cold_s", "routed_s")]
+    hits = zip(mesh.get("routed_cached", []), mesh.get("routed_prompt", []), strict=True)
+    cached = ", ".join(f"{c:.0f}/{p:.0f}" for c, p in hits)
+    prompts = sorted({int(t) for t in mesh.get("routed_prompt", [])})
+    size = "/".join(map(str, prompts)) if prompts else f"~{n}"
+    return (
+        f"mesh TTFT, {size}-token chat prompt (a long system prompt + a question): cold → repeated, {pairs} pair(s); "
+        f"prompt tokens the repeated ones found cached: {cached or 'not reported'}",
+        f"{median_range(ms[0], '{:.0f}', ' ms')} → {median_range(ms[1], '{:.0f}', ' ms')}; "
+        f"{median_range(ratios, '{:.1f}', '×')} faster",
+    )
+
+
+def render(rows: list[tuple[str, str]], args: argparse.Namespace, loads: list[float], build: str) -> str:
+    """The section: build (read from the library), repeats as run, the load the run saw, then the figures."""
     lines = [
         HEADING,
         "",
-        f"`.venv/bin/python bench/llamacpp.py` on {datetime.date.today().isoformat()} ({machine}), llama-cpp-python 0.3.36",
-        f"built with GGML_NATIVE=OFF, SmolLM2-135M-Instruct Q4_1, {args.threads} thread(s) (the engine's default here),",
-        f"flash attention, f16 KV; greedy, best of {args.repeat} runs (1-minute load average {load:.1f} when the run ended:",
-        "other jobs shared the machine, so absolute figures are noisy; compare ratios).",
+        f"`.venv/bin/python bench/llamacpp.py --repeat {args.repeat}` on {today()} ({machine()}; {build}).",
+        f"Model {args.model.name}, {args.threads} thread(s), KV layout `{args.layout}`; greedy. Engine and",
+        f"baseline figures are the {best_phrase(args.repeat)} (highest rate, lowest time); a ratio divides",
+        f"two such figures. The mesh row is {args.repeat} cold/repeated pair(s), each with its own system prompt:",
+        "medians with their ranges, and the median of the pairs' ratios.",
+        load_sentence(loads),
         "",
         "| measurement | value |",
         "|---|---|",
@@ -237,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     tails = [tok.encode(f"\nQuestion {q}: why?") for q in ("one", "two")]
     long = [body[: args.prompt_len - len(t)] + t for t in tails]  # exactly --prompt-len tokens, different endings
 
-    eng = asyncio.run(engine_figures(args, prompts, long))
-    args.threads = int(eng["threads"])
-    kv = asyncio.run(transfer_figures(args, long[0]))
-    system = tok.decode(body[: args.prompt_len - 40])
-    mesh = asyncio.run(mesh_figures(args, system))
+    with LoadMonitor() as monitor:
+        eng = asyncio.run(engine_figures(args, prompts, long))
+        args.threads, args.layout = int(eng["threads"]), eng["layout"]
+        kv = asyncio.run(transfer_figures(args, long[0]))
+        # a system prompt of its own per pair (its own first words), so every cold request really is cold
+        systems = [f"Session {i}. " + tok.decode(body[: args.prompt_len - 48]) for i in range(args.repeat)]
+        mesh = asyncio.run(mesh_figures(args, systems))
     n = len(long[0])
     rows = [
         ("decode tokens/s, 1 sequence", f"{eng['decode_1']:.1f}"),
@@ -251,14 +276,13 @@ def main(argv: list[str] | None = None) -> int:
          f"({eng['prompt_s'] / eng['cached_ttft_s']:.1f}× faster)"),
         (f"KV transfer, {n}-token prompt", f"{kv['bytes'] / 1e6:.2f} MB ({kv['bytes'] / n / 1024:.1f} KiB/token) "
          f"in {kv['seconds'] * 1000:.0f} ms ({kv['bytes'] / kv['seconds'] / 1e6:.0f} MB/s)"),
-        (f"mesh TTFT, ~{n}-token system prompt: cold → repeated (routed to its cache)",
-         f"{mesh['cold_s'] * 1000:.0f} ms → {mesh['routed_s'] * 1000:.0f} ms ({mesh['cold_s'] / mesh['routed_s']:.1f}× faster)"),
+        mesh_row(n, mesh),
         ("baseline decode tokens/s (Llama class, 1 sequence)", f"{eng['base_decode_1']:.1f}"),
         ("engine ÷ baseline, 1-sequence decode", f"{eng['decode_1'] / eng['base_decode_1']:.2f}"),
         ("baseline prompt tokens/s (Llama.eval)", f"{n / eng['base_prompt_s']:.0f}"),
         ("engine ÷ baseline, prompt", f"{eng['base_prompt_s'] / eng['prompt_s']:.2f}"),
     ]  # fmt: skip
-    section = render(rows, args)
+    section = render(rows, args, monitor.samples, llama_cpp_build())
     print(section)
     if not args.no_write:
         write_section(HEADING, section)

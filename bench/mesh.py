@@ -5,7 +5,7 @@
     .venv/bin/python bench/mesh.py --profile               # + a py-spy profile of every meshllm process
     .venv/bin/python bench/mesh.py --overhead --dynamo     # + TTFT/ITL at speedup 1, c=1: engine alone vs the mesh
     .venv/bin/python bench/mesh.py --requests 64 --speedup 1000 --concurrency 32 --no-write   # a quick look
-    .venv/bin/python bench/mesh.py --tls --no-router --speedup 1000 --concurrency 32 --repeats 2   # TLS cost
+    .venv/bin/python bench/mesh.py --tls --no-router --speedup 1000 --concurrency 32 --repeats 2   # "## TLS cost"
     .venv/bin/python bench/mesh.py --frontend-extra "--some-flag 2"   # extra flags for every `meshllm frontend`
 
 Systems (bench/mesh_systems.py), each started on loopback ephemeral ports as separate OS processes, one after
@@ -18,7 +18,8 @@ the other (never two at once), with the same load:
 
 Per level: warm-up requests (other prompts), then /proc CPU of every process tree sampled, the measured
 `meshllm bench` level, sampled again. `--profile` adds one unmeasured level per system and speedup under py-spy.
-Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py) and to stdout.
+Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py; `--tls`: the "## TLS cost" section,
+bench/mesh_tls.py) and to stdout.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
 from mesh_report import Results, build_info, code_fingerprint, section, summary_line
 from mesh_systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
+from mesh_tls import tls_section
 
 from meshllm.frontend.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh"
+TLS_HEADING = "## TLS cost"
 WARMUP_SEED = 1_000_000  # warm-up prompts differ from measured ones (the mocker caches prefixes)
 PROFILE_SEED = 2_000_000
 EXTRA_COMMANDS = ("frontend", "router", "worker", "run")  # --frontend-extra ... --run-extra
@@ -176,7 +179,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--tls",
         action="store_true",
-        help="each split system also with mTLS, right after it; prints the TLS cost (implies --no-write)",
+        help="each split system also with mTLS, right after it; writes the TLS cost section instead of the split mesh's",
     )
     args = p.parse_args(argv)
     args.overhead = args.overhead or args.overhead_only
@@ -218,25 +221,6 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     return res
 
 
-def tls_summary(res: Results) -> str:
-    """Per system and level: mean over repeats of req/s and TTFT/ITL p50/p90/p99, plus every repeat's req/s."""
-    lines = [f"TLS cost: {res.repeats} repeat(s), {res.requests} requests per level, load average {res.load_avg}"]
-    for (speedup, kind, c), rows in sorted(res.rows.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-
-        def mean(key: str, rows: list[dict[str, Any]] = rows) -> float:
-            return sum(r[key] for r in rows) / len(rows)
-
-        ttft = "/".join(f"{mean(f'ttft_p{q}_ms'):.1f}" for q in (50, 90, 99))
-        itl = "/".join(f"{mean(f'itl_p{q}_ms'):.2f}" for q in (50, 90, 99))
-        each = ", ".join(f"{r['req_per_s']:.1f}" for r in rows)
-        lines.append(
-            f"  speedup {speedup:g} c={c} {LABELS[kind]}: {mean('req_per_s'):.1f} req/s ({each}); TTFT p50/p90/p99 "
-            f"{ttft} ms; ITL p50/p90/p99 {itl} ms; errors {sum(r['errors'] for r in rows)}; "
-            f"CPU-ms/req {sum(sum(r['cpu_ms'].values()) for r in rows) / len(rows):.2f}"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     for key in [k for k in os.environ if k.startswith(("MESHLLM_", "OTEL_"))]:
@@ -249,11 +233,15 @@ def main(argv: list[str]) -> int:
         except (asyncio.CancelledError, KeyboardInterrupt):
             print("bench/mesh.py: interrupted; every process it started was stopped", file=sys.stderr)
             return 130
+    if args.tls:  # the TLS cost, not the split-mesh figures, is what a --tls run measured
+        text = tls_section(res, TLS_HEADING)
+        print(text)
+        if not args.no_write:
+            write_section(TLS_HEADING, text)
+        return 0
     text = section(res, HEADING)
     print(text)
-    if args.tls:
-        print(tls_summary(res))
-    elif not args.no_write:
+    if not args.no_write:
         write_section(HEADING, text)
     return 0
 

@@ -40,13 +40,14 @@ __all__ = ["DYNAMO_DIR", "LABELS", "MODEL_DIR", "Running", "SystemSpec", "dynamo
 ROOT = Path(__file__).resolve().parent.parent
 DYNAMO_DIR = ROOT.parent / "shared" / "anchors" / "dynamo"
 MODEL_DIR = DYNAMO_DIR / "models" / "smollm2-135m-instruct"
+DYNAMO_VERSION = "1.6.1"  # what ../shared/anchors/dynamo installs; bench/mesh_report.py checks the installed one
 LABELS = {
     "split": "meshllm split",
     "router": "meshllm split + router process",
     "split+mtls": "meshllm split, mTLS",
     "router+mtls": "meshllm split + router process, mTLS",
     "run": "meshllm run (one process)",
-    "dynamo": "Dynamo 1.6.1",
+    "dynamo": f"Dynamo {DYNAMO_VERSION}",
 }
 ENV = {"MESHLLM_LOG_LEVEL": "WARNING"}
 READY_S = 120.0

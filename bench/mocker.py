@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
-import platform
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -30,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchdoc import write_section
+from runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
 
 from meshllm.engine.base import Context, NullSink
 from meshllm.engine.mocker import MockerConfig, MockerEngine
@@ -164,17 +162,17 @@ def best(fn: Callable[[], Any], repeat: int, key: str | None = None) -> Any:
     return max(runs, key=lambda r: r[key])
 
 
-def render(rows: list[tuple[str, str]], args: argparse.Namespace) -> str:
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+def render(rows: list[tuple[str, str]], args: argparse.Namespace, loads: list[float], build: str) -> str:
+    """The section: what ran, how often, on what build and under which load, then the figures."""
     lines = [
         "## Mocker",
         "",
-        f"`.venv/bin/python bench/mocker.py` on {datetime.date.today().isoformat()} ({machine}).",
+        f"`.venv/bin/python bench/mocker.py --repeat {args.repeat}` on {today()} ({machine()}; {build}).",
         f"Engine runs: {args.requests} concurrent requests of {args.prompt_len} prompt tokens and {args.max_tokens}",
         "output tokens (ignore_eos), defaults otherwise (max-num-seqs 256, block size 64, prefix caching on),",
-        f"--speedup-ratio 0, driven through `generate` directly; best of {args.repeat} runs",
-        f"(1-minute load average {load:.1f} when the run ended: other jobs shared the machine).",
+        f"--speedup-ratio 0, driven through `generate` directly. Every figure is the {best_phrase(args.repeat)}",
+        "(fastest scheduler step, highest tokens/s); a ratio divides two such figures.",
+        load_sentence(loads),
         "",
         "| measurement | value |",
         "|---|---|",
@@ -208,6 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
 
+    with LoadMonitor() as monitor:
+        rows = measure(args, loops)
+    section = render(rows, args, monitor.samples, versions("uvloop"))
+    print(section)
+    if not args.no_write:
+        write_section("## Mocker", section)
+        print(f"updated {DOC}", file=sys.stderr)
+    return 0
+
+
+def measure(args: argparse.Namespace, loops: list[str]) -> list[tuple[str, str]]:
     sched_us = min(scheduler_step_us(args.running, args.steps, args.prompt_len) for _ in range(args.repeat))
     rows = [(f"scheduler step, {args.running} decoding sequences", f"{sched_us:,.0f} µs ({sched_us / args.running:.2f} µs/seq)")]
     for loop_name in loops:
@@ -225,12 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             (f"baseline tokens/s ({loop_name})", f"{base:,.0f}"),
             (f"engine ÷ baseline ({loop_name})", f"{eng['tokens_per_s'] / base:.2f}"),
         ]
-    section = render(rows, args)
-    print(section)
-    if not args.no_write:
-        write_section("## Mocker", section)
-        print(f"updated {DOC}", file=sys.stderr)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

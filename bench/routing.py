@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
-import platform
 import random
 import re
 import statistics
@@ -57,6 +55,7 @@ from pathlib import Path
 
 from benchdoc import write_section
 from routing_http import HttpDocs, http_docs, run_http_mode
+from runinfo import load_sentence, machine, today, versions
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig
@@ -427,61 +426,123 @@ def render(rows: list[Row], setup: Setup, repeats: int) -> tuple[str, dict[str, 
     """The section's head, and one `### scenario` part per scenario run."""
     head = f"""## Routing
 
-`.venv/bin/python bench/routing.py` ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}):
+`.venv/bin/python bench/routing.py` ({machine()}; {versions("grpcio", "protobuf", "xxhash")}):
 {setup.workers} mocker workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}; fresh
 workers per run; embedded RouterCore (default `kv` weights: --kv-overlap-weight 1, --kv-capacity-weight 1), real
 gRPC to the workers; `docs-http` goes through `meshllm run` instead (see its part). Each scenario states its date,
 its repeats and the 1-minute load average during its runs: every row is run that many times, the modes of a
 cache size interleaved (kv, approximate, round-robin, … then again) so they share the machine's noise, and each
-figure is the median over the repeats; "p90 range" is the lowest–highest TTFT p90 of the repeats. This machine is
-shared with other work: TTFT figures move by tens of percent between repeats (see the ranges). "vs rr" is the
+figure is the median over the repeats; "p90 range" is the lowest–highest TTFT p90 of the repeats. "vs rr" is the
 median hit rate and TTFT p90 against round-robin's in the same scenario and cache size: a hit ratio below 1.0×
-or a TTFT ratio above 1.0× favours round-robin.
+or a TTFT ratio above 1.0× favours round-robin. Each part first sets `kv` beside round-robin at p50, p90 and
+p99, whichever wins.
 """
     parts: dict[str, str] = {}
     for name in dict.fromkeys(r.scenario.name for r in rows):
-        group = [r for r in rows if r.scenario.name == name]
-        sc = group[0].scenario
-        unit, per = sc.cache_unit
-        sizes = ", ".join(
-            f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1f} {unit} per worker)"
-            if unit != "of the working set"
-            else f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1%} {unit} per worker)"
-            for label, blocks in sc.caches
-        )
-        loads = [x for r in group for x in r.loads]
-        lines = [
-            f"### {name}",
-            "",
-            f"{sc.describe}. Caches: {sizes}. Ceiling (unbounded caches, every reusable token hit): {sc.ceiling:.1%}. "
-            f"Run on {datetime.date.today().isoformat()}, {repeats} repeat{'s' if repeats > 1 else ''} per row, "
-            f"1-minute load average {min(loads):.1f}–{max(loads):.1f}.",
-            "",
-            "| cache | mode | hit rate | hit vs rr | TTFT p50 ms | TTFT p90 ms | p90 range | TTFT p99 ms | p90 vs rr "
-            "| e2e p50 ms | requests per worker (1st run) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in group:
-            rr = next((x for x in group if x.cache == row.cache and x.mode == "round-robin"), None)
-            hit, p90 = row.median(_hit), row.median(_p(0.9))
-            hit_ratio = f"{hit / rr.median(_hit):.1f}×" if rr is not None and rr.median(_hit) else "–"
-            p90_ratio = f"{p90 / rr.median(_p(0.9)):.2f}×" if rr is not None and rr.median(_p(0.9)) else "–"
-            spread = "/".join(str(v) for _, v in sorted(row.results[0].per_worker.items())) or "–"
-            lines.append(
-                f"| {row.cache} | {row.mode} | {hit:.1%} | {hit_ratio} | {row.median(_p(0.5)):,.1f} | {p90:,.1f} "
-                f"| {row.span(_p(0.9)) or '–'} | {row.median(_p(0.99)):,.1f} | {p90_ratio} | {row.median(_e2e50):,.0f} "
-                f"| {spread} |"
-            )
-        parts[name] = "\n".join(lines) + "\n"
+        parts[name] = scenario_part([r for r in rows if r.scenario.name == name], repeats)
     return head, parts
+
+
+def scenario_part(group: list[Row], repeats: int) -> str:
+    """One scenario: what it sent, the headline (`kv` vs round-robin at p50, p90 and p99), the table, the notes."""
+    sc = group[0].scenario
+    unit, per = sc.cache_unit
+    sizes = ", ".join(
+        f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1f} {unit} per worker)"
+        if unit != "of the working set"
+        else f"{label} --num-gpu-blocks {blocks} ({blocks / per:.1%} {unit} per worker)"
+        for label, blocks in sc.caches
+    )
+    loads = [x for r in group for x in r.loads]
+    lines = [
+        f"### {sc.name}",
+        "",
+        f"{sc.describe}. Caches: {sizes}. Ceiling (unbounded caches, every reusable token hit): {sc.ceiling:.1%}. "
+        f"Run on {today()}, {repeats} repeat{'s' if repeats > 1 else ''} per row. {load_sentence(loads)}",
+        "",
+        *headlines(group, repeats),
+        "| cache | mode | hit rate | hit vs rr | TTFT p50 ms | TTFT p90 ms | p90 range | TTFT p99 ms | p90 vs rr "
+        "| e2e p50 ms | requests per worker (1st run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in group:
+        rr = _rr(group, row.cache)
+        hit, p90 = row.median(_hit), row.median(_p(0.9))
+        hit_ratio = f"{hit / rr.median(_hit):.1f}×" if rr is not None and rr.median(_hit) else "–"
+        p90_ratio = f"{p90 / rr.median(_p(0.9)):.2f}×" if rr is not None and rr.median(_p(0.9)) else "–"
+        spread = "/".join(str(v) for _, v in sorted(row.results[0].per_worker.items())) or "–"
+        lines.append(
+            f"| {row.cache} | {row.mode} | {hit:.1%} | {hit_ratio} | {row.median(_p(0.5)):,.1f} | {p90:,.1f} "
+            f"| {row.span(_p(0.9)) or '–'} | {row.median(_p(0.99)):,.1f} | {p90_ratio} | {row.median(_e2e50):,.0f} "
+            f"| {spread} |"
+        )
+    notes = [n for n in (variation(group), skew(group)) if n]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def _rr(group: list[Row], cache: str) -> Row | None:
+    return next((x for x in group if x.cache == cache and x.mode == "round-robin"), None)
+
+
+def _lower(a: float, b: float) -> str:
+    return "kv" if a < b else "round-robin" if a > b else "tie"
+
+
+def headlines(group: list[Row], repeats: int) -> list[str]:
+    """Per cache size: `kv` against round-robin, hit rate and TTFT at p50, p90 and p99 (medians over the repeats)."""
+    out = []
+    for cache in dict.fromkeys(r.cache for r in group):
+        kv = next((x for x in group if x.cache == cache and x.mode == "kv"), None)
+        rr = _rr(group, cache)
+        if kv is None or rr is None:
+            continue
+        ttft = ", ".join(
+            f"p{round(q * 100)} {kv.median(_p(q)):,.1f} vs {rr.median(_p(q)):,.1f} ms "
+            f"({_lower(kv.median(_p(q)), rr.median(_p(q)))})"
+            for q in (0.5, 0.9, 0.99)
+        )
+        out.append(
+            f"- {cache} cache, `kv` vs round-robin (median of {repeats}): hit rate {kv.median(_hit):.1%} vs "
+            f"{rr.median(_hit):.1%}; TTFT {ttft}; the lower one in brackets."
+        )
+    return out + ([""] if out else [])
+
+
+def variation(group: list[Row]) -> str:
+    """How far a row's TTFT p90 moved between repeats, as measured (nothing when there was one repeat)."""
+    moves = []
+    for row in group:
+        values = [_p(0.9)(r) for r in row.results]
+        if len(values) > 1 and min(values) > 0:
+            moves.append((max(values) / min(values) - 1, row))
+    if not moves:
+        return ""
+    worst, row = max(moves, key=lambda m: m[0])
+    return (
+        f"Between repeats a row's TTFT p90 moved by up to {worst:.0%} ({row.cache} {row.mode}); read p90 differences "
+        "smaller than that as noise."
+    )
+
+
+def skew(group: list[Row], factor: float = 1.5) -> str:
+    """Modes whose busiest worker got at least `factor` × an even share of the first run's requests."""
+    found = []
+    for row in group:
+        counts = list(row.results[0].per_worker.values())
+        if not counts or not sum(counts):
+            continue
+        if max(counts) >= factor * sum(counts) / len(counts):
+            found.append(f"{row.mode} ({row.cache}: {max(counts)} of {sum(counts)})")
+    if not found:
+        return ""
+    return f"Uneven spread (a worker got ≥ {factor:g}× an even share in the first run): " + "; ".join(found) + "."
 
 
 FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, and what the request
 would do to its cache: the pressure of adding the request's new blocks to a fuller cache and the reused
 blocks it would have to evict (docs/routing.md); `approximate` does the same from what it routed (no
-events). Round-robin and random ignore the cache; least-loaded ignores it too, and at light load its
-tie-break sends most requests to the same few workers. `docs-http` sends its requests one after another,
-so its TTFT reflects prefill and the machine's noise, not load balance.
+events). Round-robin, random and least-loaded ignore the cache. `docs-seq` and `docs-http` send their
+requests one after another, so no request queues behind another.
 """
 
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from meshllm.errors import InvalidArgument
-from meshllm.plane.credentials import EtcdCredentials, NatsCredentials, add_etcd_args, add_nats_args
+from meshllm.credentials import EtcdCredentials, NatsCredentials, add_etcd_args, add_nats_args
+from meshllm.errors import ConfigError
 
 __all__ = [
     "ConfigError",
@@ -30,10 +30,6 @@ __all__ = [
     "env_name",
     "parse_host_port",
 ]
-
-
-class ConfigError(InvalidArgument):
-    """A flag or environment value is invalid; the message is one line for the operator."""
 
 
 class DiscoveryKind(enum.StrEnum):

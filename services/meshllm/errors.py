@@ -37,6 +37,7 @@ __all__ = [
     "MAX_MESSAGE_CHARS",
     "Cancelled",
     "CannotConnect",
+    "ConfigError",
     "ConnectionTimeout",
     "ContextLengthExceeded",
     "Disconnected",
@@ -93,6 +94,10 @@ class MeshError(Exception):
 
 class InvalidArgument(MeshError):
     """The request is malformed or a value is out of range; `param` names the field."""
+
+
+class ConfigError(InvalidArgument):
+    """A flag or environment value is invalid; the message is one line for the operator (also `meshllm.config`'s)."""
 
 
 class ContextLengthExceeded(InvalidArgument):
@@ -167,6 +172,7 @@ class ErrorSpec:
 ERROR_TABLE: dict[type[MeshError], ErrorSpec] = {
     InvalidArgument: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     ContextLengthExceeded: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    ConfigError: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     NotFound: ErrorSpec(grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
     Overloaded: ErrorSpec(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     FailedPrecondition: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error"),

@@ -57,10 +57,14 @@ class AsyncCloseable:
     def closed(self) -> bool:
         return self._close_task is not None
 
-    async def aclose(self) -> None:
+    def close_soon(self) -> asyncio.Future[None]:
+        """Start closing without waiting (a synchronous callback's way in): the object keeps the task, `aclose()` awaits it."""
         if self._close_task is None:
             self._close_task = asyncio.ensure_future(self._aclose())
-        await asyncio.shield(self._close_task)
+        return self._close_task
+
+    async def aclose(self) -> None:
+        await asyncio.shield(self.close_soon())
 
     async def _aclose(self) -> None:
         raise NotImplementedError

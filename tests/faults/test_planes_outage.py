@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.transport import ChannelCache

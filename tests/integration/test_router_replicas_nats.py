@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine

@@ -20,10 +20,11 @@ from pathlib import Path
 import aetcd
 import pytest
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.certs import CertFiles, make_dev_pki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.credentials import EtcdCredentials, NatsCredentials
 from meshllm.errors import CannotConnect
-from meshllm.plane.credentials import EtcdCredentials, NatsCredentials
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.etcd_client import SecureClient, is_invalid_token
 from meshllm.plane.events import open_events

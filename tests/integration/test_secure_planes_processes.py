@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.certs import CertFiles, make_dev_pki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.credentials import EtcdCredentials, NatsCredentials
+from meshllm.credentials import EtcdCredentials, NatsCredentials
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.events import open_events
 from meshllm.plane.transport import ChannelCache

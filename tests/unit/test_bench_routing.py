@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load(name: str) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # as when run as `python bench/routing.py` (its benchdoc import)
-    spec = importlib.util.spec_from_file_location(f"meshllm_bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+from bench_support import load_bench as load
 
 
 def test_http_documents_share_two_blocks_and_end_on_a_block_boundary() -> None:

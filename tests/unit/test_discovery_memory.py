@@ -210,3 +210,23 @@ async def test_open_discovery_builds_memory_handles_on_the_given_store() -> None
         assert set(await b.list_instances()) == {"a"}
     async with await open_discovery(config) as private:
         assert await private.list_instances() == {}
+
+
+async def test_open_discovery_uses_the_opener_registered_for_the_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: the discovery module knows no etcd code; meshllm.plane.backends registers it; a kind nobody
+    registered is one clear error naming the fix, and a registered opener is what open_discovery calls."""
+    import meshllm.plane.backends  # noqa: F401  (what the services import)
+    from meshllm.plane import discovery
+
+    assert DiscoveryKind.ETCD in discovery._OPENERS
+    store = MemoryStore()
+
+    async def opener(config: PlaneConfig, args: discovery.OpenArgs) -> discovery.Discovery:
+        return MemoryDiscovery(store, config.namespace)
+
+    monkeypatch.setitem(discovery._OPENERS, DiscoveryKind.ETCD, opener)
+    async with await open_discovery(PlaneConfig(discovery=DiscoveryKind.ETCD)) as disc:
+        assert isinstance(disc, MemoryDiscovery) and disc.store is store
+    monkeypatch.delitem(discovery._OPENERS, DiscoveryKind.ETCD)
+    with pytest.raises(InvalidArgument, match=r"'etcd'.*import meshllm\.plane\.backends"):
+        await open_discovery(PlaneConfig(discovery=DiscoveryKind.ETCD))

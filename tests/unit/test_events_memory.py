@@ -236,10 +236,23 @@ async def test_open_events_builds_the_configured_backend() -> None:
         await bus.aclose()
 
 
-def test_nats_event_bus_is_importable_from_the_events_module() -> None:
-    """Locks: `from meshllm.plane.events import NatsEventBus` works (lazily re-exported)."""
+async def test_open_events_uses_the_opener_registered_for_the_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: the events module knows no NATS code; meshllm.plane.backends registers it; a kind nobody registered
+    is one clear error naming the fix, and a registered opener is what open_events calls."""
+    import meshllm.plane.backends  # noqa: F401  (what the services import)
     from meshllm.plane import events
-    from meshllm.plane.nats import NatsEventBus
 
-    assert events.NatsEventBus is NatsEventBus
-    assert issubclass(NatsEventBus, EventBus)
+    assert not hasattr(events, "NatsEventBus")
+    assert EventsKind.NATS in events._OPENERS
+    made: list[str] = []
+
+    async def opener(config: PlaneConfig, *, memory_broker: MemoryBroker | None, name: str) -> EventBus:
+        made.append(name)
+        return NullEventBus()
+
+    monkeypatch.setitem(events._OPENERS, EventsKind.NATS, opener)
+    bus = await open_events(PlaneConfig(events=EventsKind.NATS), name="replica-1")
+    assert isinstance(bus, NullEventBus) and made == ["replica-1"]
+    monkeypatch.delitem(events._OPENERS, EventsKind.NATS)
+    with pytest.raises(InvalidArgument, match=r"'nats'.*import meshllm\.plane\.backends"):
+        await open_events(PlaneConfig(events=EventsKind.NATS))

@@ -9,7 +9,7 @@ import pytest
 
 from meshllm.certs import CertFiles, make_dev_pki
 from meshllm.config import ConfigError, DiscoveryKind, EnvArgumentParser, EventsKind, PlaneConfig, add_plane_args
-from meshllm.plane.credentials import EtcdCredentials, NatsCredentials
+from meshllm.credentials import EtcdCredentials, NatsCredentials
 
 
 @pytest.fixture(scope="module")

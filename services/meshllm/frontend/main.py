@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import ConfigError
 from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.app import HttpServer, OpenAIApp

@@ -16,10 +16,13 @@ Every backend speaks the same contract, written once on `Discovery`:
   The iterator ends when the Discovery is closed.
 - `aclose()` is idempotent: it ends every watch and unregisters.
 
-Backends: `EtcdDiscovery` (`meshllm.plane.etcd`, real deployments),
-`MemoryDiscovery` (several handles sharing one `MemoryStore`, the embedded
-`meshllm run`), `StaticDiscovery` (fixed records, nothing registers).
-`open_discovery` picks one from a `PlaneConfig`.
+Backends: `MemoryDiscovery` (several handles sharing one `MemoryStore`, the
+embedded `meshllm run`) and `StaticDiscovery` (fixed records, nothing
+registers), here; `EtcdDiscovery` (`meshllm.plane.etcd`, real deployments),
+which builds on this module and which this module never imports.
+`open_discovery` builds the one a `PlaneConfig` names with the opener
+registered for its kind (`register_discovery`; `meshllm.plane.backends`
+registers etcd).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -39,14 +42,17 @@ from meshllm.v1 import discovery_pb2
 
 __all__ = [
     "Discovery",
+    "DiscoveryOpener",
     "MemoryDiscovery",
     "MemoryStore",
+    "OpenArgs",
     "SnapshotFeed",
     "StaticDiscovery",
     "instance_entry",
     "model_entry",
     "open_discovery",
     "record_id",
+    "register_discovery",
 ]
 
 log = logging.getLogger(__name__)
@@ -336,6 +342,26 @@ class StaticDiscovery(Discovery):
 # ---------------------------------------------------------------- factory
 
 
+@dataclass(frozen=True, slots=True)
+class OpenArgs:
+    """What `open_discovery` hands an opener besides the config; each backend uses what it needs."""
+
+    memory_store: MemoryStore | None = None  # memory: the process-wide store of `meshllm run`
+    static_instances: Sequence[discovery_pb2.Instance] = ()  # static: the fixed records
+    static_models: Sequence[discovery_pb2.ModelCard] = ()
+
+
+#: Builds (and connects) the Discovery of one kind.
+DiscoveryOpener = Callable[[PlaneConfig, OpenArgs], Awaitable[Discovery]]
+
+_OPENERS: dict[DiscoveryKind, DiscoveryOpener] = {}
+
+
+def register_discovery(kind: DiscoveryKind, opener: DiscoveryOpener) -> None:
+    """Make `open_discovery` build `kind` with `opener` (a backend's wiring calls this; the last one wins)."""
+    _OPENERS[kind] = opener
+
+
 async def open_discovery(
     config: PlaneConfig,
     *,
@@ -343,18 +369,28 @@ async def open_discovery(
     static_instances: Sequence[discovery_pb2.Instance] = (),
     static_models: Sequence[discovery_pb2.ModelCard] = (),
 ) -> Discovery:
-    """The Discovery backend `config.discovery` names (etcd connects before returning).
+    """The Discovery backend `config.discovery` names, built by the opener registered for it.
 
     `memory_store` is the process-wide store of `meshllm run`; without one a
     memory handle gets a private store. The static records are used only by
-    the static backend.
+    the static backend. Memory and static are registered here; etcd by
+    `meshllm.plane.backends`, which the services import.
     """
-    if config.discovery is DiscoveryKind.ETCD:
-        from meshllm.plane.etcd import EtcdDiscovery  # imported here: etcd.py builds on this module
-
-        return await EtcdDiscovery.connect(
-            config.etcd_endpoints, config.namespace, config.lease_ttl_s, credentials=config.etcd_credentials
+    opener = _OPENERS.get(config.discovery)
+    if opener is None:
+        raise InvalidArgument(
+            f"no discovery backend is registered for {config.discovery.value!r} (import meshllm.plane.backends)"
         )
-    if config.discovery is DiscoveryKind.MEMORY:
-        return MemoryDiscovery(memory_store if memory_store is not None else MemoryStore(), config.namespace)
-    return StaticDiscovery(config.namespace, static_instances, static_models)
+    return await opener(config, OpenArgs(memory_store, static_instances, static_models))
+
+
+async def _open_memory(config: PlaneConfig, args: OpenArgs) -> Discovery:
+    return MemoryDiscovery(args.memory_store if args.memory_store is not None else MemoryStore(), config.namespace)
+
+
+async def _open_static(config: PlaneConfig, args: OpenArgs) -> Discovery:
+    return StaticDiscovery(config.namespace, args.static_instances, args.static_models)
+
+
+register_discovery(DiscoveryKind.MEMORY, _open_memory)
+register_discovery(DiscoveryKind.STATIC, _open_static)

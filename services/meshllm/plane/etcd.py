@@ -39,8 +39,8 @@ import grpc
 from google.protobuf import json_format
 
 from meshllm.config import parse_host_port
+from meshllm.credentials import EtcdCredentials
 from meshllm.errors import CannotConnect, InvalidArgument, MeshError, NotFound, Unavailable
-from meshllm.plane.credentials import EtcdCredentials
 from meshllm.plane.discovery import Discovery, M, Record, SnapshotFeed, record_id
 from meshllm.plane.etcd_client import SecureClient, is_auth_failure, is_invalid_token
 

@@ -20,7 +20,7 @@ import grpc
 from aetcd import rpc, watcher
 from aetcd.client import _handle_errors
 
-from meshllm.plane.credentials import EtcdCredentials
+from meshllm.credentials import EtcdCredentials
 
 __all__ = ["SecureClient", "is_auth_failure", "is_invalid_token"]
 

@@ -16,10 +16,13 @@ backend has the same contract, written on `EventBus` and `Subscription`:
   skipped, never ends the iteration.
 - Closing a subscription, or the bus that made it, ends its iteration.
 
-Backends: `NatsEventBus` (`meshllm.plane.nats`, core NATS), `MemoryEventBus`
-(handles on one in-process `MemoryBroker`, for `meshllm run` and tests) and
-`NullEventBus` (events kind "none"). `open_events()` picks one from a
-`PlaneConfig`. All of them must be used from the event loop's thread.
+Backends: `MemoryEventBus` (handles on one in-process `MemoryBroker`, for
+`meshllm run` and tests) and `NullEventBus` (events kind "none"), here;
+`NatsEventBus` (`meshllm.plane.nats`, core NATS), which builds on this module
+and which this module never imports. `open_events()` builds the one a
+`PlaneConfig` names with the opener registered for its kind
+(`register_events`; `meshllm.plane.backends` registers NATS). All of them
+must be used from the event loop's thread.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -37,19 +40,17 @@ from meshllm.config import EventsKind, PlaneConfig
 from meshllm.errors import InvalidArgument, Unavailable
 from meshllm.lifecycle import AsyncCloseable
 
-if TYPE_CHECKING:
-    from meshllm.plane.nats import NatsEventBus
-
 __all__ = [
     "DEFAULT_MAX_PENDING",
     "EventBus",
+    "EventsOpener",
     "MemoryBroker",
     "MemoryEventBus",
-    "NatsEventBus",
     "NullEventBus",
     "Subscription",
     "check_subject",
     "open_events",
+    "register_events",
     "subject_matches",
 ]
 
@@ -305,28 +306,43 @@ class NullEventBus(EventBus):
         await self._close_subscriptions()
 
 
+class EventsOpener(Protocol):
+    """Builds (and connects) the EventBus of one kind from the plane config."""
+
+    async def __call__(self, config: PlaneConfig, *, memory_broker: MemoryBroker | None, name: str) -> EventBus: ...
+
+
+_OPENERS: dict[EventsKind, EventsOpener] = {}
+
+
+def register_events(kind: EventsKind, opener: EventsOpener) -> None:
+    """Make `open_events` build `kind` with `opener` (a backend's wiring calls this; the last one wins)."""
+    _OPENERS[kind] = opener
+
+
 async def open_events(config: PlaneConfig, *, memory_broker: MemoryBroker | None = None, name: str = "meshllm") -> EventBus:
-    """The bus `config.events` asks for.
+    """The bus `config.events` asks for, built by the opener registered for it.
 
     "memory" uses `memory_broker` (a fresh private broker when None: pass the
-    shared one to connect the services of one process); "nats" connects to
-    `config.nats_url` (raises CannotConnect when the first connection fails;
-    reconnects by itself afterwards); "none" gives a NullEventBus.
+    shared one to connect the services of one process); "none" gives a
+    NullEventBus (both registered here); "nats" (registered by
+    `meshllm.plane.backends`) connects to `config.nats_url`, raises
+    CannotConnect when the first connection fails and reconnects by itself
+    afterwards.
     """
-    if config.events is EventsKind.MEMORY:
-        return MemoryEventBus(memory_broker if memory_broker is not None else MemoryBroker())
-    if config.events is EventsKind.NATS:
-        from meshllm.plane.nats import NatsEventBus
+    opener = _OPENERS.get(config.events)
+    if opener is None:
+        raise InvalidArgument(f"no events backend is registered for {config.events.value!r} (import meshllm.plane.backends)")
+    return await opener(config, memory_broker=memory_broker, name=name)
 
-        return await NatsEventBus.connect(config.nats_url, name=name, credentials=config.nats_credentials)
+
+async def _open_memory(config: PlaneConfig, *, memory_broker: MemoryBroker | None, name: str) -> EventBus:
+    return MemoryEventBus(memory_broker if memory_broker is not None else MemoryBroker())
+
+
+async def _open_none(config: PlaneConfig, *, memory_broker: MemoryBroker | None, name: str) -> EventBus:
     return NullEventBus()
 
 
-def __getattr__(name: str) -> Any:
-    # NatsEventBus lives in meshllm.plane.nats (which imports this module);
-    # re-exported lazily so that either module can be imported first.
-    if name == "NatsEventBus":
-        from meshllm.plane.nats import NatsEventBus
-
-        return NatsEventBus
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+register_events(EventsKind.MEMORY, _open_memory)
+register_events(EventsKind.NONE, _open_none)

@@ -41,8 +41,8 @@ from google.protobuf.message import Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from meshllm.credentials import NatsCredentials
 from meshllm.errors import CannotConnect, MeshError, Unavailable
-from meshllm.plane.credentials import NatsCredentials
 from meshllm.plane.events import DEFAULT_MAX_PENDING, EventBus, M, Subscription, check_subject
 
 __all__ = ["NatsEventBus"]

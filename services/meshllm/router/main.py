@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import __version__
 from meshllm.config import ConfigError
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import __version__
 from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics, WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
@@ -126,7 +127,7 @@ class Worker(AsyncCloseable):
             stream_interval_s=cfg.server.stream_interval_ms / 1000.0,
             limits=Limits(self.engine_config.context_length, self.engine_config.vocab_size),
         )
-        self.servicer.on_drain_request = lambda: asyncio.ensure_future(self.aclose())
+        self.servicer.on_drain_request = self.close_soon  # the Drain RPC: this worker keeps and awaits its close
         self.servicer.trace_service = worker_service_name(cfg.role.value)
         binding = ServiceBinding(
             "meshllm.v1.Worker", self.servicer, worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer.sessions.close

@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from meshllm.errors import ConfigError
+
 __all__ = [
     "EtcdCredentials",
     "NatsCredentials",
@@ -31,9 +33,6 @@ __all__ = [
 
 
 def _error(message: str) -> Exception:
-    # meshllm.config imports this module for PlaneConfig: import its error lazily.
-    from meshllm.config import ConfigError
-
     return ConfigError(message)
 
 

@@ -1,0 +1,22 @@
+"""Load a script of bench/ as a module, the way `python bench/NAME.py` sees its siblings."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/NAME.py as a fresh module (its sibling imports, e.g. benchdoc, resolve from bench/)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"meshllm_bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
