@@ -136,6 +136,45 @@ async def test_client_cancel_stops_context_and_calls_abort_once(planes: tuple[Me
     assert engine.aborted == ["long"]
 
 
+class SlowAbortEngine(RecordingEngine):
+    """engine.abort waits for a gate: the worker's shutdown must wait for it before engine.cleanup."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.gate = asyncio.Event()
+        self.drained = asyncio.Event()
+
+    async def abort(self, context: Context) -> None:
+        await super().abort(context)
+        await self.gate.wait()
+        self.calls.append("abort done")
+
+    async def drain(self) -> None:
+        await super().drain()
+        self.drained.set()
+
+
+async def test_shutdown_lets_an_abort_under_way_finish_before_engine_cleanup(planes: tuple[MemoryStore, MemoryBroker]) -> None:
+    """Locks the shutdown order: an engine.abort still running is awaited (it is owned), then cleanup runs."""
+    engine = SlowAbortEngine(token_delay_ms=20)
+    w = await start(engine, planes)
+    async with ChannelCache() as ch:
+        stream = WorkerClient(ch, w.address).generate({"request_id": "a", "token_ids": [1], "stop": {"max_tokens": 10_000}})
+        await anext(stream)
+        await stream.aclose()
+        async with asyncio.timeout(5):
+            await engine.abort_seen.wait()
+    closing = asyncio.create_task(w.aclose())
+    async with asyncio.timeout(5):
+        await engine.drained.wait()  # engine.drain comes just before the cleanup step
+    await asyncio.sleep(0)
+    assert "cleanup" not in engine.calls
+    engine.gate.set()
+    async with asyncio.timeout(10):
+        await closing
+    assert engine.calls.index("abort done") < engine.calls.index("cleanup")
+
+
 async def test_abort_rpc_ends_the_stream_with_a_cancelled_terminal(planes: tuple[MemoryStore, MemoryBroker]) -> None:
     engine = RecordingEngine(token_delay_ms=20)
     async with await start(engine, planes) as w, ChannelCache() as ch:

@@ -228,13 +228,7 @@ def spawns(root: Path, package: str = "meshllm") -> list[Spawn]:
 
 #: Fire-and-forget tasks that stay for now, each with its reason and its fix; the test below fails once one is fixed
 #: (so the list never hides a new one).
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("meshllm.worker.service", "_schedule_abort"): (
-        "WorkerServicer._schedule_abort starts engine.abort(ctx) and keeps no handle (only a done callback that "
-        "retrieves its exception); fix: keep it in a set discarded on completion and cancel/await the set when the "
-        "servicer closes. worker/service.py is being reworked in another change this session."
-    ),
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def test_every_task_in_the_services_has_an_owner() -> None:

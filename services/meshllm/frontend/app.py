@@ -545,4 +545,5 @@ class HttpServer(AsyncCloseable):
     async def _aclose(self) -> None:
         if self._reload is not None:
             self._reload.cancel()
+            await asyncio.gather(self._reload, return_exceptions=True)
         await self._server.shutdown(sockets=[self._sock])

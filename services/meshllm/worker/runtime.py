@@ -316,6 +316,8 @@ class Worker(AsyncCloseable):
 
     async def _cleanup(self) -> None:
         t0 = time.monotonic()
+        if self.servicer is not None:
+            await self.servicer.close_aborts()  # the engine hears every abort before it is cleaned up
         await self.engine.cleanup()
         self.metrics.cleanup_time.set(time.monotonic() - t0)
 

@@ -70,6 +70,7 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self._owner: dict[str, str] = {}  # request id -> the caller scope that started it
         self._aborted: set[str] = set()
         self._cut: set[str] = set()  # stopped by the drain deadline: they end with EngineShutdown
+        self._aborts: set[asyncio.Task[None]] = set()  # engine.abort calls under way (close_aborts ends them)
         self.requests_served = 0
         self.on_drain_request: Callable[[], Any] | None = None
         self.trace_service: str | None = None  # the service.name of its spans (set by the runtime)
@@ -184,8 +185,18 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
             return
         self._aborted.add(ctx.id)
         self.metrics.aborts.inc()
-        task = asyncio.ensure_future(self._abort(ctx))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._aborts.add(task := asyncio.ensure_future(self._abort(ctx)))
+        task.add_done_callback(self._aborts.discard)
+
+    async def close_aborts(self, timeout_s: float = 5.0) -> None:
+        """Let the engine.abort calls under way finish (before the engine is cleaned up); cancel any past `timeout_s`."""
+        if not self._aborts:
+            return
+        pending = list(self._aborts)
+        _done, late = await asyncio.wait(pending, timeout=timeout_s)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     async def _abort(self, ctx: Context) -> None:
         try:
