@@ -1,12 +1,17 @@
 """Pure converters between the internal TypedDicts and the meshllm.v1 protobufs.
 
-Each function is one direction of one type, used exactly once per hop at a
-service edge. Round trips are lossless for every field the protos define.
+Each function is one direction of one message: the request and the chunk are
+built from the converters of their sub-messages (sampling, guided decoding,
+stop conditions, output options, routing hints, disaggregation), which an
+edge that carries only a sub-message (the Router's `Route` takes routing
+hints) calls directly. Used once per hop at a service edge; round trips are
+lossless for every field the protos define.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from meshllm.errors import InvalidArgument
@@ -16,7 +21,11 @@ from meshllm.protocol.types import (
     GenerateChunk,
     GenerateRequest,
     GuidedDecoding,
+    OutputOptions,
     RequestType,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
     TokenLogprob,
     Usage,
 )
@@ -28,8 +37,19 @@ __all__ = [
     "chunk_to_proto",
     "disagg_from_proto",
     "disagg_to_proto",
+    "guided_from_proto",
+    "guided_into_proto",
+    "hints_from_proto",
+    "hints_into_proto",
+    "output_from_proto",
+    "output_into_proto",
     "request_from_proto",
     "request_to_proto",
+    "sampling_from_proto",
+    "sampling_into_proto",
+    "stop_from_proto",
+    "stop_into_proto",
+    "wire_range",
 ]
 
 _FINISH_TO_PB: dict[str, int] = {
@@ -94,12 +114,19 @@ def disagg_from_proto(m: pb.DisaggParams) -> DisaggParams:
     return d
 
 
-def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
-    """Internal → proto; a value the proto cannot hold (e.g. top_k >= 2^31) is InvalidArgument, not a crash."""
+@contextmanager
+def wire_range() -> Iterator[None]:
+    """Around internal → proto: a value the proto cannot hold (e.g. top_k >= 2^31) is InvalidArgument, not a crash."""
     try:
-        return _request_to_proto(r)
+        yield
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"a request value is out of range for the wire format: {exc}") from None
+
+
+def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+    """Internal → proto (within `wire_range`)."""
+    with wire_range():
+        return _request_to_proto(r)
 
 
 def _request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
@@ -111,35 +138,13 @@ def _request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         annotations=r.get("annotations", {}),
     )
     if s := r.get("sampling"):
-        for k in _SAMPLING:
-            if k in s:
-                setattr(m.sampling, k, s[k])  # type: ignore[literal-required]
-        if g := s.get("guided"):
-            for k in _GUIDED:
-                if k in g:
-                    setattr(m.sampling.guided, k, g[k])  # type: ignore[literal-required]
-            if "choice" in g:
-                m.sampling.guided.choice.values.extend(g["choice"])
+        sampling_into_proto(m.sampling, s)
     if st := r.get("stop"):
-        if "max_tokens" in st:
-            m.stop.max_tokens = st["max_tokens"]
-        m.stop.min_tokens = st.get("min_tokens", 0)
-        m.stop.stop_token_ids.extend(st.get("stop_token_ids", ()))
-        m.stop.ignore_eos = st.get("ignore_eos", False)
+        stop_into_proto(m.stop, st)
     if o := r.get("output"):
-        if "logprobs" in o:
-            m.output.logprobs = o["logprobs"]
-        if "prompt_logprobs" in o:
-            m.output.prompt_logprobs = o["prompt_logprobs"]
-        m.output.skip_special_tokens = o.get("skip_special_tokens", False)
-        m.output.embedding = o.get("embedding", False)
+        output_into_proto(m.output, o)
     if h := r.get("routing"):
-        for k in _HINTS_OPT:
-            if k in h:
-                setattr(m.routing, k, h[k])  # type: ignore[literal-required]
-        m.routing.lora_name = h.get("lora_name", "")
-        m.routing.priority = h.get("priority", 0)
-        m.routing.allowed_worker_ids.extend(h.get("allowed_worker_ids", ()))
+        hints_into_proto(m.routing, h)
     if "disagg" in r:
         m.disagg.CopyFrom(disagg_to_proto(r["disagg"]))
     return m
@@ -150,46 +155,110 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
     if m.model:
         r["model"] = m.model
     if m.HasField("sampling"):
-        s = m.sampling
-        sampling = {k: getattr(s, k) for k in _SAMPLING if s.HasField(k)}
-        if s.HasField("guided"):
-            kind = s.guided.WhichOneof("kind")
-            if kind == "choice":
-                sampling["guided"] = GuidedDecoding(choice=list(s.guided.choice.values))
-            elif kind is not None:
-                sampling["guided"] = cast(GuidedDecoding, {kind: getattr(s.guided, kind)})
-        r["sampling"] = sampling  # type: ignore[typeddict-item]
+        r["sampling"] = sampling_from_proto(m.sampling)
     if m.HasField("stop"):
-        st = m.stop
-        r["stop"] = {"min_tokens": st.min_tokens, "stop_token_ids": list(st.stop_token_ids), "ignore_eos": st.ignore_eos}
-        if st.HasField("max_tokens"):
-            r["stop"]["max_tokens"] = st.max_tokens
+        r["stop"] = stop_from_proto(m.stop)
     if m.HasField("output"):
-        o = m.output
-        r["output"] = {"skip_special_tokens": o.skip_special_tokens}
-        if o.HasField("logprobs"):
-            r["output"]["logprobs"] = o.logprobs
-        if o.HasField("prompt_logprobs"):
-            r["output"]["prompt_logprobs"] = o.prompt_logprobs
-        if o.embedding:
-            r["output"]["embedding"] = True
+        r["output"] = output_from_proto(m.output)
     if m.eos_token_ids:
         r["eos_token_ids"] = list(m.eos_token_ids)
     if m.HasField("routing"):
-        h = m.routing
-        hints = {k: getattr(h, k) for k in _HINTS_OPT if h.HasField(k)}
-        if h.lora_name:
-            hints["lora_name"] = h.lora_name
-        if h.priority:
-            hints["priority"] = h.priority
-        if h.allowed_worker_ids:
-            hints["allowed_worker_ids"] = list(h.allowed_worker_ids)
-        r["routing"] = hints  # type: ignore[typeddict-item]
+        r["routing"] = hints_from_proto(m.routing)
     if m.HasField("disagg"):
         r["disagg"] = disagg_from_proto(m.disagg)
     if m.annotations:
         r["annotations"] = dict(m.annotations)
     return r
+
+
+# ---------------------------------------------------------------- one pair per sub-message
+# `*_into_proto(m, x)` fills the (empty) sub-message `m` of a parent in place; `*_from_proto(m)` reads one.
+
+
+def sampling_into_proto(m: pb.SamplingOptions, s: SamplingOptions) -> None:
+    for k in _SAMPLING:
+        if k in s:
+            setattr(m, k, s[k])  # type: ignore[literal-required]
+    if g := s.get("guided"):
+        guided_into_proto(m.guided, g)
+
+
+def sampling_from_proto(m: pb.SamplingOptions) -> SamplingOptions:
+    s = cast(SamplingOptions, {k: getattr(m, k) for k in _SAMPLING if m.HasField(k)})
+    if m.HasField("guided") and (g := guided_from_proto(m.guided)) is not None:
+        s["guided"] = g
+    return s
+
+
+def guided_into_proto(m: pb.GuidedDecoding, g: GuidedDecoding) -> None:
+    for k in _GUIDED:
+        if k in g:
+            setattr(m, k, g[k])  # type: ignore[literal-required]
+    if "choice" in g:
+        m.choice.values.extend(g["choice"])
+
+
+def guided_from_proto(m: pb.GuidedDecoding) -> GuidedDecoding | None:
+    """The one constraint the oneof holds; None when it holds none."""
+    kind = m.WhichOneof("kind")
+    if kind == "choice":
+        return GuidedDecoding(choice=list(m.choice.values))
+    return None if kind is None else cast(GuidedDecoding, {kind: getattr(m, kind)})
+
+
+def stop_into_proto(m: pb.StopConditions, st: StopConditions) -> None:
+    if "max_tokens" in st:
+        m.max_tokens = st["max_tokens"]
+    m.min_tokens = st.get("min_tokens", 0)
+    m.stop_token_ids.extend(st.get("stop_token_ids", ()))
+    m.ignore_eos = st.get("ignore_eos", False)
+
+
+def stop_from_proto(m: pb.StopConditions) -> StopConditions:
+    st = StopConditions(min_tokens=m.min_tokens, stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos)
+    if m.HasField("max_tokens"):
+        st["max_tokens"] = m.max_tokens
+    return st
+
+
+def output_into_proto(m: pb.OutputOptions, o: OutputOptions) -> None:
+    if "logprobs" in o:
+        m.logprobs = o["logprobs"]
+    if "prompt_logprobs" in o:
+        m.prompt_logprobs = o["prompt_logprobs"]
+    m.skip_special_tokens = o.get("skip_special_tokens", False)
+    m.embedding = o.get("embedding", False)
+
+
+def output_from_proto(m: pb.OutputOptions) -> OutputOptions:
+    o = OutputOptions(skip_special_tokens=m.skip_special_tokens)
+    if m.HasField("logprobs"):
+        o["logprobs"] = m.logprobs
+    if m.HasField("prompt_logprobs"):
+        o["prompt_logprobs"] = m.prompt_logprobs
+    if m.embedding:
+        o["embedding"] = True
+    return o
+
+
+def hints_into_proto(m: pb.RoutingHints, h: RoutingHints) -> None:
+    for k in _HINTS_OPT:
+        if k in h:
+            setattr(m, k, h[k])  # type: ignore[literal-required]
+    m.lora_name = h.get("lora_name", "")
+    m.priority = h.get("priority", 0)
+    m.allowed_worker_ids.extend(h.get("allowed_worker_ids", ()))
+
+
+def hints_from_proto(m: pb.RoutingHints) -> RoutingHints:
+    h = cast(RoutingHints, {k: getattr(m, k) for k in _HINTS_OPT if m.HasField(k)})
+    if m.lora_name:
+        h["lora_name"] = m.lora_name
+    if m.priority:
+        h["priority"] = m.priority
+    if m.allowed_worker_ids:
+        h["allowed_worker_ids"] = list(m.allowed_worker_ids)
+    return h
 
 
 def chunk_to_proto(c: GenerateChunk) -> pb.GenerateChunk:

@@ -20,7 +20,7 @@ import grpc
 
 from meshllm.plane.session import generate_to, session_key
 from meshllm.plane.transport import CallInfo, ChannelCache, translate_errors, unary_generate
-from meshllm.protocol.convert import request_to_proto
+from meshllm.protocol.convert import hints_into_proto, wire_range
 from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
 from meshllm.v1 import router_pb2, router_pb2_grpc
 
@@ -63,7 +63,8 @@ class RouterClient:
         """Which worker would serve this prompt, and why (nothing is sent)."""
         req = router_pb2.RouteRequest(model=model, token_ids=token_ids, role=role or 0)  # type: ignore[arg-type]
         if hints:
-            req.routing.CopyFrom(request_to_proto({"request_id": "", "token_ids": [], "routing": hints}).routing)
+            with wire_range():
+                hints_into_proto(req.routing, hints)
         return await translate_errors(self._stub.Route(req))
 
     async def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:

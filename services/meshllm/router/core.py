@@ -25,7 +25,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from meshllm.errors import NotFound, Unavailable
@@ -175,26 +174,28 @@ class RouterCore(AsyncCloseable):
         await self.sync.aclose()
 
     # ------------------------------------------------------------ public API
-    async def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
         """Route and stream one request (migrated when a worker breaks).
 
         Worker streams arrive through sessions that merge the tokens of a
         caller who reads slower than the worker writes (plane/session.py), so
-        the worker is never held up by this stream's caller.
+        the worker is never held up by this stream's caller. Returns the
+        migration driver's generator itself (no generator layer of its own
+        per chunk); with no live worker for the model it raises Unavailable
+        at the call.
         """
         model = self.resolve_model(request.get("model", ""))
         if not self.pool.workers(model, include_cooling=True):
             raise Unavailable(f"no live worker serves model {model!r}")
-        req: GenerateRequest = {**request, "model": model}  # type: ignore[typeddict-item]
+        req = request.copy()
+        req["model"] = model
         if not req.get("request_id"):
             req["request_id"] = f"{self.id}-{time.monotonic_ns():x}"
         card = self.pool.card(model)
         if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
             req["eos_token_ids"] = list(card.eos_token_ids)
         self.metrics.requests.inc()
-        async with aclosing(serve(self, req, call)) as stream:
-            async for chunk in stream:
-                yield chunk
+        return serve(self, req, call)
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None

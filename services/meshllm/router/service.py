@@ -16,20 +16,15 @@ import grpc
 from meshllm.errors import InvalidArgument
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo, ServiceBinding
-from meshllm.protocol.convert import chunk_to_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.protocol.convert import chunk_to_proto, hints_from_proto, request_from_proto
+from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.protocol.validate import Limits, validate_generate, validate_prompt
 from meshllm.router.core import RouterCore
 from meshllm.v1 import discovery_pb2, generate_pb2, router_pb2, router_pb2_grpc, session_pb2
 
-__all__ = ["RouterServicer", "hints_from_proto", "router_binding"]
+__all__ = ["RouterServicer", "router_binding"]
 
 _ROLES = frozenset(discovery_pb2.WorkerRole.values())
-
-
-def hints_from_proto(m: generate_pb2.RoutingHints) -> RoutingHints:
-    """RoutingHints proto → internal (through the request converter, so there is one mapping)."""
-    return request_from_proto(generate_pb2.GenerateRequest(routing=m)).get("routing", {})
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

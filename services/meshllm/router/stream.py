@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshError
 from meshllm.plane.transport import CallInfo
-from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest
+from meshllm.protocol.types import GenerateChunk, GenerateRequest
 from meshllm.router.config import RouterMode
 from meshllm.router.migration import MigrationState, migrating
 from meshllm.router.workers import DECODE, role_name
 
 if TYPE_CHECKING:
-    from meshllm.router.core import Decision, RouterCore
+    from meshllm.router.core import Decision, Plan, RouterCore
 
 __all__ = ["serve"]
 
@@ -63,21 +63,26 @@ def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> 
     return migrating(state, lambda req: _attempt(core, req, state, call), peer="worker", on_failure=failure)
 
 
-async def _attempt(
+def _attempt(
     core: RouterCore, req: GenerateRequest, state: MigrationState, call: CallInfo | None
 ) -> AsyncGenerator[GenerateChunk, None]:
+    """Plan, then the attempt's stream: one aggregated leg itself (no generator layer around it), or prefill then decode."""
     state.current_worker = None
     max_tokens = req.get("stop", {}).get("max_tokens")
     plan = core.plan(req["model"], req["token_ids"], req.get("routing", {}), state.excluded, max_tokens=max_tokens)
     if plan.prefill is None:
         if plan.main.role == DECODE:
             core.metrics.local_prefills.inc()
-        async with aclosing(_leg(core, req, plan.main, plan.hashes, state, call, "agg")) as leg:
-            async for chunk in leg:
-                yield chunk
-        return
+        return _leg(core, req, plan.main, plan.hashes, state, call, "agg")
+    return _disaggregated(core, req, plan, state, call)
 
-    prefill_req: GenerateRequest = {**req, "disagg": {"request_type": "context_only"}}  # type: ignore[typeddict-item]
+
+async def _disaggregated(
+    core: RouterCore, req: GenerateRequest, plan: Plan, state: MigrationState, call: CallInfo | None
+) -> AsyncGenerator[GenerateChunk, None]:
+    assert plan.prefill is not None
+    prefill_req = req.copy()
+    prefill_req["disagg"] = {"request_type": "context_only"}
     first: list[int] = []
     terminal: GenerateChunk = {}
     async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill")) as leg:
@@ -88,26 +93,27 @@ async def _attempt(
     params = terminal.get("disagg")
     remaining = state.remaining()
     if terminal.get("finish_reason") != "length" or not params or (remaining is not None and len(first) >= remaining):
-        final: GenerateChunk = {**terminal, "token_ids": first}  # type: ignore[typeddict-item]
+        final = terminal.copy()
+        final["token_ids"] = first
         final.pop("disagg", None)
         yield final
         return
     state.cached_tokens = params.get("cached_tokens", terminal.get("usage", {}).get("cached_tokens", 0))
     first_chunk: GenerateChunk = {"token_ids": first}
-    for key in ("logprobs", "prompt_logprobs"):  # computed by the prefill leg only
-        if key in terminal:
-            first_chunk[key] = terminal[key]  # type: ignore[literal-required]
+    if "logprobs" in terminal:  # computed by the prefill leg only
+        first_chunk["logprobs"] = terminal["logprobs"]
+    if "prompt_logprobs" in terminal:
+        first_chunk["prompt_logprobs"] = terminal["prompt_logprobs"]
     yield first_chunk
 
     p = plan.prefill.chosen
-    decode_params: DisaggParams = {
-        **params,  # type: ignore[typeddict-item]
-        "request_type": "generation_only",
-        "first_token_ids": list(params.get("first_token_ids") or first),
-        "prefill_worker_id": p.worker_id,
-        "prefill_address": p.address,
-    }
-    decode_req: GenerateRequest = {**req, "disagg": decode_params}  # type: ignore[typeddict-item]
+    decode_params = params.copy()
+    decode_params["request_type"] = "generation_only"
+    decode_params["first_token_ids"] = list(params.get("first_token_ids") or first)
+    decode_params["prefill_worker_id"] = p.worker_id
+    decode_params["prefill_address"] = p.address
+    decode_req = req.copy()
+    decode_req["disagg"] = decode_params
     async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode")) as leg:
         async for chunk in leg:
             yield chunk
@@ -141,7 +147,8 @@ async def _leg(
     core.metrics.recent.routed(req["request_id"], req["model"], kind, decision)
     worker = core.pool.get(cand.worker_id)
     if worker is not None and worker.dp_size > 1:
-        req = {**req, "routing": {**req.get("routing", {}), "dp_rank": cand.dp_rank}}  # type: ignore[typeddict-item]
+        req = req.copy()
+        req["routing"] = {**req.get("routing", {}), "dp_rank": cand.dp_rank}
     state.current_worker = cand.worker_id
     prefilled = prefill_tokens == 0
     try:

@@ -1,0 +1,63 @@
+"""One converter pair per protobuf sub-message (meshllm.protocol.convert): each round-trips on its own, and the
+request converter is exactly their composition (no second mapping anywhere)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.errors import InvalidArgument
+from meshllm.protocol import convert
+from meshllm.protocol.types import (
+    GenerateRequest,
+    GuidedDecoding,
+    OutputOptions,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+)
+from meshllm.v1 import generate_pb2 as pb
+
+# Values float32 holds exactly (the wire type of the sampling floats).
+SAMPLING = SamplingOptions(temperature=0.5, top_p=0.75, top_k=40, min_p=0.0625, seed=7, frequency_penalty=0.125,
+                           presence_penalty=0.25, repetition_penalty=1.5, guided=GuidedDecoding(regex="a+"))  # fmt: skip
+STOP = StopConditions(max_tokens=16, min_tokens=2, stop_token_ids=[5, 6], ignore_eos=True)
+OUTPUT = OutputOptions(logprobs=3, prompt_logprobs=1, skip_special_tokens=True)
+HINTS = RoutingHints(backend_instance_id="w1", dp_rank=2, lora_name="l", priority=3, allowed_worker_ids=["w1", "w2"])
+
+PAIRS = [
+    (pb.SamplingOptions, convert.sampling_into_proto, convert.sampling_from_proto, SAMPLING),
+    (pb.StopConditions, convert.stop_into_proto, convert.stop_from_proto, STOP),
+    (pb.OutputOptions, convert.output_into_proto, convert.output_from_proto, OUTPUT),
+    (pb.RoutingHints, convert.hints_into_proto, convert.hints_from_proto, HINTS),
+]
+
+
+@pytest.mark.parametrize(("message", "into", "read", "value"), PAIRS, ids=lambda p: getattr(p, "__name__", ""))
+def test_each_sub_message_round_trips_on_its_own(message: type, into: object, read: object, value: dict[str, object]) -> None:
+    m = message()
+    into(m, value)  # type: ignore[operator]
+    assert read(m) == value  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("guided", [GuidedDecoding(json_schema="{}"), GuidedDecoding(grammar="root ::= x"),
+                                    GuidedDecoding(choice=["a", "b"]), GuidedDecoding(json_object=True)])  # fmt: skip
+def test_every_guided_constraint_round_trips(guided: GuidedDecoding) -> None:
+    m = pb.GuidedDecoding()
+    convert.guided_into_proto(m, guided)
+    assert convert.guided_from_proto(m) == guided
+    assert convert.guided_from_proto(pb.GuidedDecoding()) is None
+
+
+def test_the_request_is_the_composition_of_its_sub_messages() -> None:
+    req = GenerateRequest(request_id="r", token_ids=[1, 2], model="m", sampling=SAMPLING, stop=STOP, output=OUTPUT,
+                          routing=HINTS, eos_token_ids=[2], annotations={"k": "v"})  # fmt: skip
+    m = convert.request_to_proto(req)
+    assert convert.request_from_proto(m) == req
+    assert convert.sampling_from_proto(m.sampling) == SAMPLING and convert.hints_from_proto(m.routing) == HINTS
+
+
+def test_a_value_the_wire_cannot_hold_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument, match="out of range"):
+        convert.request_to_proto(GenerateRequest(request_id="r", token_ids=[1], sampling=SamplingOptions(top_k=2**31)))
+    with pytest.raises(InvalidArgument, match="out of range"), convert.wire_range():
+        convert.hints_into_proto(pb.RoutingHints(), RoutingHints(dp_rank=2**40))
