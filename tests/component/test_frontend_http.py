@@ -75,6 +75,14 @@ async def test_non_streaming_chat_has_usage_with_cached_tokens(mesh: Mesh) -> No
     assert usage["prompt_tokens_details"] == {"cached_tokens": 3}
 
 
+async def test_every_response_gets_its_own_id(mesh: Mesh) -> None:
+    """Ids come from a per-process random prefix and a counter: distinct per request, OpenAI-shaped per kind."""
+    ids = [(await request(mesh.url, "/v1/chat/completions", chat("ECHO:x"))).json()["id"] for _ in range(20)]
+    assert len(set(ids)) == 20 and all(i.startswith("chatcmpl-") for i in ids)
+    done = await request(mesh.url, "/v1/completions", {"model": "echo", "prompt": "ECHO:x", "max_tokens": 2})
+    assert done.json()["id"].startswith("cmpl-") and done.json()["id"] not in ids
+
+
 async def test_n_fans_out_to_indexed_choices_and_include_usage_ends_the_stream(mesh: Mesh) -> None:
     """Locks: n=2 → two upstream requests, choices 0 and 1; the usage event has no choices and sums completions."""
     r = await request(

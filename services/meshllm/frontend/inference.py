@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -62,6 +63,10 @@ class InferenceCore(Admits):
         self.retry_after_s = retry_after_s
         self.admission = Admission(on_change=metrics.inflight.inc)
         self._open: set[Completion] = set()
+        # Request ids: a random prefix per core and a counter (unique without a uuid4 syscall per request;
+        # nothing is looked up by them, so they need not be unguessable).
+        self._id_prefix = secrets.token_hex(8)
+        self._id_counter = itertools.count()
 
     async def begin(self, req: TextRequest, *, call: CallInfo | None = None, t0: float | None = None) -> Completion:
         """Admit and preprocess a request; raises the MeshError a user should see."""
@@ -73,7 +78,8 @@ class InferenceCore(Admits):
         try:
             model = self.registry.lookup(req.model)
             tk = await self.registry.tokenization(model)
-            rid = req.request_id or f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            kind = "chatcmpl" if req.kind == "chat" else "cmpl"
+            rid = req.request_id or f"{kind}-{self._id_prefix}{next(self._id_counter):016x}"
             await check_capabilities(req, model, self.registry)  # a 400 before any engine work
             outputs = self.parsers.factory(req, model.name, model.card, tk.template)
             plan = await preprocess(req, model, tk, rid)
