@@ -40,7 +40,7 @@ from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker
 
@@ -49,8 +49,8 @@ HEADING = "## llama.cpp"
 TEXT = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
 
 
-def request(rid: str, tokens: list[int], max_tokens: int, **extra: Any) -> GenerateRequest:
-    req: GenerateRequest = {
+def request(rid: str, tokens: list[int], max_tokens: int, **extra: Any) -> TokenRequest:
+    req: TokenRequest = {
         "request_id": rid,
         "token_ids": tokens,
         "sampling": {"temperature": 0.0},
@@ -60,7 +60,7 @@ def request(rid: str, tokens: list[int], max_tokens: int, **extra: Any) -> Gener
     return req
 
 
-async def timed(engine: LlamaCppEngine, req: GenerateRequest) -> dict[str, Any]:
+async def timed(engine: LlamaCppEngine, req: TokenRequest) -> dict[str, Any]:
     """Send one request; when its first and last tokens came, and its terminal chunk."""
     t0 = time.perf_counter()
     first = last = 0.0

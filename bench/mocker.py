@@ -34,7 +34,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.mocker.block_manager import BlockManager
 from meshllm.engine.mocker.scheduler import Scheduler
 from meshllm.engine.mocker.sequence import Sequence
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 TARGET_TOKENS_PER_S = 50_000
@@ -85,7 +85,7 @@ async def engine_throughput(requests: int, prompt_len: int, max_tokens: int) -> 
 
     engine.on_step = count
     await engine.start("bench")
-    reqs: list[GenerateRequest] = [
+    reqs: list[TokenRequest] = [
         {"request_id": f"r{i}", "token_ids": prompt_of(i, prompt_len), "stop": {"max_tokens": max_tokens, "ignore_eos": True}}
         for i in range(requests)
     ]

@@ -63,7 +63,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.core import RouterCore
 from meshllm.worker.runtime import Worker
@@ -113,7 +113,7 @@ class Result:
         return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
-def requests(w: Workload) -> list[tuple[float, int, GenerateRequest]]:
+def requests(w: Workload) -> list[tuple[float, int, TokenRequest]]:
     """(arrival offset s, group, request) in arrival order."""
     rng = random.Random(w.seed)
     prefixes = [[rng.randrange(3, 30000) for _ in range(w.prefix_tokens)] for _ in range(w.groups)]
@@ -124,7 +124,7 @@ def requests(w: Workload) -> list[tuple[float, int, GenerateRequest]]:
     for i, g in enumerate(order):
         t += rng.expovariate(w.rate)
         prompt = prefixes[g] + [rng.randrange(3, 30000) for _ in range(w.suffix_tokens)]
-        req: GenerateRequest = {
+        req: TokenRequest = {
             "request_id": f"q{i}", "model": "mocker", "token_ids": prompt,
             "stop": {"max_tokens": w.max_tokens, "ignore_eos": True},
         }  # fmt: skip
@@ -132,7 +132,7 @@ def requests(w: Workload) -> list[tuple[float, int, GenerateRequest]]:
     return out
 
 
-Arrival = tuple[float, GenerateRequest]  # (arrival offset s, request); offsets are ignored in closed loop
+Arrival = tuple[float, TokenRequest]  # (arrival offset s, request); offsets are ignored in closed loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +193,7 @@ async def run_requests(
 async def _drive(core: RouterCore, reqs: list[Arrival], concurrency: int | None, result: Result) -> None:
     start = time.monotonic()
 
-    async def one(req: GenerateRequest, t0: float) -> None:
+    async def one(req: TokenRequest, t0: float) -> None:
         first = None
         async for chunk in core.generate(req):
             if first is None and chunk.get("token_ids"):
@@ -206,13 +206,13 @@ async def _drive(core: RouterCore, reqs: list[Arrival], concurrency: int | None,
         result.ttft_ms.append(((first or end) - t0) * 1000)
         result.e2e_ms.append((end - t0) * 1000)
 
-    async def at(offset: float, req: GenerateRequest) -> None:
+    async def at(offset: float, req: TokenRequest) -> None:
         delay = start + offset - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)  # the request's arrival time
         await one(req, time.monotonic())
 
-    async def caller(queue: list[GenerateRequest]) -> None:
+    async def caller(queue: list[TokenRequest]) -> None:
         while queue:
             await one(queue.pop(0), time.monotonic())
 
@@ -260,7 +260,7 @@ def docs_requests(n: int, *, docs: int = 8, doc_tokens: int = 800, preamble: int
             reusable += preamble
         seen.add(d)
         prompt = bodies[d] + [rng.randrange(1000, 30000) for _ in range(question)]
-        req: GenerateRequest = {
+        req: TokenRequest = {
             "request_id": f"d{i}", "model": "mocker", "token_ids": prompt,
             "stop": {"max_tokens": max_tokens, "ignore_eos": True},
         }  # fmt: skip
@@ -321,7 +321,7 @@ def mooncake_scenario(quick: bool, setup: Setup, speedup: float) -> Scenario:
     t0 = picked[0].arrival_s if picked else 0.0
     out: list[Arrival] = []
     for r in picked:
-        req: GenerateRequest = {
+        req: TokenRequest = {
             "request_id": f"m{r.index}", "model": "mocker", "token_ids": list(r.prompt_token_ids),
             "stop": {"max_tokens": r.max_tokens, "ignore_eos": True},
         }  # fmt: skip

@@ -20,13 +20,13 @@ import orjson
 
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig, ServerConfig
-from meshllm.engine.base import Context, EngineConfig, GenerateChunk, GenerateRequest, LLMEngine, WorkerConfig, terminal
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, WorkerConfig, terminal
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET, EOS_ID
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
-from meshllm.protocol.types import TokenLogprob
+from meshllm.protocol.types import LogprobItem
 from meshllm.worker.runtime import Worker
 
 PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
@@ -46,7 +46,7 @@ class EchoEngine(LLMEngine):
         self.model = model
         self.stops: dict[str, float] = {}  # request id -> when the engine saw its stop
         self.started: dict[str, float] = {}
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[TokenRequest] = []
 
     @classmethod
     async def from_args(cls, argv: Sequence[str]) -> tuple[Self, WorkerConfig]:
@@ -57,7 +57,7 @@ class EchoEngine(LLMEngine):
             model=self.model, tokenizer_source="builtin:mocker", context_length=CONTEXT_LENGTH, eos_token_ids=(EOS_ID,)
         )
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         self.requests.append(request)
         prompt = _text_of(request["token_ids"])
         stop = request.get("stop", {})
@@ -67,7 +67,7 @@ class EchoEngine(LLMEngine):
         plp = request.get("output", {}).get("prompt_logprobs")
         if plp is not None and "NOPLP" not in prompt:
             first_extra = [
-                TokenLogprob(token_id=t, logprob=-1.5, top=[(t, -1.5), (EOS_ID, -4.0)][:plp]) for t in request["token_ids"][1:]
+                LogprobItem(token_id=t, logprob=-1.5, top=[(t, -1.5), (EOS_ID, -4.0)][:plp]) for t in request["token_ids"][1:]
             ]
         else:
             first_extra = []
@@ -96,9 +96,9 @@ class EchoEngine(LLMEngine):
                 return
             n += 1
             tid = b + BYTE_OFFSET
-            chunk: GenerateChunk = {"token_ids": [tid]}
+            chunk: TokenChunk = {"token_ids": [tid]}
             if want_lp:
-                chunk["logprobs"] = [TokenLogprob(token_id=tid, logprob=-0.25, top=[(tid, -0.25), (EOS_ID, -3.0)])]
+                chunk["logprobs"] = [LogprobItem(token_id=tid, logprob=-0.25, top=[(tid, -0.25), (EOS_ID, -3.0)])]
             if first_extra:
                 chunk["prompt_logprobs"], first_extra = first_extra, []
             yield chunk

@@ -12,7 +12,7 @@ from meshllm.engine.base import terminal
 from meshllm.plane.session import SessionClient, SessionHandler, SessionServer
 from meshllm.plane.transport import CallInfo, ChannelCache, GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2, session_pb2, worker_pb2_grpc
 from meshllm.worker.client import WorkerClient
 
@@ -48,7 +48,7 @@ async def serve(servicer: SessionWorker, *, port: int = 0) -> GrpcServer:
     return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding])
 
 
-def unary(channels: ChannelCache, address: str, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+def unary(channels: ChannelCache, address: str, request: TokenRequest) -> AsyncIterator[TokenChunk]:
     return WorkerClient(channels, address).generate_call(request)
 
 
@@ -60,34 +60,34 @@ def session_client(channels: ChannelCache, address: str) -> SessionClient:
     )
 
 
-def req(rid: str, **annotations: str) -> GenerateRequest:
+def req(rid: str, **annotations: str) -> TokenRequest:
     return {"request_id": rid, "token_ids": [1], "annotations": dict(annotations)}
 
 
-def done(n: int) -> GenerateChunk:
+def done(n: int) -> TokenChunk:
     return terminal("length", {"prompt_tokens": 1, "completion_tokens": n, "cached_tokens": 0})
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
-async def close(stream: AsyncIterator[GenerateChunk]) -> None:
+async def close(stream: AsyncIterator[TokenChunk]) -> None:
     """Drop a stream the way a consumer that stops reading does."""
     assert isinstance(stream, AsyncGenerator)
     await stream.aclose()
 
 
-def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 
 
-def assert_one_terminal_last(chunks: list[GenerateChunk]) -> None:
+def assert_one_terminal_last(chunks: list[TokenChunk]) -> None:
     assert [("finish_reason" in c) for c in chunks].count(True) == 1
     assert "finish_reason" in chunks[-1]
 
 
-async def counted(n: int, base: int = 0) -> AsyncIterator[GenerateChunk]:
+async def counted(n: int, base: int = 0) -> AsyncIterator[TokenChunk]:
     for i in range(n):
         await asyncio.sleep(0)  # an engine step: lets other streams and the writer run
         yield {"token_ids": [base + i]}

@@ -23,7 +23,7 @@ from meshllm.engine.base import WorkerConfig
 from meshllm.engine.sample import SampleEngine
 from meshllm.plane.auth import TOKEN_HEADER, MeshSecurity
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.types import TokenChunk
 from meshllm.router.client import RouterClient
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import generate_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -149,7 +149,7 @@ async def _drain(call: AsyncIterator[Any]) -> None:
 # ---------------------------------------------------------------- abort scoping
 
 
-async def first_chunk(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+async def first_chunk(stream: AsyncIterator[TokenChunk]) -> TokenChunk:
     return await asyncio.wait_for(anext(stream), 10)
 
 

@@ -19,7 +19,7 @@ from frontend_support import PLANE, EchoEngine, start_mesh
 
 from meshllm import errors
 from meshllm.bench.http import Connection, Endpoint
-from meshllm.engine.base import GenerateChunk, WorkerConfig
+from meshllm.engine.base import TokenChunk, WorkerConfig
 from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET
 from meshllm.plane.transport import ChannelCache
 from meshllm.v1 import inference_pb2, inference_pb2_grpc
@@ -74,13 +74,13 @@ async def test_a_worker_ends_requests_stopped_at_its_drain_deadline_with_engine_
     worker = await Worker.start(EchoEngine(), config)
     try:
         async with ChannelCache() as channels:
-            stream: AsyncIterator[GenerateChunk] = WorkerClient(channels, worker.address).generate(
+            stream: AsyncIterator[TokenChunk] = WorkerClient(channels, worker.address).generate(
                 {"request_id": "long", "token_ids": [ord(c) + BYTE_OFFSET for c in "FOREVER"]}
             )
             first = await anext(stream)
             assert first.get("token_ids")
             closing = asyncio.ensure_future(worker.aclose())
-            got: list[GenerateChunk] = []
+            got: list[TokenChunk] = []
             async with asyncio.timeout(15):
                 try:
                     async for chunk in stream:

@@ -16,7 +16,7 @@ from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.local import LocalPeers, Ticker, local_generate
 from meshllm.plane.transport import CallInfo, ChannelCache
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker
 
@@ -28,8 +28,8 @@ def worker_config() -> WorkerConfig:
     return WorkerConfig(engine="sample", plane=plane, grace_period_s=0.0, drain_timeout_s=5.0)
 
 
-def request(rid: str, k: int) -> GenerateRequest:
-    r: GenerateRequest = {"request_id": rid, "token_ids": [100 * k + 3], "stop": {"max_tokens": 5 + k}}
+def request(rid: str, k: int) -> TokenRequest:
+    r: TokenRequest = {"request_id": rid, "token_ids": [100 * k + 3], "stop": {"max_tokens": 5 + k}}
     if k % 3 == 1:
         r["stop"]["stop_token_ids"] = [100 * k + 7]
     elif k % 3 == 2:
@@ -37,13 +37,13 @@ def request(rid: str, k: int) -> GenerateRequest:
     return r
 
 
-def summary(chunks: list[GenerateChunk]) -> tuple[Any, ...]:
+def summary(chunks: list[TokenChunk]) -> tuple[Any, ...]:
     assert sum("finish_reason" in c for c in chunks) == 1 and "finish_reason" in chunks[-1]
     t = chunks[-1]
     return [x for c in chunks for x in c.get("token_ids", ())], t["finish_reason"], t.get("stop_reason"), t["usage"]
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
@@ -85,7 +85,7 @@ async def test_closing_an_in_process_stream_cancels_the_request_in_the_engine() 
 
 
 async def test_errors_keep_their_class_and_others_become_unknown() -> None:
-    async def failing(req: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def failing(req: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         if req["request_id"] == "mesh":
             raise errors.NotFound("no such model")
         yield {"token_ids": [1]}
@@ -98,12 +98,12 @@ async def test_errors_keep_their_class_and_others_become_unknown() -> None:
 
 
 async def test_a_handler_without_a_terminal_is_incomplete_and_nothing_follows_a_terminal() -> None:
-    async def no_terminal(req: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def no_terminal(req: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
 
     ran_out = asyncio.Event()
 
-    async def extra_after_terminal(req: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def extra_after_terminal(req: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield terminal("length", {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}, token_ids=[1])
         yield {"token_ids": [2]}  # a broken handler: dropped
         ran_out.set()
@@ -119,7 +119,7 @@ async def test_with_a_ticker_a_fast_engine_is_read_less_often_and_every_token_ar
     """Locks the interval rule in process: without a ticker every step is its own chunk; with one, the
     consumer asks again only at the next shared tick, so a generator that merges (as engines do) yields fewer."""
 
-    async def merging(req: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def merging(req: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         steps = {"made": 0}
 
         async def engine() -> None:

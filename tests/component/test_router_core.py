@@ -19,7 +19,7 @@ import pytest
 from test_router_support import collect, mesh, mocker, request, tokens_of, wait_for
 
 from meshllm import errors
-from meshllm.engine.base import Context, GenerateChunk, GenerateRequest
+from meshllm.engine.base import Context, TokenChunk, TokenRequest
 from meshllm.engine.mocker import MockerEngine
 from meshllm.engine.sample import SampleEngine
 from meshllm.v1 import discovery_pb2
@@ -32,9 +32,9 @@ class FlakyEngine(SampleEngine):
         super().__init__(**kw)
         self.break_after = break_after
         self.broken = True
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[TokenRequest] = []
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         self.requests.append(request)
         n = 0
         async for chunk in super().generate(request, context):
@@ -191,7 +191,7 @@ async def test_the_migration_limit_holds() -> None:
 
 async def test_an_error_before_any_token_is_raised_with_its_class() -> None:
     class Refusing(SampleEngine):
-        async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+        async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
             raise errors.ContextLengthExceeded("prompt too long", param="prompt")
             yield {}
 
@@ -223,7 +223,7 @@ class FlakyMocker(MockerEngine):
         self.break_after = break_after
         self.broken = True
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         n = 0
         async for chunk in super().generate(request, context):
             if self.broken and n >= self.break_after:

@@ -1,7 +1,7 @@
 """Disaggregated prefill → decode through RouterCore with in-process mocker workers.
 
 Locks: a disaggregated stream carries exactly the tokens of an aggregated
-run, the first token once; the decode leg gets the prefill's DisaggParams
+run, the first token once; the decode leg gets the prefill's DisaggInfo
 plus the prefill worker's id and address; conditional disaggregation keeps
 short prompts and well-cached prompts on the decode worker; a cancel during
 the prefill leg reaches the prefill engine, which frees the request's blocks
@@ -18,7 +18,7 @@ from typing import Any
 
 from test_router_support import Mesh, collect, mesh, mocker, request, tokens_of, wait_for
 
-from meshllm.engine.base import Context, GenerateChunk, GenerateRequest
+from meshllm.engine.base import Context, TokenChunk, TokenRequest
 from meshllm.engine.mocker import MockerEngine
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.runtime import Worker
@@ -29,9 +29,9 @@ class Recording(MockerEngine):
 
     def __init__(self, engine: MockerEngine) -> None:
         super().__init__(engine.config)
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[TokenRequest] = []
 
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         self.requests.append(request)
         return super().generate(request, context)
 

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 
 from test_router_support import collect, mesh, mocker, request, tokens_of
 
-from meshllm.engine.base import Context, GenerateChunk, GenerateRequest
+from meshllm.engine.base import Context, TokenChunk, TokenRequest
 from meshllm.engine.mocker import MockerEngine
-from meshllm.protocol.types import TokenLogprob
+from meshllm.protocol.types import LogprobItem
 
 
 class ScriptedPrefill(MockerEngine):
@@ -24,11 +24,11 @@ class ScriptedPrefill(MockerEngine):
     def __init__(self, engine: MockerEngine) -> None:
         super().__init__(engine.config)
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:  # type: ignore[override]
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:  # type: ignore[override]
         async for chunk in super().generate(request, context):
             if "finish_reason" in chunk:
-                chunk["logprobs"] = [TokenLogprob(token_id=t, logprob=-0.5) for t in chunk["token_ids"]]
-                chunk["prompt_logprobs"] = [TokenLogprob(token_id=t, logprob=-2.0) for t in request["token_ids"][1:]]
+                chunk["logprobs"] = [LogprobItem(token_id=t, logprob=-0.5) for t in chunk["token_ids"]]
+                chunk["prompt_logprobs"] = [LogprobItem(token_id=t, logprob=-2.0) for t in request["token_ids"][1:]]
             yield chunk
 
 

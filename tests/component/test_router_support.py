@@ -18,7 +18,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
 from meshllm.worker.runtime import Worker
@@ -42,16 +42,16 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what:
         await asyncio.sleep(0.01)
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
-def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 
 
-def request(rid: str, tokens: list[int], max_tokens: int = 8, **kw: Any) -> GenerateRequest:
-    req: GenerateRequest = {"request_id": rid, "token_ids": tokens, "stop": {"max_tokens": max_tokens, "ignore_eos": True}}
+def request(rid: str, tokens: list[int], max_tokens: int = 8, **kw: Any) -> TokenRequest:
+    req: TokenRequest = {"request_id": rid, "token_ids": tokens, "stop": {"max_tokens": max_tokens, "ignore_eos": True}}
     req.update(kw)  # type: ignore[typeddict-item]
     return req
 

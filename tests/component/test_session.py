@@ -35,7 +35,7 @@ from meshllm import errors
 from meshllm.engine.base import terminal
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.convert import request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import session_pb2, worker_pb2_grpc
 
@@ -45,7 +45,7 @@ from meshllm.v1 import session_pb2, worker_pb2_grpc
 async def test_concurrent_streams_share_one_call_each_with_its_own_chunks_in_order() -> None:
     """Locks: 24 streams of one client ride one GenerateSession call; each gets its own tokens in order and one terminal."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         k = int(request.get("annotations", {})["k"])
         async for chunk in counted(10 + k, base=1000 * k):
             yield chunk
@@ -71,7 +71,7 @@ async def test_concurrent_streams_share_one_call_each_with_its_own_chunks_in_ord
 async def test_a_fast_engine_batches_into_few_messages_within_the_interval() -> None:
     """Locks: with min_interval_s = 0.05, 50 tokens made back to back arrive all, in order, in far fewer than 50 messages."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         async for chunk in counted(50):
             yield chunk
 
@@ -91,7 +91,7 @@ async def test_with_no_interval_each_token_reaches_the_client_as_soon_as_it_exis
     every token is its own chunk (nothing waits for company)."""
     permits: asyncio.Queue[None] = asyncio.Queue()
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         for i in range(20):
             await permits.get()
             yield {"token_ids": [i]}
@@ -115,7 +115,7 @@ async def test_with_no_interval_each_token_reaches_the_client_as_soon_as_it_exis
 async def test_the_first_message_never_waits_for_the_interval() -> None:
     """Locks: a token made when no message left within the interval goes at once (interval 60 s, answer well within it)."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [7]}
         await asyncio.Event().wait()  # never ends: only the first token matters
         yield done(1)
@@ -132,7 +132,7 @@ async def test_the_first_message_never_waits_for_the_interval() -> None:
 async def test_a_streams_first_chunk_never_waits_for_the_interval_of_a_busy_session() -> None:
     """Locks: stream A's token has just gone (interval 60 s running); stream B's first token still goes at once (TTFT)."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1 if request["request_id"] == "a" else 9]}
         await asyncio.Event().wait()  # never ends: only the early tokens matter
         yield done(1)
@@ -160,7 +160,7 @@ async def test_a_slow_reader_gets_merged_chunks_with_every_token_and_logprob_in_
     the terminal is never merged into them."""
     n = 200
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         for i in range(n):
             await asyncio.sleep(0)  # an engine step
             yield {"token_ids": [i], "logprobs": [{"token_id": i, "logprob": -i / 1024}]}  # exact in the proto's float32
@@ -192,7 +192,7 @@ async def test_dropping_a_stream_cancels_its_handler_and_the_others_keep_going(d
     cancelled = asyncio.Event()
     other_go = asyncio.Event()
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         if request["request_id"] == "victim":
             try:
                 yield {"token_ids": [1]}
@@ -245,7 +245,7 @@ async def test_dropping_a_stream_cancels_its_handler_and_the_others_keep_going(d
 async def test_a_mesh_error_arrives_as_the_same_class_with_its_message(exc: errors.MeshError) -> None:
     """Locks: a MeshError raised by the handler (before or after chunks) ends only its stream, as the same class."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         if request.get("annotations", {}).get("after"):
             yield {"token_ids": [9]}
         raise exc
@@ -256,7 +256,7 @@ async def test_a_mesh_error_arrives_as_the_same_class_with_its_message(exc: erro
         with pytest.raises(type(exc)) as info:
             await collect(client.generate(req("before")))
         assert type(info.value) is type(exc) and info.value.message == exc.message
-        got: list[GenerateChunk] = []
+        got: list[TokenChunk] = []
         with pytest.raises(type(exc)) as info:
             async for chunk in client.generate(req("after", after="1")):
                 got.append(chunk)
@@ -271,7 +271,7 @@ async def test_an_unexpected_exception_is_unknown_and_the_session_keeps_serving(
     """Locks: a bare exception in a handler becomes Unknown("Type: message") on its stream only;
     the next stream on the same call works."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         if request.get("annotations", {}).get("boom"):
             raise ZeroDivisionError("boom")
         async for chunk in counted(3):
@@ -292,7 +292,7 @@ async def test_a_timeout_error_of_the_handler_itself_is_unknown_as_in_a_generate
     """Locks: only the stream's own deadline makes ResponseTimeout; a TimeoutError the engine raises
     (no deadline set) is an unexpected exception, Unknown, exactly as the unary Generate call maps it."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
         raise TimeoutError("engine step took too long")
 
@@ -307,12 +307,12 @@ async def test_a_timeout_error_of_the_handler_itself_is_unknown_as_in_a_generate
 async def test_a_handler_ending_without_a_terminal_is_stream_incomplete() -> None:
     """Locks: a handler that just stops yields StreamIncomplete after the chunks it did send."""
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
 
     servicer = SessionWorker(handler)
     async with await serve(servicer) as srv, ChannelCache() as channels:
-        got: list[GenerateChunk] = []
+        got: list[TokenChunk] = []
         with pytest.raises(errors.StreamIncomplete):
             async for chunk in session_client(channels, srv.address).generate(req("r")):
                 got.append(chunk)
@@ -323,7 +323,7 @@ async def test_nothing_after_the_terminal_is_sent_and_the_handler_runs_to_its_en
     """Locks: chunks a handler yields after its terminal never reach the client; the handler is not cancelled."""
     finished = asyncio.Event()
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
         yield done(1)
         yield {"token_ids": [2]}  # a broken engine: after the terminal
@@ -342,7 +342,7 @@ async def test_an_error_after_the_terminal_puts_nothing_more_on_the_wire() -> No
     (read on the raw call: the next stream's items follow the terminal directly)."""
     release = asyncio.Event()
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         if request["request_id"] == "b":
             yield done(0)
             return

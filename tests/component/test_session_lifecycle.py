@@ -38,7 +38,7 @@ from meshllm.plane.events import MemoryBroker
 from meshllm.plane.session import SessionClient
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.convert import request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.migration import MIGRATABLE
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import session_pb2, worker_pb2_grpc
@@ -55,7 +55,7 @@ async def test_a_server_stopping_mid_stream_fails_streams_migratably_and_a_resta
     (Unavailable or StreamIncomplete); a server restarted on the same port serves the next stream on a new call."""
     reached = asyncio.Semaphore(0)
 
-    async def stuck(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def stuck(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
         reached.release()
         await asyncio.Event().wait()  # never ends: the server stops under it
@@ -81,7 +81,7 @@ async def test_a_server_stopping_mid_stream_fails_streams_migratably_and_a_resta
             assert isinstance(f, MIGRATABLE), f"{type(f).__name__}: {f}"
         assert first.calls == 1
 
-        async def fine(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+        async def fine(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
             async for chunk in counted(3):
                 yield chunk
 
@@ -99,7 +99,7 @@ async def test_a_closing_server_finishes_in_flight_streams_and_refuses_new_ones(
     go = asyncio.Event()
     reached = asyncio.Semaphore(0)
 
-    async def gated(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def gated(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
         reached.release()
         await go.wait()
@@ -139,7 +139,7 @@ async def test_a_deadline_fails_the_stream_with_response_timeout_and_cancels_the
     """Locks: deadline= on a handler that never answers → ResponseTimeout near the deadline; the handler is cancelled."""
     cancelled = asyncio.Event()
 
-    async def silent(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def silent(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         assert call.deadline is not None
         try:
             await asyncio.Event().wait()
@@ -163,7 +163,7 @@ async def test_the_server_enforces_the_stream_timeout_itself() -> None:
     """Locks: StreamOpen.timeout_s alone (a client that never cancels) ends the stream with a ResponseTimeout item."""
     cancelled = asyncio.Event()
 
-    async def silent(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def silent(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -187,7 +187,7 @@ async def test_traceparent_reaches_the_handler_when_tracing_is_off() -> None:
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     seen: list[CallInfo] = []
 
-    async def handler(request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         seen.append(call)
         yield done(0)
 
@@ -209,16 +209,16 @@ async def test_a_real_worker_streams_the_same_over_sessions_as_over_generate_cal
     """Locks: 16 concurrent WorkerClient.generate streams (one session) give the same tokens, usage,
     finish and stop reasons as the same 16 requests as unary Generate calls (the sample engine is deterministic)."""
 
-    def request(rid: str, k: int) -> GenerateRequest:
+    def request(rid: str, k: int) -> TokenRequest:
         prompt = [100 * k + 3]
-        r: GenerateRequest = {"request_id": rid, "token_ids": prompt, "stop": {"max_tokens": 5 + k}}
+        r: TokenRequest = {"request_id": rid, "token_ids": prompt, "stop": {"max_tokens": 5 + k}}
         if k % 3 == 1:
             r["stop"]["stop_token_ids"] = [prompt[-1] + 4]  # finish "stop" after 3 tokens
         elif k % 3 == 2:
             r["eos_token_ids"] = [prompt[-1] + 2]  # finish "eos" with its token
         return r
 
-    def summary(chunks: list[GenerateChunk]) -> tuple[Any, ...]:
+    def summary(chunks: list[TokenChunk]) -> tuple[Any, ...]:
         assert_one_terminal_last(chunks)
         t = chunks[-1]
         return tokens_of(chunks), t["finish_reason"], t.get("stop_reason"), t["usage"]

@@ -29,7 +29,7 @@ from meshllm.engine.base import Context
 from meshllm.engine.sample import SampleEngine
 from meshllm.plane.session import SessionClient
 from meshllm.plane.transport import CallInfo, ChannelCache, SessionLiveness
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import worker_pb2_grpc
 
@@ -49,7 +49,7 @@ class Script:
         self.prefill_s = prefill_s
         self.cancelled: list[str] = []
 
-    async def __call__(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    async def __call__(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         mode = request.get("annotations", {}).get("mode", "ok")
         try:
             if mode == "slow-prefill":
@@ -181,10 +181,10 @@ class HangingEngine(SampleEngine):
     def __init__(self, hang_after: int = 3) -> None:
         super().__init__()
         self.hang_after = hang_after
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[TokenRequest] = []
         self.stopped: list[str] = []
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         self.requests.append(request)
         n = 0
         async for chunk in super().generate(request, context):

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import Context, EngineConfig, GenerateChunk, GenerateRequest, WorkerConfig, terminal
+from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, WorkerConfig, terminal
 from meshllm.engine.sample import SampleEngine
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
@@ -59,7 +59,7 @@ class RecordingEngine(SampleEngine):
         self.calls.append("start")
         return EngineConfig(model="rec", kv_block_size=4, total_kv_blocks=100)
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         mode = request.get("annotations", {}).get("mode")
         if mode == "typed":
             raise errors.ContextLengthExceeded("prompt is 9000 tokens, context is 8192", param="prompt")
@@ -94,7 +94,7 @@ async def start(engine: RecordingEngine, planes: tuple[MemoryStore, MemoryBroker
     return await Worker.start(engine, config(**kw), memory_store=store, memory_broker=broker)
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
@@ -273,7 +273,7 @@ async def test_draining_worker_refuses_new_requests_and_finishes_inflight(planes
 class BrokenEngine(RecordingEngine):
     """Emits a chunk after its terminal chunk."""
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         yield {"token_ids": [1]}
         yield terminal("length", {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0})
         yield {"token_ids": [2]}
@@ -288,7 +288,7 @@ async def test_validator_names_the_broken_clause(planes: tuple[MemoryStore, Memo
 class SickEngine(RecordingEngine):
     healthy = True
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if not self.healthy:
             raise errors.Unknown("GPU fell off the bus")
         async for c in super().generate(request, context):

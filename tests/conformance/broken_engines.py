@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from meshllm.engine.base import Context, EngineConfig, GenerateChunk, GenerateRequest, terminal
+from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, terminal
 from meshllm.engine.sample import SampleEngine
 from meshllm.testing.conformance import Clause
 
@@ -27,7 +27,7 @@ class BadStartConfig(SampleEngine):
 class MiscountedUsage(SampleEngine):
     """basic_generate: usage.completion_tokens is one more than the tokens emitted."""
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         async for chunk in super().generate(request, context):
             if "usage" in chunk:
                 chunk["usage"] = {**chunk["usage"], "completion_tokens": chunk["usage"]["completion_tokens"] + 1}
@@ -37,7 +37,7 @@ class MiscountedUsage(SampleEngine):
 class ChunkAfterTerminal(SampleEngine):
     """nothing_after_terminal: one more token chunk follows the terminal chunk."""
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         async for chunk in super().generate(request, context):
             yield chunk
         yield {"token_ids": [0]}
@@ -46,7 +46,7 @@ class ChunkAfterTerminal(SampleEngine):
 class IgnoresMaxTokens(SampleEngine):
     """max_tokens_length: an off-by-one emits max_tokens + 1 tokens."""
 
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         stop = request.get("stop", {})
         one_too_many = stop.get("max_tokens", self.default_max_tokens) + 1
         return super().generate({**request, "stop": {**stop, "max_tokens": one_too_many}}, context)
@@ -55,7 +55,7 @@ class IgnoresMaxTokens(SampleEngine):
 class IgnoresStopTokens(SampleEngine):
     """stop_token_ids_stop: stop_token_ids are never looked at."""
 
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         stop = {k: v for k, v in request.get("stop", {}).items() if k != "stop_token_ids"}
         return super().generate({**request, "stop": stop}, context)  # type: ignore[typeddict-item]
 
@@ -63,7 +63,7 @@ class IgnoresStopTokens(SampleEngine):
 class IgnoresCancellation(SampleEngine):
     """cancellation: generate never polls the request's context."""
 
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         return super().generate(request, Context(context.id))
 
 
@@ -74,7 +74,7 @@ class SharedScratchBuffer(SampleEngine):
         super().__init__(**kwargs)
         self._scratch: list[int] = []
 
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         self._scratch[:] = request["token_ids"]  # the next request overwrites it mid-stream
         return super().generate({**request, "token_ids": self._scratch}, context)
 
@@ -115,7 +115,7 @@ class CleanupOnlyOnce(SampleEngine):
 class AcceptsEmptyPrompt(SampleEngine):
     """empty_prompt_invalid_argument: an empty prompt gets an empty "length" stream instead of an error."""
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if not request["token_ids"]:
             yield terminal("length", {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})
             return
@@ -152,7 +152,7 @@ class HangingEngine(SampleEngine):
             await self._forever()
         return await super().start(worker_id)
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if self.hang == "generate":
             await self._forever()
         async for chunk in super().generate(request, context):

@@ -7,18 +7,18 @@ from typing import Any
 
 import pytest
 
-from meshllm.engine.base import Context, DisaggregationMode, GenerateChunk, GenerateRequest
+from meshllm.engine.base import Context, DisaggregationMode, TokenChunk, TokenRequest
 from meshllm.engine.sample import SampleEngine
 from meshllm.errors import InvalidArgument
 from meshllm.testing.conformance import RecordingSink
 
 
-async def run(engine: SampleEngine, token_ids: list[int], **fields: Any) -> list[GenerateChunk]:
-    request: GenerateRequest = {"request_id": "r", "token_ids": token_ids, **fields}  # type: ignore[typeddict-item]
+async def run(engine: SampleEngine, token_ids: list[int], **fields: Any) -> list[TokenChunk]:
+    request: TokenRequest = {"request_id": "r", "token_ids": token_ids, **fields}  # type: ignore[typeddict-item]
     return [chunk async for chunk in engine.generate(request, Context("r"))]
 
 
-def tokens(chunks: list[GenerateChunk]) -> list[int]:
+def tokens(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", [])]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.mesh import Completion, ProcessMesh, StreamSet, metric, report, scrape, stream_completion
 from meshllm.testing.netns import NetnsHost, netns_unavailable
@@ -57,13 +57,13 @@ class SharedEtcd(EtcdServer):
         return argv
 
 
-def request(i: int, max_tokens: int, tag: str = "") -> GenerateRequest:
+def request(i: int, max_tokens: int, tag: str = "") -> TokenRequest:
     prompt = [(i * 7919 + k * 104729) % 30000 + 3 for k in range(64 + i)]
     return {"request_id": f"{tag}{i}", "model": "mocker", "token_ids": prompt,
             "stop": {"max_tokens": max_tokens, "ignore_eos": True}}  # fmt: skip
 
 
-async def tokens(client: RouterClient, req: GenerateRequest, tick: Callable[[], None] | None = None) -> list[int]:
+async def tokens(client: RouterClient, req: TokenRequest, tick: Callable[[], None] | None = None) -> list[int]:
     out: list[int] = []
     async for chunk in client.generate(req):
         out += chunk.get("token_ids", ())

@@ -24,7 +24,7 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.mesh import ProcessMesh, report
 from meshllm.testing.servers import EtcdServer, NatsServer
@@ -37,7 +37,7 @@ BLOCK = 16
 _ids = itertools.count()
 
 
-def request(max_tokens: int = 16) -> GenerateRequest:
+def request(max_tokens: int = 16) -> TokenRequest:
     i = next(_ids)
     prompt = [(i * 7919 + k * 104729) % 30000 + 3 for k in range(4 * BLOCK)]
     return {"request_id": f"r{i}", "model": "mocker", "token_ids": prompt, "stop": {"max_tokens": max_tokens, "ignore_eos": True}}

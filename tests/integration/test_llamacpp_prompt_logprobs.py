@@ -33,7 +33,7 @@ from test_llamacpp_support import MODEL, require_model
 from meshllm.engine.base import Context
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.errors import InvalidArgument
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.conformance import RecordingSink
 
 require_model()
@@ -61,11 +61,11 @@ async def eng() -> AsyncIterator[LlamaCppEngine]:
         await e.cleanup()
 
 
-def request(rid: str, ids: list[int], **output: int) -> GenerateRequest:
+def request(rid: str, ids: list[int], **output: int) -> TokenRequest:
     return {"request_id": rid, "token_ids": ids, "sampling": {"temperature": 0.0}, "stop": {"max_tokens": 2}, "output": output}
 
 
-async def chunks_of(eng: LlamaCppEngine, req: GenerateRequest) -> list[GenerateChunk]:
+async def chunks_of(eng: LlamaCppEngine, req: TokenRequest) -> list[TokenChunk]:
     async with asyncio.timeout(20):
         return [c async for c in eng.generate(req, Context(req["request_id"]))]
 

@@ -15,7 +15,7 @@ import pytest
 
 from meshllm.engine.base import Context, LLMEngine
 from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.processes import MeshllmProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +47,8 @@ def question(q: str, system: str = SYSTEM) -> list[int]:
     return chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": q}])
 
 
-def greedy(request_id: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> GenerateRequest:
-    req: GenerateRequest = {
+def greedy(request_id: str, tokens: list[int], max_tokens: int = 12, **extra: Any) -> TokenRequest:
+    req: TokenRequest = {
         "request_id": request_id,
         "token_ids": list(tokens),
         "sampling": {"temperature": 0.0},
@@ -58,17 +58,17 @@ def greedy(request_id: str, tokens: list[int], max_tokens: int = 12, **extra: An
     return req
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [chunk async for chunk in stream]
 
 
-async def run(engine: LLMEngine, request: GenerateRequest) -> tuple[list[int], GenerateChunk]:
+async def run(engine: LLMEngine, request: TokenRequest) -> tuple[list[int], TokenChunk]:
     """Token ids and the terminal chunk of one request."""
     chunks = await collect(engine.generate(request, Context(request["request_id"])))
     return [t for c in chunks for t in c.get("token_ids", ())], chunks[-1]
 
 
-def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
@@ -42,11 +42,11 @@ async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str) -> 
     return p, await p.address()
 
 
-async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
-def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 
 
@@ -60,7 +60,7 @@ async def metric(port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name))
 
 
-def request(i: int, max_tokens: int) -> GenerateRequest:
+def request(i: int, max_tokens: int) -> TokenRequest:
     prompt = [(i * 7919 + k * 104729) % 30000 + 3 for k in range(96 + i)]
     return {"request_id": f"s{i}", "model": "mocker", "token_ids": prompt, "stop": {"max_tokens": max_tokens, "ignore_eos": True}}
 
@@ -83,7 +83,7 @@ async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_ident
             n, max_tokens = 16, 300
             received = [0] * n
 
-            async def stream(i: int) -> list[GenerateChunk]:
+            async def stream(i: int) -> list[TokenChunk]:
                 chunks = []
                 async for chunk in client.generate(request(i, max_tokens)):
                     chunks.append(chunk)

@@ -25,7 +25,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.events import open_events
 from meshllm.plane.transport import ChannelCache
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.types import TokenChunk
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
 from meshllm.testing.servers import EtcdServer, NatsServer
@@ -35,7 +35,7 @@ from meshllm.worker.runtime import Worker
 pytestmark = pytest.mark.integration
 
 
-async def drain(stream: AsyncIterator[GenerateChunk]) -> None:
+async def drain(stream: AsyncIterator[TokenChunk]) -> None:
     async for _ in stream:
         pass
 

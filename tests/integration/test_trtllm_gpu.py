@@ -21,7 +21,7 @@ import pytest
 from meshllm.engine.base import Context
 from meshllm.engine.trtllm.engine import TrtllmEngine
 from meshllm.protocol.convert import chunk_from_proto, chunk_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2 as pb
 
 MODEL = os.environ.get("MESHLLM_TRTLLM_TEST_MODEL", "")
@@ -52,7 +52,7 @@ def _argv(tmp_path: Path, name: str, yaml_text: str, *flags: str) -> list[str]:
     return ["--model-path", MODEL, "--extra-engine-args", str(extra), "--static", "--max-seq-len", "2048", *flags]
 
 
-async def _tokens(engine: TrtllmEngine, request: GenerateRequest) -> tuple[list[int], GenerateChunk]:
+async def _tokens(engine: TrtllmEngine, request: TokenRequest) -> tuple[list[int], TokenChunk]:
     chunks = [c async for c in engine.generate(request, Context(request["request_id"]))]
     return [t for c in chunks for t in c.get("token_ids", [])], chunks[-1]
 

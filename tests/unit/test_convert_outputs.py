@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 from meshllm.protocol.convert import chunk_from_proto, chunk_to_proto, request_from_proto, request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 
 
 def test_output_options_round_trip() -> None:
-    req: GenerateRequest = {
+    req: TokenRequest = {
         "request_id": "r",
         "token_ids": [1, 2, 3],
         "output": {"logprobs": 0, "prompt_logprobs": 2, "skip_special_tokens": True, "embedding": True},
     }
     assert request_from_proto(request_to_proto(req))["output"] == req["output"]
-    plain: GenerateRequest = {"request_id": "r", "token_ids": [1], "output": {"skip_special_tokens": False}}
+    plain: TokenRequest = {"request_id": "r", "token_ids": [1], "output": {"skip_special_tokens": False}}
     assert request_from_proto(request_to_proto(plain))["output"] == {"skip_special_tokens": False}  # no embedding key
 
 
 def test_prompt_logprobs_and_embedding_ride_on_chunks() -> None:
-    chunk: GenerateChunk = {
+    chunk: TokenChunk = {
         "token_ids": [7],
         "prompt_logprobs": [
             {"token_id": 2, "logprob": -1.5, "top": [(2, -1.5), (9, -2.5)]},

@@ -19,7 +19,7 @@ from meshllm.engine.llamacpp.sequence import Output, Sequence, SequenceStatus
 from meshllm.engine.llamacpp.slots import BlocksStored, SlotTable
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument
 from meshllm.protocol.kv import tokens_hash
-from meshllm.protocol.types import TokenLogprob
+from meshllm.protocol.types import LogprobItem
 
 VOCAB = 1000
 
@@ -71,7 +71,7 @@ class FakeBackend:
             token = (token + 1) % VOCAB
         return token
 
-    def logprob(self, index: int, token: int, top_n: int) -> TokenLogprob:
+    def logprob(self, index: int, token: int, top_n: int) -> LogprobItem:
         return {"token_id": token, "logprob": -0.5, "top": [(token, -0.5)] * top_n}
 
     def free_sampler(self, sampler: FakeSampler) -> None:

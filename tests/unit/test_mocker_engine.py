@@ -16,7 +16,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
 from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.kv import block_hashes, stored_blocks
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 
 
 class RecordingSink:
@@ -75,15 +75,15 @@ async def mocker() -> AsyncIterator[tuple[MockerEngine, RecordingSink, list[Step
     await engine.cleanup()
 
 
-def req(prompt: list[int], rid: str = "r", **stop: Any) -> GenerateRequest:
+def req(prompt: list[int], rid: str = "r", **stop: Any) -> TokenRequest:
     return {"request_id": rid, "token_ids": prompt, "stop": stop}  # type: ignore[typeddict-item]
 
 
-def stream(engine: MockerEngine, request: GenerateRequest, ctx: Context) -> AsyncGenerator[GenerateChunk, None]:
-    return cast(AsyncGenerator[GenerateChunk, None], engine.generate(request, ctx))
+def stream(engine: MockerEngine, request: TokenRequest, ctx: Context) -> AsyncGenerator[TokenChunk, None]:
+    return cast(AsyncGenerator[TokenChunk, None], engine.generate(request, ctx))
 
 
-async def run(engine: MockerEngine, request: GenerateRequest) -> tuple[list[int], GenerateChunk]:
+async def run(engine: MockerEngine, request: TokenRequest) -> tuple[list[int], TokenChunk]:
     """All emitted tokens and the terminal chunk; checks nothing follows the terminal."""
     tokens: list[int] = []
     chunks = [c async for c in engine.generate(request, Context(request["request_id"]))]
@@ -178,7 +178,7 @@ async def test_the_same_request_gives_the_same_tokens_and_the_seed_changes_them(
     engine, _, _ = mocker
     one, _ = await run(engine, req(PROMPT, "a", max_tokens=30, ignore_eos=True))
     two, _ = await run(engine, req(PROMPT, "b", max_tokens=30, ignore_eos=True))
-    seeded: GenerateRequest = {**req(PROMPT, "c", max_tokens=30, ignore_eos=True), "sampling": {"seed": 7}}
+    seeded: TokenRequest = {**req(PROMPT, "c", max_tokens=30, ignore_eos=True), "sampling": {"seed": 7}}
     three, _ = await run(engine, seeded)
     four, _ = await run(engine, {**seeded, "request_id": "d"})
     assert one == two and three == four and one != three
@@ -205,7 +205,7 @@ async def test_eos_ends_the_stream_unless_ignore_eos_and_never_before_min_tokens
     assert end["finish_reason"] == "length" and len(toks) == 50 and 2 in toks
     toks, end = await run(engine, req(PROMPT, "m", max_tokens=50, min_tokens=10))
     assert len(toks) >= 10 and 2 not in toks[:9]
-    custom: GenerateRequest = {**req(PROMPT, "c", max_tokens=50), "eos_token_ids": [3]}
+    custom: TokenRequest = {**req(PROMPT, "c", max_tokens=50), "eos_token_ids": [3]}
     toks, end = await run(engine, custom)
     assert end["finish_reason"] == "eos" and toks[-1] == 3 and 3 not in toks[:-1]
     await engine.cleanup()
@@ -283,7 +283,7 @@ async def test_a_waiting_request_notices_its_stop_and_abort_frees_a_running_one(
 # ------------------------------------------------------------------ roles
 
 
-def disagg_req(prompt: list[int], rid: str, role: str, **extra: Any) -> GenerateRequest:
+def disagg_req(prompt: list[int], rid: str, role: str, **extra: Any) -> TokenRequest:
     r = req(prompt, rid, max_tokens=12, ignore_eos=True)
     r["disagg"] = {"request_type": role, **extra}  # type: ignore[typeddict-item]
     return r

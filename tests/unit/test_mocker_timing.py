@@ -11,7 +11,7 @@ import pytest
 from meshllm.engine.base import Context
 from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
 from meshllm.engine.mocker.timing import StepPacer, decode_ms, prefill_ms, step_ms, transfer_seconds
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.types import TokenChunk
 
 
 def test_prefill_time_is_the_quadratic_of_the_new_tokens_and_free_when_all_cached() -> None:
@@ -81,7 +81,7 @@ async def test_ttft_of_a_1000_token_prompt_on_an_idle_mocker_matches_the_formula
     for run in range(5):
         request = {"request_id": f"t{run}", "token_ids": [run + 5] * 1000, "stop": {"max_tokens": 1}}
         t0 = loop.time()
-        stream = cast(AsyncGenerator[GenerateChunk, None], engine.generate(request, Context(f"t{run}")))  # type: ignore[arg-type]
+        stream = cast(AsyncGenerator[TokenChunk, None], engine.generate(request, Context(f"t{run}")))  # type: ignore[arg-type]
         first = await anext(stream)
         ttfts.append((loop.time() - t0) * 1000)
         assert first["token_ids"]

@@ -28,7 +28,7 @@ COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hi"}
 
 
 def test_chat_fields_map_to_engine_options() -> None:
-    """Locks: every sampling/stop field of the issue lands in SamplingOptions / StopConditions."""
+    """Locks: every sampling/stop field of the issue lands in SamplingSettings / StopSettings."""
     req = parse_chat(
         {
             **CHAT,

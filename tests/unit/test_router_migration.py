@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from meshllm.errors import Disconnected
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.router.migration import MigrationState
 
 
-def request(**kw: object) -> GenerateRequest:
-    base: GenerateRequest = {"request_id": "r", "token_ids": [1, 2, 3], "model": "m", "stop": {"max_tokens": 10, "min_tokens": 4}}
+def request(**kw: object) -> TokenRequest:
+    base: TokenRequest = {"request_id": "r", "token_ids": [1, 2, 3], "model": "m", "stop": {"max_tokens": 10, "min_tokens": 4}}
     base.update(kw)  # type: ignore[typeddict-item]
     return base
 

@@ -12,13 +12,13 @@ from meshllm import errors
 from meshllm.engine.base import terminal
 from meshllm.plane.session import SessionServer, _ServerSession
 from meshllm.plane.session_client import _Pipe
-from meshllm.protocol.types import GenerateChunk, Usage
+from meshllm.protocol.types import TokenChunk, TokenUsage
 
-USAGE: Usage = {"prompt_tokens": 1, "completion_tokens": 3, "cached_tokens": 0}
+USAGE: TokenUsage = {"prompt_tokens": 1, "completion_tokens": 3, "cached_tokens": 0}
 
 
-def tok(i: int, *, logprob: bool = False) -> GenerateChunk:
-    c: GenerateChunk = {"token_ids": [i]}
+def tok(i: int, *, logprob: bool = False) -> TokenChunk:
+    c: TokenChunk = {"token_ids": [i]}
     if logprob:
         c["logprobs"] = [{"token_id": i, "logprob": -float(i)}]
     return c
@@ -42,7 +42,7 @@ def test_pipe_merges_untaken_tokens_with_their_logprobs_in_order() -> None:
 
 
 def test_pipe_never_merges_a_terminal_nor_a_disagg_chunk() -> None:
-    """Locks: the terminal (and a chunk carrying DisaggParams) stays a chunk of its own."""
+    """Locks: the terminal (and a chunk carrying DisaggInfo) stays a chunk of its own."""
     pipe = _Pipe()
     pipe.put(tok(0))
     pipe.put({"token_ids": [1], "disagg": {"kv_handle": b"h"}})

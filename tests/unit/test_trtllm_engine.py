@@ -33,7 +33,7 @@ from meshllm.engine.trtllm.engine import TrtllmEngine
 from meshllm.errors import EngineShutdown, FailedPrecondition, InvalidArgument
 from meshllm.protocol.convert import chunk_from_proto, chunk_to_proto
 from meshllm.protocol.kv import stored_blocks
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2 as pb
 
 DISAGG_YAML = "cache_transceiver_config:\n  backend: DEFAULT\nguided_decoding_backend: xgrammar\n"
@@ -56,17 +56,17 @@ async def make(tmp_path: Path, *flags: str, yaml_text: str = DISAGG_YAML) -> tup
     return engine, sink
 
 
-def request(prompt: list[int], **kw: Any) -> GenerateRequest:
-    r: GenerateRequest = {"request_id": "r", "token_ids": prompt}
+def request(prompt: list[int], **kw: Any) -> TokenRequest:
+    r: TokenRequest = {"request_id": "r", "token_ids": prompt}
     r.update(kw)  # type: ignore[typeddict-item]
     return r
 
 
-async def collect(it: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+async def collect(it: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [chunk async for chunk in it]
 
 
-def tokens(chunks: list[GenerateChunk]) -> list[int]:
+def tokens(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", [])]
 
 

@@ -22,17 +22,17 @@ from test_trtllm_fakes import (
 from meshllm.engine.trtllm import translate as tr
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument
 from meshllm.protocol.convert import chunk_from_proto, chunk_to_proto, request_from_proto, request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2 as pb
 
 
-def req(**kw: Any) -> GenerateRequest:
-    r: GenerateRequest = {"request_id": "r1", "token_ids": [1, 2, 3, 4]}
+def req(**kw: Any) -> TokenRequest:
+    r: TokenRequest = {"request_id": "r1", "token_ids": [1, 2, 3, 4]}
     r.update(kw)  # type: ignore[typeddict-item]
     return r
 
 
-def kwargs(r: GenerateRequest, **kw: Any) -> dict[str, Any]:
+def kwargs(r: TokenRequest, **kw: Any) -> dict[str, Any]:
     return tr.sampling_kwargs(r, default_max_tokens=kw.pop("default_max_tokens", 16), **kw)
 
 
@@ -235,7 +235,7 @@ def test_cached_tokens_come_from_the_requests_kv_reuse_metrics() -> None:
 
 
 def test_disaggregated_params_round_trip_through_our_proto() -> None:
-    """context-only answer → our DisaggParams → proto bytes → generation-only kwargs == the answer, retyped."""
+    """context-only answer → our DisaggInfo → proto bytes → generation-only kwargs == the answer, retyped."""
     answer = DisaggregatedParams(
         request_type="context_only",
         first_gen_tokens=[1234],
@@ -247,7 +247,7 @@ def test_disaggregated_params_round_trip_through_our_proto() -> None:
         ctx_info_endpoint="tcp://10.0.0.1:5000",
     )
     ours = tr.disagg_from_trtllm(answer, cached=64)
-    chunk: GenerateChunk = {
+    chunk: TokenChunk = {
         "token_ids": [1234],
         "finish_reason": "length",
         "disagg": ours,

@@ -20,7 +20,7 @@ from meshllm.errors import MAX_MESSAGE_CHARS, ContextLengthExceeded, InvalidArgu
 from meshllm.frontend.chat_template import ChatTemplate
 from meshllm.protocol.convert import request_from_proto, request_to_proto
 from meshllm.protocol.openai import parse_chat, parse_completion
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import INT32_MAX, MAX_PROMPT_TOKENS, Limits, validate_generate, validate_prompt
 from meshllm.v1 import generate_pb2
 
@@ -33,7 +33,7 @@ def chat_error(**fields: Any) -> InvalidArgument:
     return info.value
 
 
-def token_error(req: GenerateRequest, limits: Limits = Limits()) -> InvalidArgument:
+def token_error(req: TokenRequest, limits: Limits = Limits()) -> InvalidArgument:
     with pytest.raises(InvalidArgument) as info:
         validate_generate(req, limits)
     return info.value
@@ -76,7 +76,7 @@ def test_token_level_sampling_is_refused_with_the_http_message(key: str, value: 
 
 @pytest.mark.parametrize(("top_k", "ok"), [(-2, False), (-1, True), (0, True), (40, True), (-(2**31), False)])
 def test_top_k_minus_one_and_zero_mean_disabled_other_negatives_are_refused(top_k: int, ok: bool) -> None:
-    req: GenerateRequest = {"request_id": "r", "token_ids": [1], "sampling": {"top_k": top_k}}
+    req: TokenRequest = {"request_id": "r", "token_ids": [1], "sampling": {"top_k": top_k}}
     if ok:
         validate_generate(req)
         assert "top_k" not in parse_chat({**CHAT, "top_k": top_k}).sampling or top_k > 0

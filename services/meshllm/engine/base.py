@@ -31,11 +31,11 @@ from meshllm.config import (
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.protocol.types import (
-    DisaggParams,
+    DisaggInfo,
     FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    Usage,
+    TokenChunk,
+    TokenRequest,
+    TokenUsage,
 )
 
 __all__ = [
@@ -44,13 +44,13 @@ __all__ = [
     "EngineConfig",
     "EngineSink",
     "FinishReason",
-    "GenerateChunk",
-    "GenerateRequest",
     "KvPull",
     "KvTransfer",
     "LLMEngine",
     "LoadMetrics",
     "NullSink",
+    "TokenChunk",
+    "TokenRequest",
     "WorkerConfig",
     "terminal",
     "worker_arg_parser",
@@ -188,14 +188,14 @@ KvPull = Callable[[str, bytes, str], AsyncIterator[KvTransfer]]
 
 def terminal(
     reason: FinishReason,
-    usage: Usage,
+    usage: TokenUsage,
     *,
     token_ids: Sequence[int] = (),
     stop_reason: str = "",
-    disagg: DisaggParams | None = None,
-) -> GenerateChunk:
+    disagg: DisaggInfo | None = None,
+) -> TokenChunk:
     """Build a terminal chunk (a convenience for engines)."""
-    chunk: GenerateChunk = {"token_ids": list(token_ids), "finish_reason": reason, "usage": usage}
+    chunk: TokenChunk = {"token_ids": list(token_ids), "finish_reason": reason, "usage": usage}
     if stop_reason:
         chunk["stop_reason"] = stop_reason
     if disagg is not None:
@@ -216,7 +216,7 @@ class LLMEngine(abc.ABC):
        `start(worker_id)` once. `start` loads the model and returns an
        `EngineConfig`. From then on the engine is *ready*: `generate` may be
        called any number of times **concurrently**.
-    3. `generate(request, context)` is an async iterator of `GenerateChunk`
+    3. `generate(request, context)` is an async iterator of `TokenChunk`
        dicts. Guarantees the engine must give:
          - the stream ends with **exactly one terminal chunk** — one with
            `finish_reason` and `usage` — and **nothing after it**;
@@ -276,7 +276,7 @@ class LLMEngine(abc.ABC):
         """Load the model; afterwards `generate` is safe to call concurrently."""
 
     @abc.abstractmethod
-    def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         """Stream chunks for one request (see the class docstring for guarantees)."""
 
     async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook

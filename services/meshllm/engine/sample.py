@@ -16,16 +16,16 @@ from typing import Self
 from meshllm.engine.base import (
     Context,
     EngineConfig,
-    GenerateChunk,
-    GenerateRequest,
     LLMEngine,
     LoadMetrics,
+    TokenChunk,
+    TokenRequest,
     WorkerConfig,
     terminal,
     worker_arg_parser,
 )
 from meshllm.errors import InvalidArgument
-from meshllm.protocol.types import DisaggParams, Usage
+from meshllm.protocol.types import DisaggInfo, TokenUsage
 
 __all__ = ["SampleEngine"]
 
@@ -55,7 +55,7 @@ class SampleEngine(LLMEngine):
         log.info("sample engine %s started as %s", self.model, worker_id)
         return EngineConfig(model=self.model, tokenizer_source="builtin:sample")
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         prompt = request["token_ids"]
         if not prompt:
             raise InvalidArgument("token_ids must not be empty", param="token_ids")
@@ -92,7 +92,7 @@ class SampleEngine(LLMEngine):
                     return
                 if role == "context_only":
                     handle = f"sample:{context.id}".encode()
-                    disagg_out: DisaggParams = {"kv_handle": handle, "first_token_ids": [token]}
+                    disagg_out: DisaggInfo = {"kv_handle": handle, "first_token_ids": [token]}
                     yield terminal("length", _usage(prompt, done), token_ids=[token], disagg=disagg_out)
                     return
                 yield {"token_ids": [token]}
@@ -116,5 +116,5 @@ class SampleEngine(LLMEngine):
         log.info("sample engine %s cleaned up", self.model)
 
 
-def _usage(prompt: Sequence[int], completion_tokens: int) -> Usage:
+def _usage(prompt: Sequence[int], completion_tokens: int) -> TokenUsage:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "cached_tokens": 0}

@@ -2,7 +2,7 @@
 
     req = parse_embeddings(body)            # a completion-kind TextRequest: one prompt per input, max_tokens 1
     completion = await core.begin(req)      # admission, model, tokenization, context length (as completions)
-    body = await collect(completion)        # each input's GenerateRequest with output.embedding, in parallel
+    body = await collect(completion)        # each input's TokenRequest with output.embedding, in parallel
 
 `input` is a string, an array of strings, an array of token ids or an array
 of token-id arrays (at most `MAX_INPUTS`); strings are tokenized as
@@ -31,7 +31,7 @@ from meshllm.errors import InvalidArgument, MeshError, StreamIncomplete, error_f
 from meshllm.frontend.inference import Completion
 from meshllm.protocol.openai import TextRequest
 from meshllm.protocol.openai.extensions import request_fields
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import UINT32_MAX
 from meshllm.protocol.validate import bad as _bad
 
@@ -95,7 +95,7 @@ def parse_embeddings(body: Any, *, strict: bool = False) -> EmbeddingsRequest:
     )
 
 
-async def _embed_one(c: Completion, request: GenerateRequest) -> list[float]:
+async def _embed_one(c: Completion, request: TokenRequest) -> list[float]:
     request = {**request, "output": {**request.get("output", {}), "embedding": True}}  # type: ignore[typeddict-item]
     stream = c.core.upstream.generate(request, call=c.call)
     try:

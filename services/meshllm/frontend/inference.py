@@ -35,7 +35,7 @@ from meshllm.frontend.upstream import Upstream
 from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import TextRequest, usage_body
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.types import TokenChunk
 
 __all__ = ["Completion", "InferenceCore"]
 
@@ -162,7 +162,7 @@ class Completion:
             self._gen = self._single() if len(self.choices) == 1 else self._merged()
         return self._gen
 
-    def _observe(self, chunk: GenerateChunk, last: list[float]) -> None:
+    def _observe(self, chunk: TokenChunk, last: list[float]) -> None:
         n = len(chunk.get("token_ids") or ())
         if not n:
             return
@@ -220,7 +220,7 @@ class Completion:
         raise StreamIncomplete("the upstream stream ended without a terminal chunk")
 
     async def _merged(self) -> AsyncIterator[Delta]:
-        queue: asyncio.Queue[tuple[int, GenerateChunk | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, TokenChunk | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
             stream = self.core.upstream.generate(self.plan.requests[i], call=self.call)

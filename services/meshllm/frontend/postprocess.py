@@ -22,7 +22,7 @@ from meshllm.frontend.output_parsers import OutputParser
 from meshllm.frontend.stop_strings import StopStringMatcher
 from meshllm.frontend.tools import CallDelta
 from meshllm.protocol.openai import LogprobEntry, finish_reason_openai
-from meshllm.protocol.types import GenerateChunk
+from meshllm.protocol.types import TokenChunk
 
 __all__ = ["ChoiceStream", "Delta"]
 
@@ -98,7 +98,7 @@ class ChoiceStream:
     def cached_tokens(self) -> int:
         return self._cached
 
-    def feed(self, chunk: GenerateChunk) -> Delta:
+    def feed(self, chunk: TokenChunk) -> Delta:
         """Process one upstream chunk; the Delta's finish_reason is set when the choice is done."""
         ids = chunk.get("token_ids")
         reason = chunk.get("finish_reason")
@@ -151,7 +151,7 @@ class ChoiceStream:
         self.text_offset += len(text)
         return Delta(self.index, text, entries, finish, offset, ids, prompt_entries, reasoning, calls)
 
-    def _entries(self, chunk: GenerateChunk, key: Literal["logprobs", "prompt_logprobs"] = "logprobs") -> list[LogprobEntry]:
+    def _entries(self, chunk: TokenChunk, key: Literal["logprobs", "prompt_logprobs"] = "logprobs") -> list[LogprobEntry]:
         dec = self._tok.decode
         out = []
         for lp in chunk.get(key, ()):
@@ -161,7 +161,7 @@ class ChoiceStream:
             out.append(LogprobEntry(token, lp["logprob"], texts, lp["token_id"], [t for t, _ in top]))
         return out
 
-    def _prompt_entries(self, chunk: GenerateChunk) -> list[LogprobEntry]:
+    def _prompt_entries(self, chunk: TokenChunk) -> list[LogprobEntry]:
         """The first chunk's prompt logprobs, after an entry without one for the first prompt token (once).
 
         An engine that ignored `output.prompt_logprobs` (one that predates it) is refused here, before the

@@ -1,4 +1,4 @@
-"""Preprocessing: a validated TextRequest → prompt token ids → one GenerateRequest per choice.
+"""Preprocessing: a validated TextRequest → prompt token ids → one TokenRequest per choice.
 
 Chat messages go through the model's chat template (sandboxed Jinja, as
 transformers renders it) and are tokenized without adding special tokens
@@ -17,7 +17,7 @@ from meshllm.errors import ContextLengthExceeded, InvalidArgument
 from meshllm.frontend.models import ServedModel, Tokenization
 from meshllm.frontend.tokenizer import encode_async
 from meshllm.protocol.openai import TextRequest
-from meshllm.protocol.types import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+from meshllm.protocol.types import OutputSettings, SamplingSettings, StopSettings, TokenRequest
 
 __all__ = ["Plan", "Prompt", "preprocess", "prompt_logprobs_asked"]
 
@@ -37,7 +37,7 @@ class Plan:
     """What to send upstream: choice `i` is `requests[i]`, for prompt `prompt_of[i]`."""
 
     prompts: list[Prompt]
-    requests: list[GenerateRequest]
+    requests: list[TokenRequest]
     prompt_of: list[int]
 
 
@@ -113,30 +113,30 @@ async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, req
     else:
         prompts = [await _completion_prompt(p, tk) for p in req.prompts]
         param = "prompt"
-    output = OutputOptions(skip_special_tokens=req.skip_special_tokens)
+    output = OutputSettings(skip_special_tokens=req.skip_special_tokens)
     if req.logprobs is not None:
         output["logprobs"] = req.logprobs
     if (k := prompt_logprobs_asked(req)) is not None:
         output["prompt_logprobs"] = k
     eos = list(tk.eos_token_ids)
-    requests: list[GenerateRequest] = []
+    requests: list[TokenRequest] = []
     prompt_of: list[int] = []
     for p_index, prompt in enumerate(prompts):
         if not prompt.token_ids:
             raise InvalidArgument("the prompt is empty (no tokens)", param=param)
-        stop = StopConditions(**req.stop_conditions)
+        stop = StopSettings(**req.stop_conditions)
         max_tokens = _max_tokens(req, len(prompt.token_ids), model.context_length, param)
         if max_tokens is not None:
             stop["max_tokens"] = max_tokens
         for j in range(req.n):
             sampling = req.sampling
             if req.n > 1:  # n samples, not n copies: each choice gets its own seed
-                sampling = SamplingOptions(**sampling)
+                sampling = SamplingSettings(**sampling)
                 base = req.sampling.get("seed")
                 sampling["seed"] = secrets.randbits(63) if base is None else (base + j) % (1 << 64)
             index = len(requests)
             requests.append(
-                GenerateRequest(
+                TokenRequest(
                     request_id=f"{request_id}-{index}",
                     model=model.name,
                     token_ids=prompt.token_ids,

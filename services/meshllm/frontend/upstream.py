@@ -38,7 +38,7 @@ from typing import Protocol
 
 from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
 from meshllm.plane.transport import CallInfo, ChannelCache
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.migration import MIGRATABLE, MigrationState, migrating
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "DEFAULT_ROUTER_WAIT_S", "RouterReplicas", "Upstream"]
@@ -57,7 +57,7 @@ TRANSPORT: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete, Unknown
 class Upstream(Protocol):
     """The router's generate signature: token-level request in, chunks out."""
 
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]: ...
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]: ...
 
 
 class Replica(Protocol):
@@ -65,7 +65,7 @@ class Replica(Protocol):
 
     address: str
 
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]: ...
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]: ...
 
     def reachable(self) -> bool: ...
 
@@ -102,7 +102,7 @@ class RouterReplicas:
     ) -> RouterReplicas:
         return cls([client(channels, a) for a in addresses], wait_s=wait_s, migration_limit=migration_limit)
 
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Attempts until one ends with its terminal chunk; `state.current_worker` is the replica streaming now."""
         state = MigrationState(request, limit=self._limit(request.get("model", "")))
 
@@ -119,8 +119,8 @@ class RouterReplicas:
         return [c for c in order if c.address not in excluded] + [c for c in order if c.address in excluded]
 
     async def _open(
-        self, req: GenerateRequest, call: CallInfo | None, state: MigrationState
-    ) -> AsyncGenerator[GenerateChunk, None]:
+        self, req: TokenRequest, call: CallInfo | None, state: MigrationState
+    ) -> AsyncGenerator[TokenChunk, None]:
         """The stream of the first replica that answers with a chunk; waits (bounded) while none can be reached."""
         state.current_worker = None
         deadline: float | None = None
@@ -193,7 +193,7 @@ async def _any_reachable(replicas: Sequence[Replica], timeout_s: float) -> None:
         await asyncio.gather(*waiting, return_exceptions=True)
 
 
-async def _aclose(stream: AsyncIterator[GenerateChunk]) -> None:
+async def _aclose(stream: AsyncIterator[TokenChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()

@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanKind
 
 from meshllm.errors import MeshError, StreamIncomplete, Unknown, log_unexpected
 from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, GenerateHandler
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import tracer, tracing_enabled
 
 __all__ = ["LocalHandler", "LocalPeer", "LocalPeers", "Ticker", "local_generate"]
@@ -102,19 +102,19 @@ class LocalPeer:
     ticker: Ticker | None = None
     service: str | None = None
 
-    def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         return local_generate(self.handler, self.method, request, call, ticker=self.ticker, service=self.service)
 
 
 async def local_generate(
     handler: LocalHandler,
     method: str,
-    request: GenerateRequest,
+    request: TokenRequest,
     call: CallInfo,
     *,
     ticker: Ticker | None = None,
     service: str | None = None,
-) -> AsyncIterator[GenerateChunk]:
+) -> AsyncIterator[TokenChunk]:
     """One Generate stream through an in-process handler (see the module docstring)."""
     spans = None
     if tracing_enabled():
@@ -125,7 +125,7 @@ async def local_generate(
         spans = (client, server)
     try:
         async with aclosing(handler(request, call)) as stream:  # type: ignore[type-var]
-            first: GenerateChunk | None
+            first: TokenChunk | None
             if spans is not None:
                 # The handler's first step (where it starts its own spans) runs under the SERVER span.
                 token = otel_context.attach(trace.set_span_in_context(spans[1]))

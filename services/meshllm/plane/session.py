@@ -53,7 +53,7 @@ from meshllm.plane.session_client import wake as _wake
 from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, GenerateHandler
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_into_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import tracer, tracing_enabled
 from meshllm.v1 import session_pb2
 
@@ -129,7 +129,7 @@ class _ServerSession:
     def __init__(self, server: SessionServer) -> None:
         self.server = server
         self.tasks: dict[int, asyncio.Task[None]] = {}
-        self.items: list[tuple[int, GenerateChunk | MeshError]] = []
+        self.items: list[tuple[int, TokenChunk | MeshError]] = []
         self.last: dict[int, int] = {}  # stream id -> index in items of its pending chunk
         self.ended: set[int] = set()  # streams whose terminal is pushed: nothing more of them is sent
         self.started: set[int] = set()  # streams that pushed something: a later chunk may wait for the interval
@@ -142,7 +142,7 @@ class _ServerSession:
     def wake(self) -> None:
         _wake(self._waiter)
 
-    def push(self, sid: int, item: GenerateChunk | MeshError) -> None:
+    def push(self, sid: int, item: TokenChunk | MeshError) -> None:
         if sid in self.ended:
             return
         i = self.last.get(sid)
@@ -287,7 +287,7 @@ class _ServerSession:
             if self._ended():
                 self.wake()
 
-    async def _pump(self, sid: int, stream: AsyncIterator[GenerateChunk]) -> None:
+    async def _pump(self, sid: int, stream: AsyncIterator[TokenChunk]) -> None:
         # The handler runs to its own end after the terminal (its bookkeeping
         # sees a finished request, not a cancelled one); nothing after it is sent.
         ended = False
@@ -309,8 +309,8 @@ def session_key(service: str) -> str:
 
 
 def generate_to(
-    channels: ChannelCache, address: str, service: str, request: GenerateRequest, call: CallInfo | None = None
-) -> AsyncIterator[GenerateChunk]:
+    channels: ChannelCache, address: str, service: str, request: TokenRequest, call: CallInfo | None = None
+) -> AsyncIterator[TokenChunk]:
     """One Generate stream to `meshllm.v1.<service>` at `address`.
 
     A peer living in this very process (`channels.local`, meshllm run) is

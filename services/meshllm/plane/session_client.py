@@ -36,7 +36,7 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.transport import SessionLiveness, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import tracer, tracing_enabled
 from meshllm.v1 import session_pb2
 
@@ -61,13 +61,13 @@ class _Pipe:
     __slots__ = ("error", "expired", "last_at", "queue", "waiter")
 
     def __init__(self) -> None:
-        self.queue: collections.deque[GenerateChunk] = collections.deque()
+        self.queue: collections.deque[TokenChunk] = collections.deque()
         self.error: MeshError | None = None
         self.expired = False  # its deadline passed (set by a timer: no wait_for per wake-up)
         self.waiter: asyncio.Future[None] | None = None
         self.last_at = 0.0  # loop time its last chunk arrived; 0 = none yet (no progress deadline before the first)
 
-    def put(self, chunk: GenerateChunk) -> None:
+    def put(self, chunk: TokenChunk) -> None:
         q = self.queue
         if q and mergeable(chunk) and mergeable(q[-1]):
             merge_into(q[-1], chunk)
@@ -271,8 +271,8 @@ class SessionClient(AsyncCloseable):
         return s
 
     async def generate(
-        self, request: GenerateRequest, *, traceparent: str | None = None, deadline: float | None = None
-    ) -> AsyncIterator[GenerateChunk]:
+        self, request: TokenRequest, *, traceparent: str | None = None, deadline: float | None = None
+    ) -> AsyncIterator[TokenChunk]:
         """Chunks of one stream, then exactly one terminal; or the MeshError it ended with.
 
         `deadline` is a `time.monotonic()` instant: past it the stream fails

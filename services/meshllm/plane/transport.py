@@ -39,7 +39,7 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.reflection import enable_reflection
 from meshllm.ports import check_free
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import otel_active
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ async def translate_errors(call: Awaitable[T]) -> T:
         raise mesh_error(exc) from None
 
 
-async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[GenerateChunk]:
+async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[TokenChunk]:
     """The chunks of a Generate call (Worker or Router), as internal dicts.
 
     The terminal chunk is delivered once the call has completed, so every call
@@ -137,7 +137,7 @@ async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[GenerateChunk]:
     can follow the terminal. A call abandoned before its terminal is cancelled,
     which cancels the request upstream hop by hop.
     """
-    terminal: GenerateChunk | None = None
+    terminal: TokenChunk | None = None
     try:
         async for msg in rpc:
             if terminal is not None:
@@ -157,7 +157,7 @@ async def generate_stream(rpc: Any, peer: str) -> AsyncIterator[GenerateChunk]:
     yield terminal
 
 
-async def unary_generate(method: Any, request: GenerateRequest, call: CallInfo | None, peer: str) -> AsyncIterator[GenerateChunk]:
+async def unary_generate(method: Any, request: TokenRequest, call: CallInfo | None, peer: str) -> AsyncIterator[TokenChunk]:
     """One Generate stream as a unary-stream call of its own (`method` = a stub's `Generate`)."""
     info = call or CallInfo()
     rpc = method(request_to_proto(request), metadata=info.metadata(), timeout=info.timeout())
@@ -341,7 +341,7 @@ class CallInfo:
 DEFAULT_STREAM_INTERVAL_S = DEFAULT_STREAM_INTERVAL_MS / 1000.0
 
 # What serves one Generate stream in process: a servicer's request runner, a routing core's generate.
-GenerateHandler = Callable[[GenerateRequest, CallInfo], AsyncIterator[GenerateChunk]]
+GenerateHandler = Callable[[TokenRequest, CallInfo], AsyncIterator[TokenChunk]]
 
 
 # ---------------------------------------------------------------- server

@@ -16,18 +16,18 @@ from typing import Any, cast
 
 from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import (
-    DisaggParams,
+    DisaggInfo,
     FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    GuidedDecoding,
-    OutputOptions,
+    GuidedSettings,
+    LogprobItem,
+    OutputSettings,
     RequestType,
-    RoutingHints,
-    SamplingOptions,
-    StopConditions,
-    TokenLogprob,
-    Usage,
+    RouteHints,
+    SamplingSettings,
+    StopSettings,
+    TokenChunk,
+    TokenRequest,
+    TokenUsage,
 )
 from meshllm.v1 import generate_pb2 as pb
 
@@ -72,7 +72,7 @@ _GUIDED = ("json_schema", "regex", "grammar", "json_object")
 _HINTS_OPT = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "dp_rank")
 
 
-def disagg_to_proto(d: DisaggParams) -> pb.DisaggParams:
+def disagg_to_proto(d: DisaggInfo) -> pb.DisaggParams:
     m = pb.DisaggParams(
         kv_handle=d.get("kv_handle", b""),
         prefill_worker_id=d.get("prefill_worker_id", ""),
@@ -88,8 +88,8 @@ def disagg_to_proto(d: DisaggParams) -> pb.DisaggParams:
     return m
 
 
-def disagg_from_proto(m: pb.DisaggParams) -> DisaggParams:
-    d: DisaggParams = {}
+def disagg_from_proto(m: pb.DisaggParams) -> DisaggInfo:
+    d: DisaggInfo = {}
     if m.request_type:
         rtype = _RTYPE_FROM_PB.get(m.request_type)
         if rtype is None:  # proto3 enums are open: any int32 arrives
@@ -123,13 +123,13 @@ def wire_range() -> Iterator[None]:
         raise InvalidArgument(f"a request value is out of range for the wire format: {exc}") from None
 
 
-def request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+def request_to_proto(r: TokenRequest) -> pb.GenerateRequest:
     """Internal → proto (within `wire_range`)."""
     with wire_range():
         return _request_to_proto(r)
 
 
-def _request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+def _request_to_proto(r: TokenRequest) -> pb.GenerateRequest:
     m = pb.GenerateRequest(
         request_id=r["request_id"],
         model=r.get("model", ""),
@@ -150,8 +150,8 @@ def _request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
     return m
 
 
-def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
-    r: GenerateRequest = {"request_id": m.request_id, "token_ids": list(m.token_ids)}
+def request_from_proto(m: pb.GenerateRequest) -> TokenRequest:
+    r: TokenRequest = {"request_id": m.request_id, "token_ids": list(m.token_ids)}
     if m.model:
         r["model"] = m.model
     if m.HasField("sampling"):
@@ -175,7 +175,7 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
 # `*_into_proto(m, x)` fills the (empty) sub-message `m` of a parent in place; `*_from_proto(m)` reads one.
 
 
-def sampling_into_proto(m: pb.SamplingOptions, s: SamplingOptions) -> None:
+def sampling_into_proto(m: pb.SamplingOptions, s: SamplingSettings) -> None:
     for k in _SAMPLING:
         if k in s:
             setattr(m, k, s[k])  # type: ignore[literal-required]
@@ -183,14 +183,14 @@ def sampling_into_proto(m: pb.SamplingOptions, s: SamplingOptions) -> None:
         guided_into_proto(m.guided, g)
 
 
-def sampling_from_proto(m: pb.SamplingOptions) -> SamplingOptions:
-    s = cast(SamplingOptions, {k: getattr(m, k) for k in _SAMPLING if m.HasField(k)})
+def sampling_from_proto(m: pb.SamplingOptions) -> SamplingSettings:
+    s = cast(SamplingSettings, {k: getattr(m, k) for k in _SAMPLING if m.HasField(k)})
     if m.HasField("guided") and (g := guided_from_proto(m.guided)) is not None:
         s["guided"] = g
     return s
 
 
-def guided_into_proto(m: pb.GuidedDecoding, g: GuidedDecoding) -> None:
+def guided_into_proto(m: pb.GuidedDecoding, g: GuidedSettings) -> None:
     for k in _GUIDED:
         if k in g:
             setattr(m, k, g[k])  # type: ignore[literal-required]
@@ -198,15 +198,15 @@ def guided_into_proto(m: pb.GuidedDecoding, g: GuidedDecoding) -> None:
         m.choice.values.extend(g["choice"])
 
 
-def guided_from_proto(m: pb.GuidedDecoding) -> GuidedDecoding | None:
+def guided_from_proto(m: pb.GuidedDecoding) -> GuidedSettings | None:
     """The one constraint the oneof holds; None when it holds none."""
     kind = m.WhichOneof("kind")
     if kind == "choice":
-        return GuidedDecoding(choice=list(m.choice.values))
-    return None if kind is None else cast(GuidedDecoding, {kind: getattr(m, kind)})
+        return GuidedSettings(choice=list(m.choice.values))
+    return None if kind is None else cast(GuidedSettings, {kind: getattr(m, kind)})
 
 
-def stop_into_proto(m: pb.StopConditions, st: StopConditions) -> None:
+def stop_into_proto(m: pb.StopConditions, st: StopSettings) -> None:
     if "max_tokens" in st:
         m.max_tokens = st["max_tokens"]
     m.min_tokens = st.get("min_tokens", 0)
@@ -214,14 +214,14 @@ def stop_into_proto(m: pb.StopConditions, st: StopConditions) -> None:
     m.ignore_eos = st.get("ignore_eos", False)
 
 
-def stop_from_proto(m: pb.StopConditions) -> StopConditions:
-    st = StopConditions(min_tokens=m.min_tokens, stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos)
+def stop_from_proto(m: pb.StopConditions) -> StopSettings:
+    st = StopSettings(min_tokens=m.min_tokens, stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos)
     if m.HasField("max_tokens"):
         st["max_tokens"] = m.max_tokens
     return st
 
 
-def output_into_proto(m: pb.OutputOptions, o: OutputOptions) -> None:
+def output_into_proto(m: pb.OutputOptions, o: OutputSettings) -> None:
     if "logprobs" in o:
         m.logprobs = o["logprobs"]
     if "prompt_logprobs" in o:
@@ -230,8 +230,8 @@ def output_into_proto(m: pb.OutputOptions, o: OutputOptions) -> None:
     m.embedding = o.get("embedding", False)
 
 
-def output_from_proto(m: pb.OutputOptions) -> OutputOptions:
-    o = OutputOptions(skip_special_tokens=m.skip_special_tokens)
+def output_from_proto(m: pb.OutputOptions) -> OutputSettings:
+    o = OutputSettings(skip_special_tokens=m.skip_special_tokens)
     if m.HasField("logprobs"):
         o["logprobs"] = m.logprobs
     if m.HasField("prompt_logprobs"):
@@ -241,7 +241,7 @@ def output_from_proto(m: pb.OutputOptions) -> OutputOptions:
     return o
 
 
-def hints_into_proto(m: pb.RoutingHints, h: RoutingHints) -> None:
+def hints_into_proto(m: pb.RoutingHints, h: RouteHints) -> None:
     for k in _HINTS_OPT:
         if k in h:
             setattr(m, k, h[k])  # type: ignore[literal-required]
@@ -250,8 +250,8 @@ def hints_into_proto(m: pb.RoutingHints, h: RoutingHints) -> None:
     m.allowed_worker_ids.extend(h.get("allowed_worker_ids", ()))
 
 
-def hints_from_proto(m: pb.RoutingHints) -> RoutingHints:
-    h = cast(RoutingHints, {k: getattr(m, k) for k in _HINTS_OPT if m.HasField(k)})
+def hints_from_proto(m: pb.RoutingHints) -> RouteHints:
+    h = cast(RouteHints, {k: getattr(m, k) for k in _HINTS_OPT if m.HasField(k)})
     if m.lora_name:
         h["lora_name"] = m.lora_name
     if m.priority:
@@ -261,13 +261,13 @@ def hints_from_proto(m: pb.RoutingHints) -> RoutingHints:
     return h
 
 
-def chunk_to_proto(c: GenerateChunk) -> pb.GenerateChunk:
+def chunk_to_proto(c: TokenChunk) -> pb.GenerateChunk:
     m = pb.GenerateChunk()
     chunk_into_proto(m, c)
     return m
 
 
-def chunk_into_proto(m: pb.GenerateChunk, c: GenerateChunk) -> None:
+def chunk_into_proto(m: pb.GenerateChunk, c: TokenChunk) -> None:
     """Fill an empty GenerateChunk message in place (e.g. one inside a batch, with no copy)."""
     if ids := c.get("token_ids"):
         m.token_ids.extend(ids)
@@ -294,8 +294,8 @@ def chunk_into_proto(m: pb.GenerateChunk, c: GenerateChunk) -> None:
         m.error.message = err["message"]
 
 
-def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:
-    c: GenerateChunk = {"token_ids": list(m.token_ids)}
+def chunk_from_proto(m: pb.GenerateChunk) -> TokenChunk:
+    c: TokenChunk = {"token_ids": list(m.token_ids)}
     if m.index:
         c["index"] = m.index
     if m.finish_reason:
@@ -303,7 +303,7 @@ def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:
     if m.stop_reason:
         c["stop_reason"] = m.stop_reason
     if m.HasField("usage"):
-        c["usage"] = Usage(
+        c["usage"] = TokenUsage(
             prompt_tokens=m.usage.prompt_tokens,
             completion_tokens=m.usage.completion_tokens,
             cached_tokens=m.usage.cached_tokens,
@@ -321,12 +321,12 @@ def chunk_from_proto(m: pb.GenerateChunk) -> GenerateChunk:
     return c
 
 
-def _logprobs_into(field: Any, entries: Iterable[TokenLogprob]) -> None:
+def _logprobs_into(field: Any, entries: Iterable[LogprobItem]) -> None:
     for lp in entries:
         e = field.add(token_id=lp["token_id"], logprob=lp["logprob"])
         for tid, p in lp.get("top", ()):
             e.top.add(token_id=tid, logprob=p)
 
 
-def _logprobs_from(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
-    return [TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=[(t.token_id, t.logprob) for t in e.top]) for e in entries]
+def _logprobs_from(entries: Iterable[pb.TokenLogprob]) -> list[LogprobItem]:
+    return [LogprobItem(token_id=e.token_id, logprob=e.logprob, top=[(t.token_id, t.logprob) for t in e.top]) for e in entries]

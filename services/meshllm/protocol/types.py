@@ -1,4 +1,8 @@
-"""Internal request/response types: TypedDicts mirroring the meshllm.v1 protos.
+"""Internal request/response types: TypedDicts mirroring the meshllm.v1 protos under names of their own.
+
+`TokenRequest` is the dict of a `meshllm.v1.GenerateRequest`, `TokenChunk` of a
+`GenerateChunk`, and so on (the table is in docs/protocol.md): a name says
+whether a value is a dict or a wire message.
 
 Engines and services work with these plain dicts; protobuf messages exist only
 at the gRPC edge (`meshllm.protocol.convert` turns one into the other, once per
@@ -14,19 +18,19 @@ from typing import Literal, NotRequired, Required, TypedDict
 
 __all__ = [
     "FINISH_REASONS",
-    "DisaggParams",
+    "DisaggInfo",
     "ErrorInfo",
     "FinishReason",
-    "GenerateChunk",
-    "GenerateRequest",
-    "GuidedDecoding",
-    "OutputOptions",
+    "GuidedSettings",
+    "LogprobItem",
+    "OutputSettings",
     "RequestType",
-    "RoutingHints",
-    "SamplingOptions",
-    "StopConditions",
-    "TokenLogprob",
-    "Usage",
+    "RouteHints",
+    "SamplingSettings",
+    "StopSettings",
+    "TokenChunk",
+    "TokenRequest",
+    "TokenUsage",
 ]
 
 FinishReason = Literal["eos", "stop", "length", "cancelled", "error", "content_filter"]
@@ -34,7 +38,7 @@ FINISH_REASONS: tuple[FinishReason, ...] = ("eos", "stop", "length", "cancelled"
 RequestType = Literal["context_only", "generation_only"]
 
 
-class GuidedDecoding(TypedDict, total=False):
+class GuidedSettings(TypedDict, total=False):
     """At most one key: the output constraint."""
 
     json_schema: str
@@ -44,7 +48,7 @@ class GuidedDecoding(TypedDict, total=False):
     json_object: bool
 
 
-class SamplingOptions(TypedDict, total=False):
+class SamplingSettings(TypedDict, total=False):
     temperature: float
     top_p: float
     top_k: int
@@ -53,24 +57,24 @@ class SamplingOptions(TypedDict, total=False):
     frequency_penalty: float
     presence_penalty: float
     repetition_penalty: float
-    guided: GuidedDecoding
+    guided: GuidedSettings
 
 
-class StopConditions(TypedDict, total=False):
+class StopSettings(TypedDict, total=False):
     max_tokens: int
     min_tokens: int
     stop_token_ids: list[int]
     ignore_eos: bool
 
 
-class OutputOptions(TypedDict, total=False):
+class OutputSettings(TypedDict, total=False):
     logprobs: int  # top alternatives per generated token (0 = the sampled token's only)
     prompt_logprobs: int  # top alternatives per prompt token; engines that cannot refuse it (InvalidArgument)
     skip_special_tokens: bool
     embedding: bool  # embed the prompt instead of generating (see generate.proto)
 
 
-class RoutingHints(TypedDict, total=False):
+class RouteHints(TypedDict, total=False):
     backend_instance_id: str
     prefill_worker_id: str
     decode_worker_id: str
@@ -80,7 +84,7 @@ class RoutingHints(TypedDict, total=False):
     allowed_worker_ids: list[str]
 
 
-class DisaggParams(TypedDict, total=False):
+class DisaggInfo(TypedDict, total=False):
     """Sent to a prefill leg (request_type only) and answered by it (the rest)."""
 
     request_type: RequestType
@@ -94,28 +98,28 @@ class DisaggParams(TypedDict, total=False):
     kv_bytes: int
 
 
-class GenerateRequest(TypedDict, total=False):
+class TokenRequest(TypedDict, total=False):
     """A token-level request. `request_id` and `token_ids` are always present."""
 
     request_id: Required[str]
     token_ids: Required[list[int]]
     model: str
-    sampling: SamplingOptions
-    stop: StopConditions
-    output: OutputOptions
+    sampling: SamplingSettings
+    stop: StopSettings
+    output: OutputSettings
     eos_token_ids: list[int]
-    routing: RoutingHints
-    disagg: DisaggParams
+    routing: RouteHints
+    disagg: DisaggInfo
     annotations: dict[str, str]
 
 
-class Usage(TypedDict):
+class TokenUsage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
 
 
-class TokenLogprob(TypedDict):
+class LogprobItem(TypedDict):
     token_id: int
     logprob: float
     top: NotRequired[list[tuple[int, float]]]
@@ -128,16 +132,16 @@ class ErrorInfo(TypedDict):
     message: str
 
 
-class GenerateChunk(TypedDict, total=False):
+class TokenChunk(TypedDict, total=False):
     """One piece of a stream. The terminal chunk has `finish_reason` and `usage`."""
 
     token_ids: list[int]
     index: int
     finish_reason: FinishReason
     stop_reason: str
-    usage: Usage
-    logprobs: list[TokenLogprob]
-    prompt_logprobs: list[TokenLogprob]  # first chunk only: prompt tokens 1..N-1 (see generate.proto)
+    usage: TokenUsage
+    logprobs: list[LogprobItem]
+    prompt_logprobs: list[LogprobItem]  # first chunk only: prompt tokens 1..N-1 (see generate.proto)
     embedding: list[float]  # terminal chunk of an output.embedding request
-    disagg: DisaggParams
+    disagg: DisaggInfo
     error: ErrorInfo

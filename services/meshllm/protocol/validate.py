@@ -2,7 +2,7 @@
 
     HTTP (/v1/chat/completions, /v1/completions)   protocol/openai/request.py reads fields with these checkers
     Inference gRPC (text)                          the same parser (frontend/grpc_api.py builds the body)
-    Router / Worker Generate, GenerateSession      `validate_generate` on the converted GenerateRequest
+    Router / Worker Generate, GenerateSession      `validate_generate` on the converted TokenRequest
     Router.Route                                   `validate_prompt` on its token ids
 
 The same value is refused with the same message everywhere, e.g.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshllm.errors import ContextLengthExceeded, InvalidArgument
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 
 __all__ = [
     "FLOAT_RANGES",
@@ -139,7 +139,7 @@ def _check_sampling(s: dict[str, Any]) -> None:
         check_top_k("sampling.top_k", s["top_k"])
 
 
-def validate_generate(req: GenerateRequest, limits: Limits = Limits()) -> None:
+def validate_generate(req: TokenRequest, limits: Limits = Limits()) -> None:
     """A token-level request (Router/Worker Generate, a GenerateSession open) against the HTTP API's limits.
 
     Raises InvalidArgument (ContextLengthExceeded for a prompt too long for the

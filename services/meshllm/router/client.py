@@ -21,7 +21,7 @@ import grpc
 from meshllm.plane.session import generate_to, session_key
 from meshllm.plane.transport import CallInfo, ChannelCache, translate_errors, unary_generate
 from meshllm.protocol.convert import hints_into_proto, wire_range
-from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["RouterClient"]
@@ -49,16 +49,16 @@ class RouterClient:
             return
         await self._channels.get(self.address).channel_ready()
 
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Stream chunks, then one terminal, over the process's session to this router (`generate_to`)."""
         return generate_to(self._channels, self.address, "Router", request, call)
 
-    def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
         return unary_generate(self._stub.Generate, request, call, f"router {self.address}")
 
     async def route(
-        self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None
+        self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None
     ) -> router_pb2.RouteDecision:
         """Which worker would serve this prompt, and why (nothing is sent)."""
         req = router_pb2.RouteRequest(model=model, token_ids=token_ids, role=role or 0)  # type: ignore[arg-type]

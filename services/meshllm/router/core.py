@@ -33,7 +33,7 @@ from meshllm.plane.discovery import Discovery
 from meshllm.plane.events import EventBus, NullEventBus
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.kv import block_hashes
-from meshllm.protocol.types import GenerateChunk, GenerateRequest, RoutingHints
+from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.feed import EventFeed
 from meshllm.router.kv_index import KvIndex, SlotKey
@@ -174,7 +174,7 @@ class RouterCore(AsyncCloseable):
         await self.sync.aclose()
 
     # ------------------------------------------------------------ public API
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Route and stream one request (migrated when a worker breaks).
 
         Worker streams arrive through sessions that merge the tokens of a
@@ -198,7 +198,7 @@ class RouterCore(AsyncCloseable):
         return serve(self, req, call)
 
     async def route(
-        self, model: str, token_ids: Sequence[int], hints: RoutingHints | None = None, role: int | None = None
+        self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None
     ) -> router_pb2.RouteDecision:
         """The decision alone (nothing is sent or charged), with every candidate's score."""
         model = self.resolve_model(model)
@@ -256,7 +256,7 @@ class RouterCore(AsyncCloseable):
         return min(self.config.migration_limit, card.migration_limit)
 
     def plan(
-        self, model: str, tokens: list[int], hints: RoutingHints, excluded: set[str], *, max_tokens: int | None = None
+        self, model: str, tokens: list[int], hints: RouteHints, excluded: set[str], *, max_tokens: int | None = None
     ) -> Plan:
         """Choose the worker(s) of one attempt: aggregated, or decode + remote prefill."""
         bs = self.block_size(model)
@@ -290,7 +290,7 @@ class RouterCore(AsyncCloseable):
             return False
         return not (decode.chosen.overlap_blocks and hit >= cfg.disagg_max_local_hit)
 
-    def _eligible(self, model: str, role: int, hints: RoutingHints, excluded: set[str]) -> list[PoolWorker]:
+    def _eligible(self, model: str, role: int, hints: RouteHints, excluded: set[str]) -> list[PoolWorker]:
         workers = [w for w in self.pool.workers(model, role) if w.id not in excluded]
         allowed = hints.get("allowed_worker_ids")
         if allowed:
@@ -305,7 +305,7 @@ class RouterCore(AsyncCloseable):
         return workers
 
     def decide(
-        self, model: str, role: int, tokens: list[int], hashes: list[int], bs: int, hints: RoutingHints, excluded: set[str]
+        self, model: str, role: int, tokens: list[int], hashes: list[int], bs: int, hints: RouteHints, excluded: set[str]
     ) -> Decision:
         """Score every eligible (worker, dp rank) of one pool and let the policy pick."""
         workers = self._eligible(model, role, hints, excluded)

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 from meshllm.errors import MeshError, StreamIncomplete, Unavailable
-from meshllm.protocol.types import GenerateChunk, GenerateRequest, StopConditions, Usage
+from meshllm.protocol.types import StopSettings, TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["MIGRATABLE", "MigrationState", "migrating"]
 
@@ -32,7 +32,7 @@ MIGRATABLE: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete)
 class MigrationState:
     """Tokens streamed so far, attempts made, workers excluded — for one request."""
 
-    def __init__(self, request: GenerateRequest, *, limit: int) -> None:
+    def __init__(self, request: TokenRequest, *, limit: int) -> None:
         self.request = request
         self.prompt_tokens = len(request["token_ids"])
         self.limit = limit
@@ -73,17 +73,17 @@ class MigrationState:
         self.current_worker = None
         self.cached_tokens = None
 
-    def next_request(self) -> GenerateRequest | None:
+    def next_request(self) -> TokenRequest | None:
         """The request of the next attempt, or None when max_tokens were all streamed already."""
         if self.attempt == 0:
             return self.request
         remaining = self.remaining()
         if remaining == 0:
             return None
-        req: GenerateRequest = dict(self.request)  # type: ignore[assignment]
+        req: TokenRequest = dict(self.request)  # type: ignore[assignment]
         req["request_id"] = f"{self.request['request_id']}:m{self.attempt}"
         req["token_ids"] = [*self.request["token_ids"], *self.generated]
-        stop: StopConditions = dict(self.request.get("stop", {}))  # type: ignore[assignment]
+        stop: StopSettings = dict(self.request.get("stop", {}))  # type: ignore[assignment]
         if remaining is not None:
             stop["max_tokens"] = remaining
         if stop.get("min_tokens"):
@@ -92,7 +92,7 @@ class MigrationState:
         req.pop("disagg", None)
         return req
 
-    def usage(self, leg: Usage | None = None) -> Usage:
+    def usage(self, leg: TokenUsage | None = None) -> TokenUsage:
         """Usage as the caller must see it."""
         cached = self.cached_tokens if self.cached_tokens is not None else (leg["cached_tokens"] if leg else 0)
         return {
@@ -101,7 +101,7 @@ class MigrationState:
             "cached_tokens": min(cached, self.prompt_tokens),
         }
 
-    def observe(self, chunk: GenerateChunk) -> GenerateChunk:
+    def observe(self, chunk: TokenChunk) -> TokenChunk:
         """Record a chunk about to reach the caller; returns it with usage rewritten."""
         self.chunks += 1
         self.generated.extend(chunk.get("token_ids", ()))
@@ -109,11 +109,11 @@ class MigrationState:
             chunk = {**chunk, "usage": self.usage(chunk["usage"])}
         return chunk
 
-    def length_terminal(self) -> GenerateChunk:
+    def length_terminal(self) -> TokenChunk:
         """The terminal for a stream that broke after its last allowed token."""
         return {"token_ids": [], "finish_reason": "length", "usage": self.usage()}
 
-    def error_terminal(self, err: MeshError) -> GenerateChunk:
+    def error_terminal(self, err: MeshError) -> TokenChunk:
         """The terminal for a stream that fails after tokens reached the caller."""
         return {
             "token_ids": [],
@@ -125,12 +125,12 @@ class MigrationState:
 
 async def migrating(
     state: MigrationState,
-    attempt: Callable[[GenerateRequest], AsyncGenerator[GenerateChunk, None]],
+    attempt: Callable[[TokenRequest], AsyncGenerator[TokenChunk, None]],
     *,
     peer: str,
     on_failure: Callable[[str | None, MeshError, bool], None] | None = None,
     errors_as_terminal: bool = True,
-) -> AsyncGenerator[GenerateChunk, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """Run `attempt`s until one ends with a terminal chunk, re-sending broken ones by the rules above.
 
     `peer` names what failed in the log ("worker", "router replica"). `on_failure(failed, exc, resent)`

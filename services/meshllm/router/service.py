@@ -17,7 +17,7 @@ from meshllm.errors import InvalidArgument
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo, ServiceBinding
 from meshllm.protocol.convert import chunk_to_proto, hints_from_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate, validate_prompt
 from meshllm.router.core import RouterCore
 from meshllm.v1 import discovery_pb2, generate_pb2, router_pb2, router_pb2_grpc, session_pb2
@@ -38,7 +38,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         card = self.core.pool.card(model)
         return Limits(context_length=card.context_length) if card is not None else Limits()
 
-    def generate(self, request: GenerateRequest, call: CallInfo) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         """One validated request through the core (Generate and GenerateSession streams).
 
         Validates at the call (both callers turn the error into the stream's) and returns the core's
@@ -57,7 +57,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         stream = cast(
-            AsyncGenerator[GenerateChunk, None],
+            AsyncGenerator[TokenChunk, None],
             self.generate(request_from_proto(request), CallInfo.from_context(context)),
         )
         try:

@@ -5,7 +5,7 @@
         leg      → charge load, WorkerClient.generate, release load (also on cancel)
 
 Disaggregated attempt: the prefill leg is sent as "context_only"; its
-terminal chunk carries the first token(s) and DisaggParams. The first tokens
+terminal chunk carries the first token(s) and DisaggInfo. The first tokens
 go to the caller once, as a plain chunk; the decode leg is sent as
 "generation_only" with those params (plus the prefill worker's id and
 address) and continues after them. A prefill terminal that already ends the
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshError
 from meshllm.plane.transport import CallInfo
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
 from meshllm.router.migration import MigrationState, migrating
 from meshllm.router.workers import DECODE, role_name
@@ -41,7 +41,7 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
-def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> AsyncGenerator[GenerateChunk, None]:
+def serve(core: RouterCore, request: TokenRequest, call: CallInfo | None) -> AsyncGenerator[TokenChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py).
 
     Returns `migrating`'s generator itself: no extra generator layer per chunk.
@@ -64,8 +64,8 @@ def serve(core: RouterCore, request: GenerateRequest, call: CallInfo | None) -> 
 
 
 def _attempt(
-    core: RouterCore, req: GenerateRequest, state: MigrationState, call: CallInfo | None
-) -> AsyncGenerator[GenerateChunk, None]:
+    core: RouterCore, req: TokenRequest, state: MigrationState, call: CallInfo | None
+) -> AsyncGenerator[TokenChunk, None]:
     """Plan, then the attempt's stream: one aggregated leg itself (no generator layer around it), or prefill then decode."""
     state.current_worker = None
     max_tokens = req.get("stop", {}).get("max_tokens")
@@ -78,13 +78,13 @@ def _attempt(
 
 
 async def _disaggregated(
-    core: RouterCore, req: GenerateRequest, plan: Plan, state: MigrationState, call: CallInfo | None
-) -> AsyncGenerator[GenerateChunk, None]:
+    core: RouterCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo | None
+) -> AsyncGenerator[TokenChunk, None]:
     assert plan.prefill is not None
     prefill_req = req.copy()
     prefill_req["disagg"] = {"request_type": "context_only"}
     first: list[int] = []
-    terminal: GenerateChunk = {}
+    terminal: TokenChunk = {}
     async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill")) as leg:
         async for chunk in leg:
             first.extend(chunk.get("token_ids", ()))
@@ -99,7 +99,7 @@ async def _disaggregated(
         yield final
         return
     state.cached_tokens = params.get("cached_tokens", terminal.get("usage", {}).get("cached_tokens", 0))
-    first_chunk: GenerateChunk = {"token_ids": first}
+    first_chunk: TokenChunk = {"token_ids": first}
     if "logprobs" in terminal:  # computed by the prefill leg only
         first_chunk["logprobs"] = terminal["logprobs"]
     if "prompt_logprobs" in terminal:
@@ -121,13 +121,13 @@ async def _disaggregated(
 
 async def _leg(
     core: RouterCore,
-    req: GenerateRequest,
+    req: TokenRequest,
     decision: Decision,
     hashes: list[int],
     state: MigrationState,
     call: CallInfo | None,
     kind: str,
-) -> AsyncGenerator[GenerateChunk, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """One worker call: charge its load (and tell the replicas), stream, release — whatever happens."""
     cand = decision.chosen
     key = cand.key

@@ -13,7 +13,7 @@ import grpc
 
 from meshllm.plane.session import generate_to, session_key
 from meshllm.plane.transport import CallInfo, ChannelCache, mesh_error, translate_errors, unary_generate
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerClient"]
@@ -29,11 +29,11 @@ class WorkerClient:
         self._channels = channels
         self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
 
-    def generate(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Stream chunks, then one terminal: in process or over the process's session to this worker (`generate_to`)."""
         return generate_to(self._channels, self.address, "Worker", request, call)
 
-    def generate_call(self, request: GenerateRequest, *, call: CallInfo | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
         return unary_generate(self._stub.Generate, request, call, f"worker {self.address}")
 

@@ -29,7 +29,7 @@ from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
-from meshllm.protocol.types import GenerateRequest
+from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import Limits
 from meshllm.tracing import untraced, worker_service_name
 from meshllm.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
@@ -47,7 +47,7 @@ ROLE_TO_PB = {
     DisaggregationMode.PREFILL: discovery_pb2.WORKER_ROLE_PREFILL,
     DisaggregationMode.DECODE: discovery_pb2.WORKER_ROLE_DECODE,
 }
-DEFAULT_CANARY: GenerateRequest = {"request_id": "", "token_ids": [1, 2, 3, 4], "stop": {"max_tokens": 1}}
+DEFAULT_CANARY: TokenRequest = {"request_id": "", "token_ids": [1, 2, 3, 4], "stop": {"max_tokens": 1}}
 
 
 class Worker(AsyncCloseable):
@@ -248,7 +248,7 @@ class Worker(AsyncCloseable):
     # ------------------------------------------------------------ health
     async def _health_loop(self) -> None:
         assert self.servicer is not None and self.server is not None
-        payload: GenerateRequest = dict(self.config.health_check_payload or DEFAULT_CANARY)  # type: ignore[assignment]
+        payload: TokenRequest = dict(self.config.health_check_payload or DEFAULT_CANARY)  # type: ignore[assignment]
         served = self.servicer.requests_served
         n = 0
         while True:
@@ -264,7 +264,7 @@ class Worker(AsyncCloseable):
             if self.servicer.admitting:
                 await self.server.set_serving(ok)
 
-    async def canary(self, request: GenerateRequest, timeout_s: float = 10.0) -> bool:
+    async def canary(self, request: TokenRequest, timeout_s: float = 10.0) -> bool:
         """Run one canary request; True when it ends with a non-error terminal."""
         assert self.servicer is not None
         try:

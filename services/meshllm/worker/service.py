@@ -31,7 +31,7 @@ from meshllm.plane.auth import caller_identity, session_scope
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate
 from meshllm.tracing import tracer
 from meshllm.v1 import generate_pb2, session_pb2, worker_pb2, worker_pb2_grpc
@@ -103,8 +103,8 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
             yield down
 
     async def run_request(
-        self, req: GenerateRequest, traceparent: str | None = None, *, scope: str = "internal"
-    ) -> AsyncGenerator[GenerateChunk, None]:
+        self, req: TokenRequest, traceparent: str | None = None, *, scope: str = "internal"
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Run one request through the engine for the caller `scope` (also used by the health canary).
 
         Steps: admission (`_admit`), tracing and metrics (`_RequestTrace`), the
@@ -141,7 +141,7 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
                 await _aclose(stream)
             self._release(ctx.id)
 
-    def _admit(self, req: GenerateRequest, traceparent: str | None, scope: str) -> Context:
+    def _admit(self, req: TokenRequest, traceparent: str | None, scope: str) -> Context:
         """Admission: refuse while draining, validate, register the request's Context under its id."""
         if not self.admitting:
             raise EngineShutdown("worker is draining and admits no new requests")
@@ -158,11 +158,11 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self.metrics.requests.inc()
         return ctx
 
-    def _engine_stream(self, req: GenerateRequest, ctx: Context) -> AsyncIterator[GenerateChunk]:
+    def _engine_stream(self, req: TokenRequest, ctx: Context) -> AsyncIterator[TokenChunk]:
         stream = self.engine.generate(req, ctx)
         return validate_stream(stream, req, ctx) if self.validate_streams else stream
 
-    def _check_cut(self, terminal: GenerateChunk, rid: str) -> None:
+    def _check_cut(self, terminal: TokenChunk, rid: str) -> None:
         """A "cancelled" terminal of a request stopped at the drain deadline is an error the caller can retry."""
         if terminal.get("finish_reason") == "cancelled" and rid in self._cut:
             raise EngineShutdown(f"the worker stopped request {rid} at its drain deadline; retry it elsewhere")
@@ -279,7 +279,7 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
 class _RequestTrace:
     """Tracing and per-request metrics of one request: the `engine.generate` span, its TTFT and token count."""
 
-    def __init__(self, service: str | None, req: GenerateRequest, rid: str) -> None:
+    def __init__(self, service: str | None, req: TokenRequest, rid: str) -> None:
         self.span = tracer(service).start_span(
             "engine.generate",
             attributes={
@@ -292,7 +292,7 @@ class _RequestTrace:
         self.t0 = time.monotonic()
         self.output_tokens = 0
 
-    def chunk(self, chunk: GenerateChunk) -> None:
+    def chunk(self, chunk: TokenChunk) -> None:
         n = len(chunk.get("token_ids", ()))
         if n and not self.output_tokens:
             self.span.set_attribute("ttft_ms", (time.monotonic() - self.t0) * 1000.0)

@@ -10,23 +10,23 @@ from collections.abc import AsyncIterator
 
 from meshllm.engine.base import Context
 from meshllm.errors import StreamIncomplete, Unknown
-from meshllm.protocol.types import FINISH_REASONS, GenerateChunk, GenerateRequest
+from meshllm.protocol.types import FINISH_REASONS, TokenChunk, TokenRequest
 
 __all__ = ["validate_stream"]
 
 
 async def validate_stream(
-    stream: AsyncIterator[GenerateChunk], request: GenerateRequest, context: Context
-) -> AsyncIterator[GenerateChunk]:
+    stream: AsyncIterator[TokenChunk], request: TokenRequest, context: Context
+) -> AsyncIterator[TokenChunk]:
     """Yield the engine's chunks, failing on the first broken contract clause."""
     emitted = 0
-    terminal: GenerateChunk | None = None
+    terminal: TokenChunk | None = None
     max_tokens = request.get("stop", {}).get("max_tokens")
     async for chunk in stream:
         if terminal is not None:
             raise Unknown("contract clause 'nothing after the terminal' broken: a chunk followed the terminal chunk")
         if not isinstance(chunk, dict):
-            raise Unknown(f"contract clause 'chunks are GenerateChunk dicts' broken: got {type(chunk).__name__}")
+            raise Unknown(f"contract clause 'chunks are TokenChunk dicts' broken: got {type(chunk).__name__}")
         emitted += len(chunk.get("token_ids", ()))
         if max_tokens is not None and emitted > max_tokens:
             raise Unknown(f"contract clause 'max_tokens' broken: {emitted} tokens emitted, max_tokens={max_tokens}")

@@ -13,9 +13,9 @@ from typing import Self
 from meshllm.engine.base import (
     Context,
     EngineConfig,
-    GenerateChunk,
-    GenerateRequest,
     LLMEngine,
+    TokenChunk,
+    TokenRequest,
     WorkerConfig,
     terminal,
     worker_arg_parser,
@@ -37,7 +37,7 @@ class MyEngine(LLMEngine):
     async def start(self, worker_id: str) -> EngineConfig:
         return EngineConfig(model=self.model)
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         prompt = request["token_ids"]
         if not prompt:
             raise InvalidArgument("empty prompt", param="token_ids")

@@ -33,7 +33,7 @@ from meshllm.engine.llamacpp.config import LlamaCppConfig
 from meshllm.engine.llamacpp.sampling import PENALTY_LAST_N, SamplingSpec
 from meshllm.engine.llamacpp.scheduler import BatchEntry
 from meshllm.errors import InvalidArgument, Unavailable
-from meshllm.protocol.types import TokenLogprob
+from meshllm.protocol.types import LogprobItem
 
 __all__ = ["LlamaBackend", "ModelInfo", "Sampler", "model_digest"]
 
@@ -280,12 +280,12 @@ class LlamaBackend:
     def sample(self, sampler: Sampler, index: int) -> int:
         return int(L.llama_sampler_sample(sampler.chain, self._ctx, index))
 
-    def logprob(self, index: int, token: int, top_n: int) -> TokenLogprob:
+    def logprob(self, index: int, token: int, top_n: int) -> LogprobItem:
         """Log-probability of `token` (and the `top_n` likeliest) under the raw logits of output `index`."""
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, index), shape=(self.n_vocab,))
         peak = float(logits.max())
         lse = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
-        out: TokenLogprob = {"token_id": token, "logprob": float(logits[token]) - lse}
+        out: LogprobItem = {"token_id": token, "logprob": float(logits[token]) - lse}
         if top_n > 0:
             best = np.argpartition(logits, -top_n)[-top_n:]
             best = best[np.argsort(logits[best])[::-1]]

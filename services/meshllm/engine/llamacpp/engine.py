@@ -58,7 +58,7 @@ from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
-from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, TokenLogprob
+from meshllm.protocol.types import DisaggInfo, LogprobItem, TokenChunk, TokenRequest
 
 __all__ = ["LlamaCppEngine"]
 
@@ -78,13 +78,13 @@ class _Stream:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob] = []
+        self.logprobs: list[LogprobItem] = []
+        self.prompt_logprobs: list[LogprobItem] = []
         self.finish: Finish | None = None
         self.waiter: asyncio.Future[None] | None = None
 
     def push(
-        self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None, prompt_logprobs: list[TokenLogprob]
+        self, tokens: list[int], logprobs: list[LogprobItem], finish: Finish | None, prompt_logprobs: list[LogprobItem]
     ) -> None:
         self.tokens.extend(tokens)
         self.logprobs.extend(logprobs)
@@ -101,9 +101,9 @@ class _Stream:
         self.waiter = asyncio.get_running_loop().create_future()
         await self.waiter
 
-    def take(self) -> GenerateChunk:
+    def take(self) -> TokenChunk:
         """The tokens (and logprobs, and the prompt's once) delivered since the last take, as a chunk."""
-        chunk: GenerateChunk = {"token_ids": self.tokens}
+        chunk: TokenChunk = {"token_ids": self.tokens}
         self.tokens = []
         if self.logprobs:  # the (rarely asked) logprob lists are replaced only when they were filled
             chunk["logprobs"] = self.logprobs
@@ -235,7 +235,7 @@ class LlamaCppEngine(LLMEngine):
             self.sink.load(load)
 
     # ------------------------------------------------------------ streams
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         runner = self._require_runner()
         if (request.get("output") or {}).get("embedding"):
             yield await self._embed(runner, request)
@@ -294,7 +294,7 @@ class LlamaCppEngine(LLMEngine):
             if stream.finish is None and self._runner is not None:
                 self._runner.submit(_cancel(seq))  # the consumer went away: free the slot now
 
-    def _sequence(self, request: GenerateRequest) -> Sequence:
+    def _sequence(self, request: TokenRequest) -> Sequence:
         """Validate a request into a Sequence (InvalidArgument before any chunk)."""
         cfg, info = self.config, self._info
         prompt = list(request.get("token_ids") or ())
@@ -330,7 +330,7 @@ class LlamaCppEngine(LLMEngine):
             prefill_cached_tokens=int(disagg.get("cached_tokens") or 0),
         )
 
-    async def _embed(self, runner: Runner, request: GenerateRequest) -> GenerateChunk:
+    async def _embed(self, runner: Runner, request: TokenRequest) -> TokenChunk:
         """An `output.embedding` request: one terminal chunk with the prompt's embedding (the engine thread computes it)."""
         prompt = list(request.get("token_ids") or ())
         if not prompt:
@@ -368,8 +368,8 @@ class LlamaCppEngine(LLMEngine):
         return chunk
 
     # ------------------------------------------------------------ disaggregation
-    def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggParams:
-        """Hold a prefill leg's KV for its decode leg; the DisaggParams naming it."""
+    def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggInfo:
+        """Hold a prefill leg's KV for its decode leg; the DisaggInfo naming it."""
         assert finish.kv_state is not None
         handle = self.holds.hold(finish.kv_state, prompt)
         return {
@@ -390,7 +390,7 @@ class LlamaCppEngine(LLMEngine):
         for piece in pieces(data, layout=self.layout, n_tokens=handle.n_tokens):
             yield piece
 
-    async def _pull_or_cancel(self, disagg: DisaggParams, prompt: list[int], context: Context) -> bytes | None:
+    async def _pull_or_cancel(self, disagg: DisaggInfo, prompt: list[int], context: Context) -> bytes | None:
         """The prompt's KV from the prefill worker; None if the request was stopped meanwhile."""
         pull = asyncio.ensure_future(self._pull(disagg, prompt))
         stopped = asyncio.ensure_future(context.stopped())
@@ -404,7 +404,7 @@ class LlamaCppEngine(LLMEngine):
                     await pull
         return None if pull.cancelled() else pull.result()
 
-    async def _pull(self, disagg: DisaggParams, prompt: list[int]) -> bytes:
+    async def _pull(self, disagg: DisaggInfo, prompt: list[int]) -> bytes:
         raw = disagg.get("kv_handle") or b""
         handle = KvHandle.decode(raw)
         handle.check_prompt(prompt)
@@ -421,7 +421,7 @@ class LlamaCppEngine(LLMEngine):
         return await pull_remote(self.kv_pull, address, raw, layout=self.layout, n_tokens=len(prompt))
 
 
-def _logprobs(request: GenerateRequest, key: Literal["logprobs", "prompt_logprobs"]) -> int | None:
+def _logprobs(request: TokenRequest, key: Literal["logprobs", "prompt_logprobs"]) -> int | None:
     """Top alternatives asked per token (0 = only the token's own), None when `output.<key>` is not asked."""
     output = request.get("output") or {}
     if key not in output:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from meshllm.errors import InvalidArgument
-from meshllm.protocol.types import GuidedDecoding, SamplingOptions
+from meshllm.protocol.types import GuidedSettings, SamplingSettings
 
 __all__ = ["DEFAULT_TEMPERATURE", "PENALTY_LAST_N", "SamplingSpec", "guided_grammar"]
 
@@ -45,7 +45,7 @@ class SamplingSpec:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @classmethod
-    def from_options(cls, opts: SamplingOptions) -> SamplingSpec:
+    def from_options(cls, opts: SamplingSettings) -> SamplingSpec:
         """Validate a request's options (InvalidArgument names the bad field)."""
         temperature = float(opts.get("temperature", DEFAULT_TEMPERATURE))
         top_k = int(opts.get("top_k", 0))
@@ -84,7 +84,7 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def guided_grammar(guided: GuidedDecoding | None) -> str:
+def guided_grammar(guided: GuidedSettings | None) -> str:
     """The GBNF grammar of a guided-decoding request ("" when unconstrained)."""
     if not guided:
         return ""

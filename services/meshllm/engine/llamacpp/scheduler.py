@@ -28,7 +28,7 @@ from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence, SequenceStatus
 from meshllm.engine.llamacpp.slots import Slot, SlotTable
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument, MeshError, Unknown
-from meshllm.protocol.types import FinishReason, TokenLogprob
+from meshllm.protocol.types import FinishReason, LogprobItem
 
 __all__ = ["Backend", "BatchEntry", "Scheduler", "validate_length"]
 
@@ -43,7 +43,7 @@ class Backend(Protocol):
     def unsuppress(self, sampler: Any) -> None: ...
     def accept(self, sampler: Any, tokens: Seq[int]) -> None: ...
     def sample(self, sampler: Any, index: int) -> int: ...
-    def logprob(self, index: int, token: int, top_n: int) -> TokenLogprob: ...
+    def logprob(self, index: int, token: int, top_n: int) -> LogprobItem: ...
     def free_sampler(self, sampler: Any) -> None: ...
     def seq_rm(self, slot: int, p0: int, p1: int) -> bool: ...
     def seq_cp(self, src: int, dst: int) -> None: ...
@@ -212,7 +212,7 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _next_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> Output:
+    def _next_token(self, seq: Sequence, token: int, logprob: LogprobItem | None = None) -> Output:
         """Apply the stop conditions to a sampled token."""
         allowed = seq.num_output >= seq.min_tokens
         if allowed and token in seq.stop_token_ids:
@@ -236,7 +236,7 @@ class Scheduler:
         *,
         stop_reason: str = "",
         error: MeshError | None = None,
-        logprobs: list[TokenLogprob] | None = None,
+        logprobs: list[LogprobItem] | None = None,
     ) -> Output:
         kv_state = None
         if seq.status is SequenceStatus.RUNNING:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.errors import MeshError
-from meshllm.protocol.types import FinishReason, TokenLogprob, Usage
+from meshllm.protocol.types import FinishReason, LogprobItem, TokenUsage
 
 __all__ = ["Finish", "Output", "Sequence", "SequenceStatus", "StreamSink"]
 
@@ -34,7 +34,7 @@ class StreamSink(Protocol):
     """The event-loop side of one stream (called on the loop thread only)."""
 
     def push(
-        self, tokens: list[int], logprobs: list[TokenLogprob], finish: Finish | None, prompt_logprobs: list[TokenLogprob]
+        self, tokens: list[int], logprobs: list[LogprobItem], finish: Finish | None, prompt_logprobs: list[LogprobItem]
     ) -> None: ...
 
 
@@ -43,7 +43,7 @@ class Finish:
     """How a sequence ended; `kv_state` is a prefill leg's exported KV (prompt tokens only)."""
 
     reason: FinishReason
-    usage: Usage
+    usage: TokenUsage
     stop_reason: str = ""
     error: MeshError | None = None
     kv_state: bytes | None = None
@@ -59,8 +59,8 @@ class Output:
     seq: Sequence
     tokens: list[int]
     finish: Finish | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[LogprobItem] = field(default_factory=list)
+    prompt_logprobs: list[LogprobItem] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -93,7 +93,7 @@ class Sequence:
     num_cached: int = 0
     sampler: Any = None
     suppressing: bool = False
-    prompt_lps: list[TokenLogprob] = field(default_factory=list)  # prompt logprobs computed so far
+    prompt_lps: list[LogprobItem] = field(default_factory=list)  # prompt logprobs computed so far
 
     @property
     def num_output(self) -> int:
@@ -113,6 +113,6 @@ class Sequence:
         ids: Iterable[int] = self.stop_token_ids if self.ignore_eos else self.stop_token_ids | self.eos_token_ids
         return sorted(ids)
 
-    def usage(self) -> Usage:
+    def usage(self) -> TokenUsage:
         cached = self.prefill_cached_tokens if self.remote_kv else self.num_cached
         return {"prompt_tokens": self.num_prompt, "completion_tokens": self.num_output, "cached_tokens": cached}

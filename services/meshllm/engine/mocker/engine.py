@@ -47,7 +47,7 @@ from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 from meshllm.engine.mocker.timing import StepPacer, step_ms, transfer_seconds
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.kv import block_hashes
-from meshllm.protocol.types import DisaggParams, GenerateChunk, GenerateRequest, Usage
+from meshllm.protocol.types import DisaggInfo, TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
 
@@ -165,7 +165,7 @@ class MockerEngine(LLMEngine):
         return len(self._holds)
 
     # ------------------------------------------------------------ streams
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if self._task is None or self._task.done():
             raise EngineShutdown(self._failure or "the mocker engine is not running")
         seq = self._sequence(request)
@@ -198,7 +198,7 @@ class MockerEngine(LLMEngine):
                     yield terminal(reason, self._usage(seq), token_ids=fresh, disagg=disagg)
                     return
                 if n_out > sent:
-                    chunk: GenerateChunk = {"token_ids": seq.tokens[seq.num_prompt + sent :]}
+                    chunk: TokenChunk = {"token_ids": seq.tokens[seq.num_prompt + sent :]}
                     sent = n_out
                     yield chunk
                     continue
@@ -210,7 +210,7 @@ class MockerEngine(LLMEngine):
             if not delivered or seq.status is not SequenceStatus.FINISHED:
                 self._drop(seq)  # the consumer went away: free the KV now, held or not
 
-    def _sequence(self, request: GenerateRequest) -> Sequence:
+    def _sequence(self, request: TokenRequest) -> Sequence:
         cfg = self.config
         prompt = request.get("token_ids") or []
         if not prompt:
@@ -265,14 +265,14 @@ class MockerEngine(LLMEngine):
         if handle.engine_nonce == self._nonce and handle.hold_id in self._holds:
             self._release_hold(handle.hold_id)  # the decode leg runs here: its prefix is now plain cache
 
-    def _usage(self, seq: Sequence) -> Usage:
+    def _usage(self, seq: Sequence) -> TokenUsage:
         return {
             "prompt_tokens": seq.num_prompt,
             "completion_tokens": seq.num_output,
             "cached_tokens": max(seq.num_cached_tokens, 0),
         }
 
-    def _disagg(self, seq: Sequence) -> DisaggParams:
+    def _disagg(self, seq: Sequence) -> DisaggInfo:
         """Hold `seq`'s blocks for its decode leg and name them in a handle."""
         cfg = self.config
         hold_id = next(self._hold_ids)

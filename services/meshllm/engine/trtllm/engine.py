@@ -33,10 +33,10 @@ from meshllm.config import ConfigError
 from meshllm.engine.base import (
     Context,
     EngineConfig,
-    GenerateChunk,
-    GenerateRequest,
     LLMEngine,
     LoadMetrics,
+    TokenChunk,
+    TokenRequest,
     WorkerConfig,
     terminal,
     worker_arg_parser,
@@ -45,7 +45,7 @@ from meshllm.engine.trtllm import translate as tr
 from meshllm.engine.trtllm.config import TrtllmConfig, add_trtllm_args, build_llm_kwargs
 from meshllm.engine.trtllm.kv_events import KvEventConverter, block_size_from_stats, load_from_stats, total_blocks_from_stats
 from meshllm.errors import EngineShutdown, FailedPrecondition, InvalidArgument, ResponseTimeout, Unknown
-from meshllm.protocol.types import DisaggParams
+from meshllm.protocol.types import DisaggInfo
 
 __all__ = ["INSTALL_HINT", "TrtllmEngine", "import_tensorrt_llm"]
 
@@ -264,7 +264,7 @@ class TrtllmEngine(LLMEngine):
             kw["guided_decoding"] = module.GuidedDecodingParams(**guided)
         return self._trt.SamplingParams(**kw)
 
-    def _submit(self, request: GenerateRequest) -> tuple[Any, dict[str, Any]]:
+    def _submit(self, request: TokenRequest) -> tuple[Any, dict[str, Any]]:
         """Build SamplingParams / DisaggregatedParams and submit; return the result and the kwargs used."""
         if self._closing:
             raise EngineShutdown("the trtllm engine is shut down")
@@ -287,7 +287,7 @@ class TrtllmEngine(LLMEngine):
             raise InvalidArgument(f"TensorRT-LLM refused the request: {_one_line(exc)}") from exc
         return result, kw
 
-    async def generate(self, request: GenerateRequest, context: Context) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         prompt = request["token_ids"]
         if not prompt:
             raise InvalidArgument("token_ids must not be empty", param="token_ids")
@@ -325,7 +325,7 @@ class TrtllmEngine(LLMEngine):
                     continue
                 start = cursor
                 tokens, cursor = tr.token_delta(output.token_ids, cursor)
-                chunk: GenerateChunk = {"token_ids": tokens}
+                chunk: TokenChunk = {"token_ids": tokens}
                 if "logprobs" in kw and (lps := tr.logprob_delta(output.logprobs, output.token_ids, start, cursor, top_n)):
                     chunk["logprobs"] = lps
                 if output.finish_reason is None and not res.finished:
@@ -345,8 +345,8 @@ class TrtllmEngine(LLMEngine):
                 self._abort(flight)
 
     def _final(
-        self, request: GenerateRequest, res: Any, output: Any, chunk: GenerateChunk, cursor: int, extra_eos: frozenset[int]
-    ) -> GenerateChunk:
+        self, request: TokenRequest, res: Any, output: Any, chunk: TokenChunk, cursor: int, extra_eos: frozenset[int]
+    ) -> TokenChunk:
         """The terminal chunk for a finished output (the last delta, reason, usage, prefill answer)."""
         disagg = request.get("disagg", {})
         role = disagg.get("request_type")
@@ -360,7 +360,7 @@ class TrtllmEngine(LLMEngine):
             cached = disagg.get("cached_tokens", 0)
         else:
             cached = tr.cached_tokens(res, output, block_size=self.block_size, prompt_len=prompt_len)
-        answer: DisaggParams | None = None
+        answer: DisaggInfo | None = None
         if role == "context_only" and reason == "length":
             params = getattr(output, "disaggregated_params", None) or getattr(res, "disaggregated_params", None)
             if params is None:

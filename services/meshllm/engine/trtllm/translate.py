@@ -42,7 +42,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument
-from meshllm.protocol.types import DisaggParams, FinishReason, GenerateRequest, TokenLogprob, Usage
+from meshllm.protocol.types import DisaggInfo, FinishReason, LogprobItem, TokenRequest, TokenUsage
 
 __all__ = [
     "HANDLE_PREFIX",
@@ -68,7 +68,7 @@ _OPTIONAL_SAMPLING = ("seed", "frequency_penalty", "presence_penalty", "repetiti
 # --------------------------------------------------------------- request side
 
 
-def sampling_kwargs(request: GenerateRequest, *, default_max_tokens: int, context_length: int = 0) -> dict[str, Any]:
+def sampling_kwargs(request: TokenRequest, *, default_max_tokens: int, context_length: int = 0) -> dict[str, Any]:
     """`SamplingParams` keyword arguments for `request` ("guided_decoding" is a nested kwargs dict).
 
     `context_length` (0 = unknown) bounds prompt + max_tokens; without an explicit
@@ -161,7 +161,7 @@ def _guided_kwargs(g: Mapping[str, Any]) -> dict[str, Any]:
     return {kind: g[kind]}
 
 
-def extra_eos_ids(request: GenerateRequest) -> frozenset[int]:
+def extra_eos_ids(request: TokenRequest) -> frozenset[int]:
     """EOS ids sent to TensorRT-LLM as stop tokens (all but the first); their hit means "eos", not "stop"."""
     if request.get("stop", {}).get("ignore_eos"):
         return frozenset()
@@ -192,14 +192,14 @@ def decode_handle(handle: bytes) -> dict[str, Any]:
     return extras
 
 
-def disagg_from_trtllm(params: Any, *, cached: int = 0) -> DisaggParams:
-    """Our DisaggParams from a context-only output's `DisaggregatedParams`."""
+def disagg_from_trtllm(params: Any, *, cached: int = 0) -> DisaggInfo:
+    """Our DisaggInfo from a context-only output's `DisaggregatedParams`."""
     first = [int(t) for t in (getattr(params, "first_gen_tokens", None) or ())]
     if not first:
         raise FailedPrecondition(
             "TensorRT-LLM returned a context-only result without first_gen_tokens (is cache_transceiver_config set?)"
         )
-    d: DisaggParams = {"first_token_ids": first}
+    d: DisaggInfo = {"first_token_ids": first}
     ctx_id = getattr(params, "ctx_request_id", None)
     if ctx_id is not None:
         d["ctx_request_id"] = str(ctx_id)
@@ -222,7 +222,7 @@ def _plain(value: Any) -> Any:
     return int(value)
 
 
-def disagg_to_trtllm(d: DisaggParams) -> dict[str, Any]:
+def disagg_to_trtllm(d: DisaggInfo) -> dict[str, Any]:
     """`DisaggregatedParams` kwargs that make a generation-only leg continue a prefill answer."""
     first = list(d.get("first_token_ids", ()))
     if not first:
@@ -261,21 +261,21 @@ def token_delta(token_ids: Sequence[int], cursor: int) -> tuple[list[int], int]:
 
 def logprob_delta(
     logprobs: Sequence[Any] | None, token_ids: Sequence[int], start: int, end: int, top_n: int
-) -> list[TokenLogprob]:
+) -> list[LogprobItem]:
     """TokenLogprobs for output positions [start, end); empty unless every position has one."""
     if not logprobs or end <= start or len(logprobs) < end:
         return []
-    out: list[TokenLogprob] = []
+    out: list[LogprobItem] = []
     for pos in range(start, end):
         token = int(token_ids[pos])
         entry = logprobs[pos]
         if isinstance(entry, Mapping):
             chosen = entry.get(token)
-            item = TokenLogprob(token_id=token, logprob=_logprob(chosen) if chosen is not None else -math.inf)
+            item = LogprobItem(token_id=token, logprob=_logprob(chosen) if chosen is not None else -math.inf)
             ranked = sorted(entry.items(), key=lambda kv: (_rank(kv[1]), -_logprob(kv[1])))
             item["top"] = [(int(t), _logprob(v)) for t, v in ranked[:top_n]]
         else:
-            item = TokenLogprob(token_id=token, logprob=float(entry))
+            item = LogprobItem(token_id=token, logprob=float(entry))
         out.append(item)
     return out
 
@@ -329,5 +329,5 @@ def cached_tokens(result: Any, output: Any, *, block_size: int, prompt_len: int)
     return 0
 
 
-def usage(prompt_len: int, completion_tokens: int, cached: int) -> Usage:
+def usage(prompt_len: int, completion_tokens: int, cached: int) -> TokenUsage:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens, "cached_tokens": min(cached, prompt_len)}

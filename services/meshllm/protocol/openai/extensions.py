@@ -3,7 +3,7 @@
 parse_json_body(raw)             bytes → JSON value; an integer beyond 64 bits is a 400, not a rounded float
 request_fields(body, kind, strict)  the fields the request sends that the frontend ignores (strict: unknown → 400)
 tool_choice(body, tools)         "none" | "auto" | "required" | "function:NAME", and the schema forcing it
-structured_outputs(body)         vLLM's `structured_outputs` → GuidedDecoding
+structured_outputs(body)         vLLM's `structured_outputs` → GuidedSettings
 check_schema(text, param)        a JSON schema's shape, with a readable 400 when it is malformed
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from meshllm.errors import InvalidArgument
-from meshllm.protocol.types import GuidedDecoding
+from meshllm.protocol.types import GuidedSettings
 
 __all__ = [
     "CHAT_FIELDS",
@@ -118,7 +118,7 @@ def request_fields(body: Mapping[str, Any], fields: frozenset[str], *, strict: b
     return tuple(ignored)
 
 
-def tool_choice(body: Mapping[str, Any], tools: Sequence[dict[str, Any]] | None) -> tuple[str, GuidedDecoding | None]:
+def tool_choice(body: Mapping[str, Any], tools: Sequence[dict[str, Any]] | None) -> tuple[str, GuidedSettings | None]:
     """`tool_choice` → ("none" | "auto" | "required" | "function:NAME", the constraint forcing a call or None)."""
     v = body.get("tool_choice")
     if v is None:
@@ -143,14 +143,14 @@ def tool_choice(body: Mapping[str, Any], tools: Sequence[dict[str, Any]] | None)
     raise InvalidArgument(f"'tool_choice': function {name!r} is not among 'tools'", param="tool_choice")
 
 
-def structured_outputs(body: Mapping[str, Any]) -> GuidedDecoding | None:
-    """vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) → GuidedDecoding."""
+def structured_outputs(body: Mapping[str, Any]) -> GuidedSettings | None:
+    """vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) → GuidedSettings."""
     so = body.get("structured_outputs")
     if so is None:
         return None
     if not isinstance(so, dict):
         raise InvalidArgument("'structured_outputs': expected an object", param="structured_outputs")
-    kinds: list[GuidedDecoding] = []
+    kinds: list[GuidedSettings] = []
     if (js := so.get("json")) is not None:
         text = js if isinstance(js, str) else orjson.dumps(js).decode() if isinstance(js, dict | bool) else None
         if text is None:
@@ -168,7 +168,7 @@ def structured_outputs(body: Mapping[str, Any]) -> GuidedDecoding | None:
     return kinds[0]
 
 
-def guided_field(kind: str, value: Any, param: str) -> GuidedDecoding:
+def guided_field(kind: str, value: Any, param: str) -> GuidedSettings:
     """One regex / grammar (a non-empty string) or choice (a non-empty array of strings) constraint."""
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):

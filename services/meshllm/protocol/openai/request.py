@@ -5,7 +5,7 @@ Validation follows OpenAI's documented ranges (temperature 0..2, penalties
 listed in `TextRequest.ignored` (refused when unknown under `strict`,
 `meshllm.protocol.openai.extensions`); a known field with the wrong type or an out-of-range value is an
 InvalidArgument whose `param` names it. Engine-level pieces
-(`SamplingOptions`, `StopConditions`) come out ready for `GenerateRequest`;
+(`SamplingSettings`, `StopSettings`) come out ready for `TokenRequest`;
 `max_tokens` is settled later, when the prompt length and the model's
 context length are known.
 """
@@ -28,7 +28,7 @@ from meshllm.protocol.openai.extensions import (
     structured_outputs,
     tool_choice,
 )
-from meshllm.protocol.types import GuidedDecoding, SamplingOptions, StopConditions
+from meshllm.protocol.types import GuidedSettings, SamplingSettings, StopSettings
 from meshllm.protocol.validate import (
     FLOAT_RANGES,
     MAX_COUNT,
@@ -62,8 +62,8 @@ class TextRequest:
     include_usage: bool = False
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
-    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions())
-    stop_conditions: StopConditions = field(default_factory=lambda: StopConditions())
+    sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings())
+    stop_conditions: StopSettings = field(default_factory=lambda: StopSettings())
     logprobs: int | None = None  # alternatives per token; None = no logprobs
     prompt_logprobs: int | None = None  # vLLM extension: alternatives per prompt token; None = none
     echo: bool = False
@@ -161,9 +161,9 @@ def _token_ids(value: Any, param: str) -> list[int]:
     return value
 
 
-def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
-    """response_format (OpenAI) or the guided_* extensions (vLLM) → one GuidedDecoding."""
-    kinds: list[GuidedDecoding] = []
+def _guided(body: Mapping[str, Any]) -> GuidedSettings | None:
+    """response_format (OpenAI) or the guided_* extensions (vLLM) → one GuidedSettings."""
+    kinds: list[GuidedSettings] = []
     rf = _object(body, "response_format")
     if rf is not None:
         t = rf.get("type")
@@ -200,7 +200,7 @@ def _guided(body: Mapping[str, Any]) -> GuidedDecoding | None:
 
 def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
     """The fields chat and completions share."""
-    sampling = SamplingOptions()
+    sampling = SamplingSettings()
     for key in FLOAT_RANGES:
         if (f := _float(body, key)) is not None:
             sampling[key] = f  # type: ignore[literal-required]
@@ -214,7 +214,7 @@ def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
 
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_key, 1, MAX_COUNT)
-    stop_conditions = StopConditions()
+    stop_conditions = StopSettings()
     if (min_tokens := _int(body, "min_tokens", 0, MAX_COUNT)) is not None:
         if max_tokens is not None and min_tokens > max_tokens:
             raise _bad("min_tokens", f"{min_tokens} is greater than {max_key} ({max_tokens})")

@@ -9,7 +9,7 @@ from typing import Any
 
 from meshllm.engine.base import Context, EngineConfig
 from meshllm.errors import InvalidArgument
-from meshllm.protocol.types import FINISH_REASONS, GenerateChunk
+from meshllm.protocol.types import FINISH_REASONS, TokenChunk
 from meshllm.testing.conformance.kit import (
     Clause,
     EngineFactory,
@@ -118,7 +118,7 @@ async def check_cancellation(factory: EngineFactory, p: _Probe) -> None:
         req = p.request(max_tokens=p.options.long_max_tokens, ignore_eos=True)
         context = Context(req["request_id"])
         it = engine.generate(req, context)
-        chunks: list[GenerateChunk] = []
+        chunks: list[TokenChunk] = []
         try:
             first = await p.call("generate() before the first chunk", anext(aiter(it)))
             chunks.append(first)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshllm.engine.base import Context, LLMEngine, LoadMetrics, WorkerConfig
-from meshllm.protocol.types import GenerateChunk, GenerateRequest
+from meshllm.protocol.types import TokenChunk, TokenRequest
 
 EngineFactory = Callable[[], Awaitable[LLMEngine]]
 
@@ -102,7 +102,7 @@ class RecordingSink:
 class Stream:
     """Every chunk one generate call produced, split at its first terminal chunk."""
 
-    chunks: list[GenerateChunk] = field(default_factory=list)
+    chunks: list[TokenChunk] = field(default_factory=list)
     ended: bool = False  # the iterator was exhausted (not just abandoned)
 
     @property
@@ -110,7 +110,7 @@ class Stream:
         return next((i for i, c in enumerate(self.chunks) if c.get("finish_reason")), None)
 
     @property
-    def terminal(self) -> GenerateChunk | None:
+    def terminal(self) -> TokenChunk | None:
         i = self.terminal_index
         return None if i is None else self.chunks[i]
 
@@ -127,7 +127,7 @@ class Stream:
         return [t for c in upto for t in c.get("token_ids", ())]
 
     @property
-    def after_terminal(self) -> list[GenerateChunk]:
+    def after_terminal(self) -> list[TokenChunk]:
         i = self.terminal_index
         return [] if i is None else self.chunks[i + 1 :]
 
@@ -174,9 +174,9 @@ class _Probe:
         except Exception as exc:
             raise self.fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
-    def request(self, *, prompt: Sequence[int] | None = None, **stop: Any) -> GenerateRequest:
+    def request(self, *, prompt: Sequence[int] | None = None, **stop: Any) -> TokenRequest:
         self._n += 1
-        req: GenerateRequest = {
+        req: TokenRequest = {
             "request_id": f"conformance-{self.clause}-{self._n}",
             "token_ids": list(self.options.prompt if prompt is None else prompt),
             "sampling": {"temperature": 0.0, "seed": 0},
@@ -185,7 +185,7 @@ class _Probe:
             req["stop"] = stop  # type: ignore[typeddict-item]
         return req
 
-    async def stream(self, engine: LLMEngine, request: GenerateRequest, *, to_end: bool = False) -> Stream:
+    async def stream(self, engine: LLMEngine, request: TokenRequest, *, to_end: bool = False) -> Stream:
         """Run one request; read to its terminal chunk (to the iterator's end if `to_end`)."""
         out = Stream()
         it = engine.generate(request, Context(request["request_id"]))
@@ -241,7 +241,7 @@ async def _close(it: Any) -> None:
             pass
 
 
-def _require_terminal(p: _Probe, s: Stream, what: str) -> GenerateChunk:
+def _require_terminal(p: _Probe, s: Stream, what: str) -> TokenChunk:
     terminal = s.terminal
     if terminal is None:
         raise p.fail(f"{what}: the stream ended after {len(s.chunks)} chunk(s) without a terminal chunk")
