@@ -428,14 +428,14 @@ def render(rows: list[Row], setup: Setup, repeats: int) -> tuple[str, dict[str, 
 
 `.venv/bin/python bench/routing.py` ({machine()}; {versions("grpcio", "protobuf", "xxhash")}):
 {setup.workers} mocker workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}; fresh
-workers per run; embedded RouterCore (default `kv` weights: --kv-overlap-weight 1, --kv-capacity-weight 1), real
-gRPC to the workers; `docs-http` goes through `meshllm run` instead (see its part). Each scenario states its date,
-its repeats and the 1-minute load average during its runs: every row is run that many times, the modes of a
-cache size interleaved (kv, approximate, round-robin, … then again) so they share the machine's noise, and each
-figure is the median over the repeats; "p90 range" is the lowest–highest TTFT p90 of the repeats. "vs rr" is the
-median hit rate and TTFT p90 against round-robin's in the same scenario and cache size: a hit ratio below 1.0×
-or a TTFT ratio above 1.0× favours round-robin. Each part first sets `kv` beside round-robin at p50, p90 and
-p99, whichever wins.
+workers per run; embedded RouterCore (default `kv` weights: --kv-overlap-weight 1, --kv-capacity-weight 1,
+--kv-wait-weight 1), real gRPC to the workers; `docs-http` goes through `meshllm run` instead (see its part).
+Each scenario states its date, its repeats and the 1-minute load average during its runs: every row is run that
+many times, the modes of a cache size interleaved (kv, approximate, round-robin, … then again) so they share the
+machine's noise, and each figure is the median over the repeats; "p90 range" is the lowest–highest TTFT p90 of
+the repeats. "vs rr" is the median hit rate and TTFT p90 against round-robin's in the same scenario and cache
+size: a hit ratio below 1.0× or a TTFT ratio above 1.0× favours round-robin. Each part first sets `kv` beside
+round-robin at p50, p90 and p99, whichever wins.
 """
     parts: dict[str, str] = {}
     for name in dict.fromkeys(r.scenario.name for r in rows):
@@ -538,9 +538,10 @@ def skew(group: list[Row], factor: float = 1.5) -> str:
     return f"Uneven spread (a worker got ≥ {factor:g}× an even share in the first run): " + "; ".join(found) + "."
 
 
-FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, and what the request
-would do to its cache: the pressure of adding the request's new blocks to a fuller cache and the reused
-blocks it would have to evict (docs/routing.md); `approximate` does the same from what it routed (no
+FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, what the request
+would do to its cache (the pressure of adding the request's new blocks to a fuller cache and the reused
+blocks it would have to evict) and the wait behind a busy worker's running requests (1.5 of its measured
+steps, in prefill blocks; docs/routing.md); `approximate` does the same from what it routed (no
 events). Round-robin, random and least-loaded ignore the cache. `docs-seq` and `docs-http` send their
 requests one after another, so no request queues behind another.
 """

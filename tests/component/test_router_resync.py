@@ -111,10 +111,15 @@ async def test_restarting_the_router_under_load_recovers_the_hit_rate_within_5_s
 
         tasks = [asyncio.create_task(load(s)) for s in range(4)]
         try:
-            await wait_for(lambda: len(results) >= 120, 30.0, "warm-up traffic")
-            warm = results[-60:]
-            warm_rate = sum(c for _, _, c in warm) / sum(p for _, p, _ in warm)
-            assert warm_rate > 0.8, warm_rate
+
+            def recent_rate() -> float:
+                warm = results[-60:]
+                return sum(c for _, _, c in warm) / sum(p for _, p, _ in warm)
+
+            # Warm: the last 60 requests hit above 80 % (while the router copies groups to idle workers, to save
+            # the wait behind busy ones, the first requests miss more).
+            await wait_for(lambda: len(results) >= 120 and recent_rate() > 0.8, 30.0, "warm-up traffic")
+            warm_rate = recent_rate()
             await m.close_router(router)
             restart = time.monotonic()
             # the new router takes traffic at once, before its snapshots are in

@@ -155,3 +155,28 @@ def test_a_busy_worker_loses_despite_caching_the_prompt() -> None:
     a.decode_blocks, a.queued_prefill_tokens = 50, 0  # idle again: the cached prompt wins
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
     assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "a"
+
+
+def test_the_wait_behind_a_busy_worker_is_charged_times_the_wait_weight() -> None:
+    a, b = cands(("a", 64, 16, 66), ("b", 0, 65 * 16, 65))
+    a.wait_blocks = 150.0  # 1.5 steps of 25 ms at 0.25 ms per prefill block
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    assert a.cost == pytest.approx(1 + 66 + 150) and b.cost == pytest.approx(65 + 65)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=0.5)
+    assert a.cost == pytest.approx(1 + 66 + 75)
+
+
+def test_a_cache_hit_on_a_busy_worker_loses_when_the_wait_costs_more_than_recomputing_elsewhere() -> None:
+    # a caches 64 of 65 blocks but runs another request; b is idle and caches nothing.
+    a, b = cands(("a", 64, 16, 66), ("b", 0, 65 * 16, 65))
+    pick = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    assert pick([a, b], "m").worker_id == "a"  # wait unknown (0): the hit wins, as without the term
+    a.wait_blocks = 150.0  # waiting 37.5 ms costs more than 64 blocks of prefill (16 ms)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    assert pick([a, b], "m").worker_id == "b"
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=0.0)
+    assert pick([a, b], "m").worker_id == "a"
+    a.wait_blocks = 40.0  # a short wait (10 ms) is worth the 64 blocks it saves
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    assert pick([a, b], "m").worker_id == "a"

@@ -72,6 +72,7 @@ class RouterConfig:
     temperature: float = 0.0
     overlap_weight: float = 1.0
     capacity_weight: float = 1.0
+    wait_weight: float = 1.0
     ttl_s: float = 120.0
     migration_limit: int = 3
     disagg_min_prompt_tokens: int = 0
@@ -102,6 +103,7 @@ class RouterConfig:
             ("--router-temperature", self.temperature),
             ("--kv-overlap-weight", self.overlap_weight),
             ("--kv-capacity-weight", self.capacity_weight),
+            ("--kv-wait-weight", self.wait_weight),
         )
         for name, value in weights:
             if not math.isfinite(value) or value < 0:
@@ -157,6 +159,7 @@ class RouterConfig:
             temperature=ns.router_temperature,
             overlap_weight=ns.kv_overlap_weight,
             capacity_weight=ns.kv_capacity_weight,
+            wait_weight=ns.kv_wait_weight,
             ttl_s=ns.router_ttl,
             migration_limit=ns.migration_limit,
             disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
@@ -201,6 +204,12 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
         type=float,
         default=1.0,
         help="weight of cache pressure and evicted reused blocks in the kv cost (0 = ignore cache capacity)",
+    )
+    g.add_argument(
+        "--kv-wait-weight",
+        type=float,
+        default=1.0,
+        help="weight of the measured wait behind a busy worker's running requests in the kv cost (0 = ignore it)",
     )
     g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
     g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")

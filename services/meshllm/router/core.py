@@ -43,6 +43,7 @@ from meshllm.router.policy import Candidate, make_policy, score
 from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.stream import serve
 from meshllm.router.sync import ReplicaSync
+from meshllm.router.timing import WorkerTimes, wait_blocks
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
 from meshllm.v1 import discovery_pb2, router_pb2
 from meshllm.worker.client import WorkerClient
@@ -67,6 +68,8 @@ class Decision:
     prompt_blocks: int
     overlap_weight: float = 0.0
     capacity_weight: float = 0.0
+    wait_weight: float = 0.0
+    block_ms: float = 0.0  # the model's measured prefill time per block (0 = unknown)
 
     def to_proto(self) -> router_pb2.RouteDecision:
         c = self.chosen
@@ -74,13 +77,14 @@ class Decision:
             worker_id=c.worker_id, dp_rank=c.dp_rank, address=c.address, role=self.role,  # type: ignore[arg-type]
             policy=self.policy, prompt_blocks=self.prompt_blocks, block_size=self.block_size,
             overlap_weight=self.overlap_weight, capacity_weight=self.capacity_weight,
+            wait_weight=self.wait_weight, prefill_ms_per_block=self.block_ms,
             candidates=[
                 router_pb2.CandidateScore(
                     worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,
                     prefill_tokens=k.prefill_tokens, decode_blocks=k.decode_blocks, cost=k.cost, address=k.address,
                     queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, total_blocks=k.total_blocks,
                     resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
-                    pressure=k.pressure,
+                    pressure=k.pressure, step_ms=k.step_ms, wait_blocks=k.wait_blocks,
                 )
                 for k in self.candidates
             ],
@@ -122,6 +126,7 @@ class RouterCore(AsyncCloseable):
         self.load = LoadTracker()
         self.inflight = PredictedIndex()
         self.approx = RoutedCache(ttl_s=config.ttl_s)
+        self.times = WorkerTimes()
         workers = tuple(static_workers) if static_workers is not None else config.static_workers
         self.pool = WorkerPool(
             discovery, channels, static_workers=workers, model_name=config.model_name,
@@ -157,6 +162,7 @@ class RouterCore(AsyncCloseable):
         self.load.remove_worker(worker.id)
         self.inflight.remove_worker(worker.id)
         self.approx.remove_worker(worker.id)
+        self.times.remove_worker(worker.id)
         self.metrics.workers.set(len(self.pool.all()))
 
     async def _housekeeping(self) -> None:
@@ -321,6 +327,7 @@ class RouterCore(AsyncCloseable):
         request_blocks = -(-len(tokens) // bs)
         cache = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
         prompt = set(hashes)
+        block_ms = self.times.block_ms(model, bs)
         cands = []
         for w, r in keys:
             key = (w.id, r)
@@ -332,17 +339,25 @@ class RouterCore(AsyncCloseable):
             cache.set_total(key, self._total_blocks(w, load))
             new = max(0, len(hashes) - ov)
             room = cache.capacity(key, prompt, new, pending=-(-load.queued_prefill_tokens // bs))
+            step_ms = self.times.step_ms(key)
             # Decode load once this request runs there: its blocks the worker does not cache are added.
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
                 prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks + request_blocks - ov,
                 queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=room.resident,
                 total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
+                step_ms=step_ms, wait_blocks=wait_blocks(load.in_flight, step_ms, block_ms),
             ))  # fmt: skip
-        score(cands, block_size=bs, overlap_weight=self.config.overlap_weight, capacity_weight=self.config.capacity_weight)
-        chosen = self.policy.pick(cands, f"{model}/{role}")
         cfg = self.config
-        return Decision(chosen, cands, role, self.policy.name, bs, len(hashes), cfg.overlap_weight, cfg.capacity_weight)
+        score(
+            cands, block_size=bs, overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight,
+            wait_weight=cfg.wait_weight,
+        )  # fmt: skip
+        chosen = self.policy.pick(cands, f"{model}/{role}")
+        return Decision(
+            chosen, cands, role, self.policy.name, bs, len(hashes), cfg.overlap_weight, cfg.capacity_weight,
+            cfg.wait_weight, block_ms,
+        )  # fmt: skip
 
     @staticmethod
     def _total_blocks(w: PoolWorker, load: SlotLoad) -> int:

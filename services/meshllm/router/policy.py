@@ -5,8 +5,10 @@ policy, so `Router.Route` can always explain a decision:
 
     prefill_blocks = (prompt tokens it must compute + its queued prefill tokens) / block size
     pressure       = new_blocks × resident_blocks / total_blocks
+    wait_blocks    = 1.5 × step_ms / block_ms   if requests are in flight on it, else 0
     cost           = overlap_weight × prefill_blocks + decode_blocks
                      + capacity_weight × (pressure + evicted_hot_blocks)
+                     + wait_weight × wait_blocks
 
 - `new_blocks`: prompt blocks the worker would add to its cache (those it
   does not hold); `resident_blocks`: what its cache holds now, counting the
@@ -27,6 +29,15 @@ policy, so `Router.Route` can always explain a decision:
 - `decode_blocks` (active KV blocks once the request runs there) and the
   queued prefill tokens are load: a busy worker loses even when it holds the
   prefix, as soon as its backlog outweighs the blocks it would save.
+- `wait_blocks`: the time a request waits on a worker that is running
+  others, in the unit of the prefill terms (`meshllm.router.timing`): the
+  rest of the step in progress plus the step it shares with the running
+  sequences (1.5 steps), over the time of one prefill block. `step_ms` is
+  the worker's step time and `block_ms` the model's prefill time per block,
+  both measured by the router from the streams it proxies; 0 while either is
+  unknown. A cache hit saves `overlap` blocks of prefill; it is worth
+  waiting for only when that saving exceeds the wait (plus what the other
+  worker would pay in cache capacity).
 
 Where the peers stop: Dynamo's selector is the first line alone (overlap and
 load, no capacity), so a shared first block decides where new prefixes go;
@@ -89,6 +100,8 @@ class Candidate:
     total_blocks: int = 0  # capacity; 0 = unknown (no capacity terms)
     new_blocks: int = 0  # prompt blocks it would add to its cache
     evicted_hot_blocks: int = 0  # reused blocks it would evict to make room
+    step_ms: float = 0.0  # its measured step time (0 = not measured yet)
+    wait_blocks: float = 0.0  # expected wait behind its running requests, in prefill blocks
     pressure: float = 0.0  # new_blocks × cached_blocks / total_blocks (filled in by `score`)
     cost: float = 0.0
 
@@ -97,14 +110,21 @@ class Candidate:
         return (self.worker_id, self.dp_rank)
 
 
-def score(candidates: Sequence[Candidate], *, block_size: int, overlap_weight: float, capacity_weight: float = 0.0) -> None:
-    """Fill in each candidate's pressure and cost (the formula of the module docstring)."""
+def score(
+    candidates: Sequence[Candidate],
+    *,
+    block_size: int,
+    overlap_weight: float,
+    capacity_weight: float = 0.0,
+    wait_weight: float = 0.0,
+) -> None:
+    """Fill in each candidate's pressure and cost (the formula of the module docstring; `wait_blocks` is given)."""
     bs = max(block_size, 1)
     for c in candidates:
         prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs
         c.pressure = c.new_blocks * min(c.cached_blocks, c.total_blocks) / c.total_blocks if c.total_blocks > 0 else 0.0
         capacity = capacity_weight * (c.pressure + c.evicted_hot_blocks) if c.total_blocks > 0 else 0.0
-        c.cost = overlap_weight * prefill_blocks + c.decode_blocks + capacity
+        c.cost = overlap_weight * prefill_blocks + c.decode_blocks + capacity + wait_weight * c.wait_blocks
 
 
 def _tie_key(c: Candidate) -> tuple[float, int, int, int, str, int]:

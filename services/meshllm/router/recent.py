@@ -43,6 +43,8 @@ def decision_dict(d: Decision) -> dict[str, Any]:
         "prompt_blocks": d.prompt_blocks,
         "overlap_weight": d.overlap_weight,
         "capacity_weight": d.capacity_weight,
+        "wait_weight": d.wait_weight,
+        "prefill_ms_per_block": round(d.block_ms, 4),
         "candidates": [
             {
                 "worker_id": c.worker_id,
@@ -57,6 +59,8 @@ def decision_dict(d: Decision) -> dict[str, Any]:
                 "new_blocks": c.new_blocks,
                 "evicted_hot_blocks": c.evicted_hot_blocks,
                 "pressure": round(c.pressure, 3),
+                "step_ms": round(c.step_ms, 3),
+                "wait_blocks": round(c.wait_blocks, 3),
                 "cost": round(c.cost, 3),
                 "chosen": c is d.chosen,
             }

@@ -135,6 +135,7 @@ async def _leg(
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
     blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
     now = time.monotonic()
+    idle = core.load.get(key).in_flight == 0  # nothing to wait for there: its time to first token is prefill
     core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=time.time())
     core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
     entry = None
@@ -151,6 +152,8 @@ async def _leg(
         req["routing"] = {**req.get("routing", {}), "dp_rank": cand.dp_rank}
     state.current_worker = cand.worker_id
     prefilled = prefill_tokens == 0
+    first = last = 0.0
+    later_tokens = 0  # tokens after the first chunk: one per step of the worker
     try:
         async with aclosing(core.client(cand.address).generate(req, call=call)) as stream:  # type: ignore[type-var]
             async for chunk in stream:
@@ -158,8 +161,18 @@ async def _leg(
                     prefilled = True
                     core.load.prefill_done(core.id, leg_id)
                     core.sync.prefill_done(leg_id, key)
+                if chunk.get("token_ids"):
+                    last = time.monotonic()
+                    if not first:
+                        first = last
+                        if idle and kind != "decode":
+                            core.times.prefill(req["model"], cand.prefill_tokens, (first - now) * 1000)
+                    else:
+                        later_tokens += len(chunk["token_ids"])
                 yield chunk
     finally:
+        if later_tokens:
+            core.times.step(key, (last - first) * 1000 / later_tokens)
         core.load.complete(core.id, leg_id)
         core.sync.completed(leg_id, key)
         if entry is not None:

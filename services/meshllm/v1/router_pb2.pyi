@@ -23,7 +23,7 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., routing: _Optional[_Union[_generate_pb2.RoutingHints, _Mapping]] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure")
+    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure", "step_ms", "wait_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class CandidateScore(_message.Message):
     NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_HOT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     overlap_blocks: int
@@ -52,10 +54,12 @@ class CandidateScore(_message.Message):
     new_blocks: int
     evicted_hot_blocks: int
     pressure: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ...) -> None: ...
+    step_ms: float
+    wait_blocks: float
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ..., step_ms: _Optional[float] = ..., wait_blocks: _Optional[float] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight")
+    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +70,8 @@ class RouteDecision(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     address: str
@@ -76,7 +82,9 @@ class RouteDecision(_message.Message):
     block_size: int
     overlap_weight: float
     capacity_weight: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ...) -> None: ...
+    wait_weight: float
+    prefill_ms_per_block: float
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)

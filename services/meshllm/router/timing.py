@@ -1,0 +1,112 @@
+"""How long workers take, as the router measures it from the streams it proxies.
+
+A cache hit saves prefill time; joining a busy worker costs waiting time.
+The `kv` cost counts the first in prefill blocks, so the second must be
+priced in the same unit. Two figures, both measured from the legs the
+router runs (no engine cooperation, any engine):
+
+- **step time** of a worker: the time between its streams' tokens after
+  the first (a continuous-batching engine emits one token per running
+  sequence per step). Each finished leg with tokens after its first chunk
+  gives one sample: (last chunk − first chunk) / tokens after the first
+  chunk (a coalesced chunk of n tokens covers n steps); kept as an
+  exponential moving average per (worker, dp rank).
+- **prefill time per block** of a model: the slope of time to first token
+  against prompt tokens computed, over legs that started on an idle worker
+  (nothing in flight there: nothing to wait for, so their time to first
+  token is prefill plus a constant overhead). An exponentially weighted
+  least-squares fit; unknown until enough samples of different lengths
+  were seen (a constant prompt length gives no slope).
+
+`wait_blocks(step, per_block)`: a request sent to a worker that is running
+others waits for the step in progress (half a step on average) and then
+shares its first step with the running sequences (one more step's time on
+top of its own prefill): 1.5 steps, divided by the time of one prefill block.
+0 when either figure is unknown or nothing is in flight there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.router.kv_index import SlotKey
+
+__all__ = ["BUSY_STEPS", "PrefillFit", "WorkerTimes", "wait_blocks"]
+
+BUSY_STEPS = 1.5  # the rest of the step in progress (half on average) + the step the request shares
+STEP_ALPHA = 0.2  # weight of a new step-time sample
+FIT_DECAY = 0.98  # weight kept by older prefill samples per new one (about the last 50 count)
+MIN_FIT_SAMPLES = 4  # samples before the prefill slope is trusted
+MIN_FIT_SPREAD_TOKENS = 16.0  # standard deviation of the prompt lengths fitted, in tokens
+
+
+@dataclass(slots=True)
+class PrefillFit:
+    """Exponentially weighted least squares of time to first token (ms) against prefill tokens."""
+
+    n: int = 0
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, tokens: int, ttft_ms: float) -> None:
+        d = FIT_DECAY
+        self.n += 1
+        self.w = self.w * d + 1.0
+        self.x = self.x * d + tokens
+        self.y = self.y * d + ttft_ms
+        self.xx = self.xx * d + tokens * tokens
+        self.xy = self.xy * d + tokens * ttft_ms
+
+    @property
+    def ms_per_token(self) -> float:
+        """The fitted slope; 0 while unknown (too few samples, too little spread, or not positive)."""
+        if self.n < MIN_FIT_SAMPLES:
+            return 0.0
+        var = self.xx / self.w - (self.x / self.w) ** 2
+        if var < MIN_FIT_SPREAD_TOKENS**2:
+            return 0.0
+        slope = (self.xy / self.w - (self.x / self.w) * (self.y / self.w)) / var
+        return slope if slope > 0 else 0.0
+
+
+class WorkerTimes:
+    """Step time per (worker, dp rank) and prefill time per token per model (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._step_ms: dict[SlotKey, float] = {}
+        self._prefill: dict[str, PrefillFit] = {}
+
+    def step(self, key: SlotKey, ms_per_token: float) -> None:
+        """One leg's mean time between tokens after its first chunk."""
+        old = self._step_ms.get(key)
+        self._step_ms[key] = ms_per_token if old is None else old + STEP_ALPHA * (ms_per_token - old)
+
+    def prefill(self, model: str, tokens: int, ttft_ms: float) -> None:
+        """One leg that started on an idle worker: `tokens` computed, first token after `ttft_ms`."""
+        fit = self._prefill.get(model)
+        if fit is None:
+            fit = self._prefill[model] = PrefillFit()
+        fit.add(tokens, ttft_ms)
+
+    def step_ms(self, key: SlotKey) -> float:
+        """The worker's measured step time (0 = not measured yet)."""
+        return self._step_ms.get(key, 0.0)
+
+    def block_ms(self, model: str, block_size: int) -> float:
+        """Prefill time of one block of `model` (0 = not known yet)."""
+        fit = self._prefill.get(model)
+        return fit.ms_per_token * block_size if fit is not None else 0.0
+
+    def remove_worker(self, worker_id: str) -> None:
+        for key in [k for k in self._step_ms if k[0] == worker_id]:
+            del self._step_ms[key]
+
+
+def wait_blocks(in_flight: int, step_ms: float, block_ms: float) -> float:
+    """The expected wait on a worker running `in_flight` requests, in prefill blocks (0 when unknown or idle)."""
+    if in_flight <= 0 or step_ms <= 0 or block_ms <= 0:
+        return 0.0
+    return BUSY_STEPS * step_ms / block_ms
