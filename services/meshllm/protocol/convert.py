@@ -10,7 +10,7 @@ lossless for every field the protos define.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -175,10 +175,15 @@ def request_from_proto(m: pb.GenerateRequest) -> TokenRequest:
 # `*_into_proto(m, x)` fills the (empty) sub-message `m` of a parent in place; `*_from_proto(m)` reads one.
 
 
+def _set_present(m: Any, d: Mapping[str, Any], keys: Iterable[str]) -> None:
+    """Copy the keys of `keys` that `d` holds onto the message's fields of the same names."""
+    for k in keys:
+        if k in d:
+            setattr(m, k, d[k])
+
+
 def sampling_into_proto(m: pb.SamplingOptions, s: SamplingSettings) -> None:
-    for k in _SAMPLING:
-        if k in s:
-            setattr(m, k, s[k])  # type: ignore[literal-required]
+    _set_present(m, s, _SAMPLING)
     if g := s.get("guided"):
         guided_into_proto(m.guided, g)
 
@@ -191,9 +196,7 @@ def sampling_from_proto(m: pb.SamplingOptions) -> SamplingSettings:
 
 
 def guided_into_proto(m: pb.GuidedDecoding, g: GuidedSettings) -> None:
-    for k in _GUIDED:
-        if k in g:
-            setattr(m, k, g[k])  # type: ignore[literal-required]
+    _set_present(m, g, _GUIDED)
     if "choice" in g:
         m.choice.values.extend(g["choice"])
 
@@ -242,9 +245,7 @@ def output_from_proto(m: pb.OutputOptions) -> OutputSettings:
 
 
 def hints_into_proto(m: pb.RoutingHints, h: RouteHints) -> None:
-    for k in _HINTS_OPT:
-        if k in h:
-            setattr(m, k, h[k])  # type: ignore[literal-required]
+    _set_present(m, h, _HINTS_OPT)
     m.lora_name = h.get("lora_name", "")
     m.priority = h.get("priority", 0)
     m.allowed_worker_ids.extend(h.get("allowed_worker_ids", ()))
