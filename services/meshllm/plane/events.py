@@ -204,6 +204,25 @@ class EventBus(AsyncCloseable, abc.ABC):
     def _count_drop(self) -> None:
         self.dropped += 1
 
+    def _open_subscription(
+        self, subject: str, message_type: type[M], *, max_pending: int, broker: MemoryBroker | None = None
+    ) -> Subscription[M]:
+        """A new subscription of this handle (and of `broker`, which delivers to it), forgotten when it closes."""
+        check_subject(subject, wildcards=True)
+        self._ensure_open()
+        sub: Subscription[M]
+
+        async def unregister() -> None:
+            if broker is not None:
+                broker.discard(sub)
+            self._subscriptions.discard(sub)
+
+        sub = Subscription(subject, message_type, max_pending=max_pending, on_close=unregister, on_drop=self._count_drop)
+        if broker is not None:
+            broker.add(sub)
+        self._subscriptions.add(sub)
+        return sub
+
     def _ensure_open(self) -> None:
         if self.closed:
             raise Unavailable("the event bus is closed")
@@ -262,20 +281,7 @@ class MemoryEventBus(EventBus):
         return None
 
     async def subscribe(self, subject: str, message_type: type[M]) -> Subscription[M]:
-        check_subject(subject, wildcards=True)
-        self._ensure_open()
-        sub: Subscription[M]
-
-        async def unregister() -> None:
-            self.broker.discard(sub)
-            self._subscriptions.discard(sub)
-
-        sub = Subscription(
-            subject, message_type, max_pending=self.broker.max_pending, on_close=unregister, on_drop=self._count_drop
-        )
-        self.broker.add(sub)
-        self._subscriptions.add(sub)
-        return sub
+        return self._open_subscription(subject, message_type, max_pending=self.broker.max_pending, broker=self.broker)
 
     async def _aclose(self) -> None:
         await self._close_subscriptions()
@@ -291,16 +297,7 @@ class NullEventBus(EventBus):
         return None
 
     async def subscribe(self, subject: str, message_type: type[M]) -> Subscription[M]:
-        check_subject(subject, wildcards=True)
-        self._ensure_open()
-        sub: Subscription[M]
-
-        async def unregister() -> None:
-            self._subscriptions.discard(sub)
-
-        sub = Subscription(subject, message_type, max_pending=1, on_close=unregister)
-        self._subscriptions.add(sub)
-        return sub
+        return self._open_subscription(subject, message_type, max_pending=1)  # nothing is ever delivered
 
     async def _aclose(self) -> None:
         await self._close_subscriptions()
