@@ -262,3 +262,26 @@ def test_no_script_prints_a_fixed_claim_about_its_run(script: str) -> None:
 
 def test_the_fixed_claims_check_can_fail() -> None:
     assert re.search("|".join(map(re.escape, FIXED_CLAIMS)), "(1-minute load 1.6: other jobs shared the machine)")
+
+
+def _procs_row(rps: float, front: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"req_per_s": rps, "errors": 0, "cpu_ms": {"frontend": front, "worker 1": 0.5, "nats": 0.1}}
+    for key in ("ttft", "itl"):
+        row |= {f"{key}_p50_ms": 10.0, f"{key}_p90_ms": 20.0, f"{key}_p99_ms": 30.0}
+    return row
+
+
+def test_frontend_processes_report_ratios_to_one_process_with_the_tail_and_the_repeats() -> None:
+    procs = load("frontend_procs")
+    load_spec = load("mesh_load").Load()
+    rows = {
+        (1000.0, 1): [_procs_row(700.0, 1.3), _procs_row(720.0, 1.2)],
+        (1000.0, 2): [_procs_row(630.0, 1.6), _procs_row(650.0, 1.7)],
+    }
+    text = procs.section(rows, ["--repeats", "2"], 64, 480, 2, load_spec, QUIET)
+    two = next(line for line in text.splitlines() if line.startswith("| 1000 | 2 |"))
+    assert "640.0 (630.0–650.0)" in two and "0.90×" in two  # the median, its range, and against N=1's median
+    assert "10.0 / 20.0 / 30.0" in two and "1.65" in two
+    assert "--repeats 2" in text and "2 repeat(s)" in text
+    assert percentile_lines_complete(text) == []
+    assert NOISE not in text and NOISE in procs.section(rows, [], 64, 480, 2, load_spec, BUSY)
