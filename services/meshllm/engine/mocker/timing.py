@@ -61,7 +61,7 @@ def transfer_seconds(tokens: int, bytes_per_token: int, bandwidth_gbps: float, s
 
 
 class StepPacer:
-    """How long each simulated step waits so that busy steps follow the timing model on average (see above)."""
+    """When each simulated step ends, so that busy steps follow the timing model on average (see above)."""
 
     __slots__ = ("_due", "max_lag_s")
 
