@@ -66,6 +66,18 @@ class AsyncCloseable:
     async def aclose(self) -> None:
         await asyncio.shield(self.close_soon())
 
+    async def started(self, start: Awaitable[object]) -> Self:
+        """Await `start` (the object's start-up); if it fails, close what it opened and re-raise.
+
+        The one way every service's `start()` classmethod ends: `return await self.started(self._start(...))`.
+        """
+        try:
+            await start
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
     async def _aclose(self) -> None:
         raise NotImplementedError
 

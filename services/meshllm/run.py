@@ -221,12 +221,7 @@ class Mesh(AsyncCloseable):
     @classmethod
     async def start(cls, config: RunConfig, *, ready_timeout_s: float = 120.0) -> Mesh:
         self = cls(config)
-        try:
-            await self._start(ready_timeout_s)
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+        return await self.started(self._start(ready_timeout_s))
 
     async def _start(self, ready_timeout_s: float) -> None:
         cfg = self.config

@@ -43,6 +43,31 @@ async def test_async_closeable_closes_once() -> None:
     assert Thing.closes == 1 and t.closed
 
 
+class _Service(AsyncCloseable):
+    def __init__(self) -> None:
+        self.closes = 0
+
+    async def _aclose(self) -> None:
+        self.closes += 1
+
+
+async def test_started_returns_the_object_or_closes_it_and_reraises() -> None:
+    """Locks the start-up rule of every service: a failed start closes what it opened, once, and re-raises."""
+
+    async def ok() -> None:
+        return None
+
+    async def broken() -> None:
+        raise RuntimeError("port taken")
+
+    good = _Service()
+    assert await good.started(ok()) is good and good.closes == 0 and not good.closed
+    bad = _Service()
+    with pytest.raises(RuntimeError, match="port taken"):
+        await bad.started(broken())
+    assert bad.closes == 1 and bad.closed
+
+
 def test_flags_default_to_their_meshllm_environment_variables() -> None:
     """Locks: --etcd-endpoints reads MESHLLM_ETCD_ENDPOINTS; a flag overrides it."""
     env = {"MESHLLM_ETCD_ENDPOINTS": "10.0.0.1:2379,10.0.0.2:2379", "MESHLLM_NAMESPACE": "prod"}

@@ -136,12 +136,7 @@ class Frontend(AsyncCloseable):
         """
         self = cls(config, local=local)
         self._plan_shutdown()
-        try:
-            await self._start(memory_store, memory_broker, upstream)
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+        return await self.started(self._start(memory_store, memory_broker, upstream))
 
     async def _start(self, store: MemoryStore | None, broker: MemoryBroker | None, upstream: Upstream | None) -> None:
         cfg = self.config

@@ -62,12 +62,7 @@ class RouterServer(AsyncCloseable):
         check_free_all([(host, config.server.port, "--port"), (host, config.metrics_port, "--metrics-port")])
         self = cls(config)
         self._plan_shutdown()
-        try:
-            await self._start(memory_store, memory_broker)
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+        return await self.started(self._start(memory_store, memory_broker))
 
     async def _start(self, memory_store: MemoryStore | None, memory_broker: MemoryBroker | None) -> None:
         cfg = self.config

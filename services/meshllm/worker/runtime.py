@@ -92,12 +92,7 @@ class Worker(AsyncCloseable):
         worker_id = config.instance_id or f"{config.engine}-{uuid.uuid4().hex[:12]}"
         self = cls(engine, config, worker_id)
         self._local = local
-        try:
-            await self._start(memory_store, memory_broker)
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
+        return await self.started(self._start(memory_store, memory_broker))
 
     async def _start(self, memory_store: MemoryStore | None, memory_broker: MemoryBroker | None) -> None:
         cfg = self.config
