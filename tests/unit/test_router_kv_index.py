@@ -221,3 +221,17 @@ def test_hot_victims_agrees_with_walking_the_eviction_order() -> None:
         k = rng.randrange(0, 45)
         victims = [h for h in m.blocks[s] if h not in keep][:k]
         assert m.hot_victims(s, k, keep) == sum(1 for h in victims if m.blocks[s][h]), (k, keep)
+
+
+def test_lower_tier_events_do_not_make_blocks_device_resident() -> None:
+    index = KvIndex()
+    index.add_worker("w1")
+    index.apply_snapshot(snapshot("w1", 0, {}))
+    host = stored(1, [10, 11])
+    host.stored.tier = events_pb2.KV_TIER_HOST
+    gone = removed(3, [1])
+    gone.removed.tier = events_pb2.KV_TIER_HOST  # the host copy left; the device copy stays
+    assert not index.apply_batch(batch("w1", host, stored(2, [1, 2]), gone))
+    assert index.last_event_id("w1") == 3
+    assert index.overlaps([1, 2], [("w1", 0)]) == {("w1", 0): 2}
+    assert index.overlaps([10, 11], [("w1", 0)]).get(("w1", 0), 0) == 0

@@ -59,3 +59,48 @@ async def test_a_snapshot_flushes_waiting_events_first() -> None:
     assert snap.last_event_id == 2
     assert [e.event_id for b in bus.published for e in b.events] == [1, 2]  # type: ignore[attr-defined]
     assert sink_mod.KV_FLUSH_INTERVAL_S > 0
+
+
+async def test_lower_tier_events_carry_their_tier_and_the_snapshot_keeps_tiers_apart() -> None:
+    from meshllm.engine.base import KvTier, LoadMetrics, TierUsage
+    from meshllm.v1 import events_pb2
+
+    bus = RecordingBus()
+    sink = WorkerSink("w1", bus, namespace="ns", component="backend")
+    sink.blocks_stored([(1, 11), (2, 12)], None)
+    sink.blocks_stored([(1, 11)], None, tier=KvTier.HOST)  # offloaded copy; the device copy stays
+    sink.blocks_stored([(3, 13)], 2, tier=KvTier.DISK)
+    sink.blocks_removed([2])  # evicted from the device only
+    snap = sink.snapshot()
+    events = [e for b in bus.published for e in b.events]  # type: ignore[attr-defined]
+    assert [(e.WhichOneof("data"), getattr(e, e.WhichOneof("data")).tier) for e in events] == [
+        ("stored", events_pb2.KV_TIER_DEVICE),
+        ("stored", events_pb2.KV_TIER_HOST),
+        ("stored", events_pb2.KV_TIER_DISK),
+        ("removed", events_pb2.KV_TIER_DEVICE),
+    ]
+    (rank,) = snap.ranks
+    assert [b.block_hash for b in rank.blocks] == [1]
+    assert {t.tier: [b.block_hash for b in t.blocks] for t in rank.lower_tiers} == {
+        events_pb2.KV_TIER_HOST: [1],
+        events_pb2.KV_TIER_DISK: [3],
+    }
+    assert (sink.block_count(), sink.block_count(KvTier.HOST), sink.block_count(KvTier.DISK)) == (1, 1, 1)
+
+    sink.all_cleared()  # every tier
+    snap = sink.snapshot()
+    assert not snap.ranks[0].blocks and not snap.ranks[0].lower_tiers
+
+    bus.published.clear()
+    usage = TierUsage(KvTier.HOST, blocks=4, bytes_used=4096, bytes_capacity=8192, block_bytes=1024, restore_bytes_per_s=1e9)
+    sink.load(LoadMetrics(active_blocks=1, total_blocks=8, waiting=0, running=1, tiers=(usage,)))
+    (load,) = [m for m in bus.published if isinstance(m, events_pb2.LoadSnapshot)]
+    (t,) = load.tiers
+    assert (t.tier, t.blocks, t.bytes_used, t.bytes_capacity, t.block_bytes, t.restore_bytes_per_s) == (
+        events_pb2.KV_TIER_HOST,
+        4,
+        4096,
+        8192,
+        1024,
+        1e9,
+    )

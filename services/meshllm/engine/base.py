@@ -45,10 +45,12 @@ __all__ = [
     "EngineSink",
     "FinishReason",
     "KvPull",
+    "KvTier",
     "KvTransfer",
     "LLMEngine",
     "LoadMetrics",
     "NullSink",
+    "TierUsage",
     "TokenChunk",
     "TokenRequest",
     "WorkerConfig",
@@ -94,9 +96,46 @@ class EngineConfig:
             raise ValueError("EngineConfig.data_parallel_size must be >= 1")
 
 
+class KvTier(enum.IntEnum):
+    """Where an engine keeps KV blocks (values of the `meshllm.v1.KvTier` proto enum).
+
+    DEVICE is the engine's working cache; HOST (memory) and DISK are lower
+    tiers holding blocks evicted from it, restored instead of recomputed. A
+    block may sit in several tiers at once; the engine reports each tier's set
+    on its own (`EngineSink.blocks_stored(..., tier=)`), so a block moving from
+    DEVICE to HOST is *stored* in HOST and *removed* from DEVICE.
+    """
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """What one lower tier holds and costs, reported in `LoadMetrics.tiers`.
+
+    `bytes_used` never exceeds `bytes_capacity` (the tier's budget).
+    `restore_bytes_per_s` is how fast blocks come back into the device cache
+    (measured, or the engine's model of it); 0 when unknown. Routers turn
+    `block_bytes / restore_bytes_per_s` into a restore cost per block.
+    """
+
+    tier: KvTier
+    blocks: int
+    bytes_used: int
+    bytes_capacity: int
+    block_bytes: int = 0
+    restore_bytes_per_s: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class LoadMetrics:
-    """A load sample an engine reports through `EngineSink.load`."""
+    """A load sample an engine reports through `EngineSink.load`.
+
+    `total_blocks`/`active_blocks` describe the device tier; `tiers` has one
+    `TierUsage` per lower tier the engine keeps (empty without).
+    """
 
     active_blocks: int
     total_blocks: int
@@ -104,6 +143,7 @@ class LoadMetrics:
     running: int
     queued_prefill_tokens: int = 0
     dp_rank: int = 0
+    tiers: tuple[TierUsage, ...] = ()
 
 
 class EngineSink(Protocol):
@@ -114,14 +154,20 @@ class EngineSink(Protocol):
     from `meshllm.protocol.kv` so routers can match them against prompts.
     """
 
-    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
-        """Full blocks `(block_hash, tokens_hash)` became resident, chained after `parent_hash`."""
+    def blocks_stored(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None,
+        dp_rank: int = 0,
+        tier: KvTier = KvTier.DEVICE,
+    ) -> None:
+        """Full blocks `(block_hash, tokens_hash)` entered `tier`, chained after `parent_hash`."""
 
-    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
-        """Blocks left the cache."""
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0, tier: KvTier = KvTier.DEVICE) -> None:
+        """Blocks left `tier` (other tiers may still hold them)."""
 
     def all_cleared(self, dp_rank: int = 0) -> None:
-        """The whole cache was dropped."""
+        """The whole cache, every tier, was dropped."""
 
     def load(self, metrics: LoadMetrics) -> None:
         """The latest load; the worker publishes at most every 100 ms."""
@@ -130,10 +176,16 @@ class EngineSink(Protocol):
 class NullSink:
     """An EngineSink that drops everything (engines used outside a worker)."""
 
-    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
+    def blocks_stored(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None,
+        dp_rank: int = 0,
+        tier: KvTier = KvTier.DEVICE,
+    ) -> None:
         pass
 
-    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0, tier: KvTier = KvTier.DEVICE) -> None:
         pass
 
     def all_cleared(self, dp_rank: int = 0) -> None:

@@ -118,9 +118,7 @@ class RouterReplicas:
         order = self._clients[start:] + self._clients[:start]
         return [c for c in order if c.address not in excluded] + [c for c in order if c.address in excluded]
 
-    async def _open(
-        self, req: TokenRequest, call: CallInfo | None, state: MigrationState
-    ) -> AsyncGenerator[TokenChunk, None]:
+    async def _open(self, req: TokenRequest, call: CallInfo | None, state: MigrationState) -> AsyncGenerator[TokenChunk, None]:
         """The stream of the first replica that answers with a chunk; waits (bounded) while none can be reached."""
         state.current_worker = None
         deadline: float | None = None

@@ -370,10 +370,14 @@ class KvIndex(SlotCapacities):
     def _apply(self, slot: int, ev: events_pb2.KvEvent) -> None:
         kind = ev.WhichOneof("data")
         if kind == "stored":
+            if ev.stored.tier:  # lower tiers (host, disk) are not indexed yet
+                return
             blocks = ev.stored.blocks
             self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
             self.applied += len(blocks)
         elif kind == "removed":
+            if ev.removed.tier:
+                return
             hashes = ev.removed.block_hashes
             self.map.remove(slot, hashes)
             self.applied += len(hashes)

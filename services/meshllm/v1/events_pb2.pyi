@@ -8,6 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
+
 class StoredBlock(_message.Message):
     __slots__ = ("block_hash", "tokens_hash")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -17,18 +26,22 @@ class StoredBlock(_message.Message):
     def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("parent_hash", "blocks")
+    __slots__ = ("parent_hash", "blocks", "tier")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     parent_hash: int
     blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
-    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()
@@ -57,7 +70,7 @@ class KvEventBatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class LoadSnapshot(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "active_blocks", "total_blocks", "waiting", "running", "queued_prefill_tokens", "last_event_id", "timestamp_ms")
+    __slots__ = ("worker_id", "dp_rank", "active_blocks", "total_blocks", "waiting", "running", "queued_prefill_tokens", "last_event_id", "timestamp_ms", "tiers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +80,7 @@ class LoadSnapshot(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     active_blocks: int
@@ -76,7 +90,24 @@ class LoadSnapshot(_message.Message):
     queued_prefill_tokens: int
     last_event_id: int
     timestamp_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., last_event_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[KvTierUsage]
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., last_event_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[KvTierUsage, _Mapping]]] = ...) -> None: ...
+
+class KvTierUsage(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes_used", "bytes_capacity", "block_bytes", "restore_bytes_per_s")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    blocks: int
+    bytes_used: int
+    bytes_capacity: int
+    block_bytes: int
+    restore_bytes_per_s: float
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., block_bytes: _Optional[int] = ..., restore_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class RouterSyncEvent(_message.Message):
     __slots__ = ("router_id", "request_id", "kind", "worker_id", "dp_rank", "prefill_tokens", "blocks")

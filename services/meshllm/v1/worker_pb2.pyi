@@ -80,12 +80,22 @@ class GetKvSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvRankSnapshot(_message.Message):
-    __slots__ = ("dp_rank", "blocks")
+    __slots__ = ("dp_rank", "blocks", "lower_tiers")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOWER_TIERS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     blocks: _containers.RepeatedCompositeFieldContainer[_events_pb2.StoredBlock]
-    def __init__(self, dp_rank: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ...) -> None: ...
+    lower_tiers: _containers.RepeatedCompositeFieldContainer[KvTierBlocks]
+    def __init__(self, dp_rank: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ..., lower_tiers: _Optional[_Iterable[_Union[KvTierBlocks, _Mapping]]] = ...) -> None: ...
+
+class KvTierBlocks(_message.Message):
+    __slots__ = ("tier", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: _events_pb2.KvTier
+    blocks: _containers.RepeatedCompositeFieldContainer[_events_pb2.StoredBlock]
+    def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ...) -> None: ...
 
 class KvSnapshot(_message.Message):
     __slots__ = ("worker_id", "last_event_id", "ranks")

@@ -3,8 +3,8 @@
 Engines report cache changes here (from the event loop thread). The sink gives
 each event the next per-worker event id, collects the events of one loop
 iteration into one `KvEventBatch` per dp rank, publishes it, keeps a bounded
-ring of recent events, and maintains the full resident block set that answers
-`Worker.GetKvSnapshot`. Load samples are published at most every 100 ms (the
+ring of recent events, and maintains the full block set of every tier that
+answers `Worker.GetKvSnapshot`. Load samples are published at most every 100 ms (the
 latest sample wins).
 """
 
@@ -14,8 +14,9 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
-from meshllm.engine.base import LoadMetrics
+from meshllm.engine.base import KvTier, LoadMetrics
 from meshllm.plane.events import EventBus
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.v1 import events_pb2, worker_pb2
@@ -28,6 +29,10 @@ LOAD_INTERVAL_S = 0.1
 # router) per interval, not one per step. The first events after a quiet
 # period go at once.
 KV_FLUSH_INTERVAL_S = 0.005
+
+
+def _pb_tier(tier: KvTier) -> events_pb2.KvTier:
+    return cast(events_pb2.KvTier, int(tier))
 
 
 class WorkerSink:
@@ -53,7 +58,8 @@ class WorkerSink:
         self._load_subject = load_subject(namespace, component)
         self.last_event_id = 0
         self.ring: collections.deque[events_pb2.KvEvent] = collections.deque(maxlen=ring_size)
-        self._blocks: dict[int, dict[int, int]] = collections.defaultdict(dict)  # dp -> block_hash -> tokens_hash
+        # (dp rank, tier) -> block_hash -> tokens_hash
+        self._blocks: dict[tuple[int, KvTier], dict[int, int]] = collections.defaultdict(dict)
         self._pending: list[tuple[int, events_pb2.KvEvent]] = []
         self._flush_scheduled = False
         self._flushed_at = 0.0
@@ -63,27 +69,38 @@ class WorkerSink:
         self.events_published = 0
 
     # -- EngineSink
-    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
+    def blocks_stored(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None,
+        dp_rank: int = 0,
+        tier: KvTier = KvTier.DEVICE,
+    ) -> None:
         if not blocks:
             return
-        stored = events_pb2.BlocksStored(blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks])
+        stored = events_pb2.BlocksStored(
+            blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks], tier=_pb_tier(tier)
+        )
         if parent_hash is not None:
             stored.parent_hash = parent_hash
-        resident = self._blocks[dp_rank]
+        resident = self._blocks[dp_rank, KvTier(tier)]
         for bh, th in blocks:
             resident[bh] = th
         self._add(dp_rank, events_pb2.KvEvent(stored=stored))
 
-    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0, tier: KvTier = KvTier.DEVICE) -> None:
         if not block_hashes:
             return
-        resident = self._blocks[dp_rank]
+        resident = self._blocks[dp_rank, KvTier(tier)]
         for bh in block_hashes:
             resident.pop(bh, None)
-        self._add(dp_rank, events_pb2.KvEvent(removed=events_pb2.BlocksRemoved(block_hashes=block_hashes)))
+        removed = events_pb2.BlocksRemoved(block_hashes=block_hashes, tier=_pb_tier(tier))
+        self._add(dp_rank, events_pb2.KvEvent(removed=removed))
 
     def all_cleared(self, dp_rank: int = 0) -> None:
-        self._blocks[dp_rank].clear()
+        for dp, tier in list(self._blocks):
+            if dp == dp_rank:
+                self._blocks[dp, tier].clear()
         self._add(dp_rank, events_pb2.KvEvent(cleared=events_pb2.AllCleared()))
 
     def load(self, metrics: LoadMetrics) -> None:
@@ -100,20 +117,28 @@ class WorkerSink:
 
     # -- snapshot
     def snapshot(self) -> worker_pb2.KvSnapshot:
-        """Every resident block, per dp rank, as of `last_event_id` (flushes first)."""
+        """Every block of every tier, per dp rank, as of `last_event_id` (flushes first)."""
         self._flush()
         snap = worker_pb2.KvSnapshot(worker_id=self.worker_id, last_event_id=self.last_event_id)
-        for dp, blocks in sorted(self._blocks.items()):
-            rank = snap.ranks.add(dp_rank=dp)
-            rank.blocks.extend(events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks.items())
+        ranks: dict[int, worker_pb2.KvRankSnapshot] = {}
+        for (dp, tier), blocks in sorted(self._blocks.items()):
+            rank = ranks.get(dp)
+            if rank is None:
+                rank = ranks[dp] = snap.ranks.add(dp_rank=dp)
+            stored = (events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks.items())
+            if tier == KvTier.DEVICE:
+                rank.blocks.extend(stored)
+            elif blocks:
+                rank.lower_tiers.add(tier=_pb_tier(tier)).blocks.extend(stored)
         return snap
 
     @property
     def latest_load(self) -> LoadMetrics | None:
         return self._latest_load
 
-    def block_count(self) -> int:
-        return sum(len(b) for b in self._blocks.values())
+    def block_count(self, tier: KvTier = KvTier.DEVICE) -> int:
+        """Blocks held in `tier`, all dp ranks."""
+        return sum(len(b) for (_, t), b in self._blocks.items() if t == tier)
 
     # -- internals
     def _add(self, dp_rank: int, event: events_pb2.KvEvent) -> None:
@@ -170,6 +195,17 @@ class WorkerSink:
                 queued_prefill_tokens=m.queued_prefill_tokens,
                 last_event_id=self.last_event_id,
                 timestamp_ms=int(time.time() * 1000),
+                tiers=[
+                    events_pb2.KvTierUsage(
+                        tier=_pb_tier(t.tier),
+                        blocks=t.blocks,
+                        bytes_used=t.bytes_used,
+                        bytes_capacity=t.bytes_capacity,
+                        block_bytes=t.block_bytes,
+                        restore_bytes_per_s=t.restore_bytes_per_s,
+                    )
+                    for t in m.tiers
+                ],
             ),
         )
 

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.engine.base import Context, LLMEngine, LoadMetrics, WorkerConfig
+from meshllm.engine.base import Context, KvTier, LLMEngine, LoadMetrics, WorkerConfig
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
 EngineFactory = Callable[[], Awaitable[LLMEngine]]
@@ -80,16 +80,32 @@ class ConformanceOptions:
 class RecordingSink:
     """An EngineSink that records everything (the kit sets one before `start`)."""
 
+    # Device-tier events; lower tiers' go to tier_stored / tier_removed with their tier.
     stored: list[tuple[list[tuple[int, int]], int | None, int]] = field(default_factory=list)
     removed: list[tuple[list[int], int]] = field(default_factory=list)
     cleared: list[int] = field(default_factory=list)
     loads: list[LoadMetrics] = field(default_factory=list)
+    tier_stored: list[tuple[KvTier, list[tuple[int, int]], int | None, int]] = field(default_factory=list)
+    tier_removed: list[tuple[KvTier, list[int], int]] = field(default_factory=list)
 
-    def blocks_stored(self, blocks: Sequence[tuple[int, int]], parent_hash: int | None, dp_rank: int = 0) -> None:
-        self.stored.append(([(int(b), int(t)) for b, t in blocks], parent_hash, dp_rank))
+    def blocks_stored(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None,
+        dp_rank: int = 0,
+        tier: KvTier = KvTier.DEVICE,
+    ) -> None:
+        pairs = [(int(b), int(t)) for b, t in blocks]
+        if tier == KvTier.DEVICE:
+            self.stored.append((pairs, parent_hash, dp_rank))
+        else:
+            self.tier_stored.append((KvTier(tier), pairs, parent_hash, dp_rank))
 
-    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0) -> None:
-        self.removed.append((list(block_hashes), dp_rank))
+    def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0, tier: KvTier = KvTier.DEVICE) -> None:
+        if tier == KvTier.DEVICE:
+            self.removed.append((list(block_hashes), dp_rank))
+        else:
+            self.tier_removed.append((KvTier(tier), list(block_hashes), dp_rank))
 
     def all_cleared(self, dp_rank: int = 0) -> None:
         self.cleared.append(dp_rank)
