@@ -67,6 +67,21 @@ class DisaggregationMode(enum.StrEnum):
     DECODE = "decode"
 
 
+class KvTier(enum.IntEnum):
+    """Where an engine keeps KV blocks (values of the `meshllm.v1.KvTier` proto enum).
+
+    DEVICE is the engine's working cache; HOST (memory) and DISK are lower
+    tiers holding blocks evicted from it, restored instead of recomputed. A
+    block may sit in several tiers at once; the engine reports each tier's set
+    on its own (`EngineSink.blocks_stored(..., tier=)`), so a block moving from
+    DEVICE to HOST is *stored* in HOST and *removed* from DEVICE.
+    """
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
     """What `start()` reports. Only `model` is required; 0 means unknown."""
@@ -88,27 +103,17 @@ class EngineConfig:
     # Engine-defined fingerprint of the KV layout; disaggregated transfers
     # between workers with different layouts are refused.
     kv_layout: str = ""
+    # Lower tiers (HOST, DISK) the engine keeps evicted blocks in; the
+    # conformance kit runs its tier clauses on engines that declare any.
+    kv_tiers: tuple[KvTier, ...] = ()
 
     def __post_init__(self) -> None:
+        if KvTier.DEVICE in self.kv_tiers:
+            raise ValueError("EngineConfig.kv_tiers lists lower tiers only (HOST, DISK)")
         if not self.model:
             raise ValueError("EngineConfig.model is required")
         if self.data_parallel_size < 1:
             raise ValueError("EngineConfig.data_parallel_size must be >= 1")
-
-
-class KvTier(enum.IntEnum):
-    """Where an engine keeps KV blocks (values of the `meshllm.v1.KvTier` proto enum).
-
-    DEVICE is the engine's working cache; HOST (memory) and DISK are lower
-    tiers holding blocks evicted from it, restored instead of recomputed. A
-    block may sit in several tiers at once; the engine reports each tier's set
-    on its own (`EngineSink.blocks_stored(..., tier=)`), so a block moving from
-    DEVICE to HOST is *stored* in HOST and *removed* from DEVICE.
-    """
-
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
 
 
 @dataclass(frozen=True, slots=True)
