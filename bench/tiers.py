@@ -29,11 +29,12 @@ import asyncio
 import random
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchdoc import write_section
-from routing import PLANE, TRACE, Arrival, Result, _drive
+from routing import PLANE, TRACE, Arrival, Result
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.bench.trace import TraceScale, load_trace, trace_stats
@@ -89,6 +90,7 @@ class Run:
     host: int = 0
     disk: int = 0
     prefill: int = 0
+    per_request: dict[str, tuple[float, int]] = field(default_factory=dict)  # request id -> (TTFT ms, cached tokens)
 
     def rate(self, tokens: int) -> float:
         return tokens / self.prompt if self.prompt else 0.0
@@ -152,7 +154,7 @@ async def run_once(setup: Setup, trace: Trace, tiers: bool) -> Run:
             try:
                 await core.pool.wait_until(lambda: len(core.pool.all()) == setup.workers)
                 await core.feed.wait_synced()
-                await _drive(core, trace.requests, None, run.result)
+                await drive(core, trace.requests, run)
             finally:
                 await core.aclose()
         finally:
@@ -166,6 +168,47 @@ async def run_once(setup: Setup, trace: Trace, tiers: bool) -> Run:
         run.disk += st.disk_hit_tokens
         run.prefill += st.prefill_tokens
     return run
+
+
+async def drive(core: RouterCore, reqs: list[Arrival], run: Run) -> None:
+    """Send every request at its trace arrival (open loop); record TTFT, e2e and cached tokens per request."""
+    start = time.monotonic()
+    result = run.result
+
+    async def one(offset: float, req: TokenRequest) -> None:
+        delay = start + offset - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the request's arrival time
+        t0 = time.monotonic()
+        first = None
+        cached = 0
+        async for chunk in core.generate(req):
+            if first is None and chunk.get("token_ids"):
+                first = time.monotonic()
+            if "finish_reason" in chunk:
+                usage = chunk["usage"]
+                result.prompt_tokens += usage["prompt_tokens"]
+                cached = usage["cached_tokens"]
+                result.cached_tokens += cached
+        end = time.monotonic()
+        ttft = ((first or end) - t0) * 1000
+        result.ttft_ms.append(ttft)
+        result.e2e_ms.append((end - t0) * 1000)
+        run.per_request[req["request_id"]] = (ttft, cached)
+
+    await asyncio.gather(*(one(t, r) for t, r in reqs))
+    result.seconds = time.monotonic() - start
+
+
+def returning(off: Run, on: Run) -> tuple[list[float], list[float]]:
+    """TTFTs (off, on) of the requests whose cached prefix grew with tiers on: the ones a lower tier served."""
+    ids = [rid for rid, (_, c) in on.per_request.items() if rid in off.per_request and c > off.per_request[rid][1]]
+    return [off.per_request[i][0] for i in ids], [on.per_request[i][0] for i in ids]
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def _p(q: float):  # type: ignore[no-untyped-def]
@@ -184,10 +227,18 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
     with_lower = on.med(lambda r: r.total)
     ratio = with_lower / dev_only if dev_only else float("inf")
     ttft = ", ".join(
-        f"p{round(q * 100)} {on.med(_p(q)):,.1f} vs {off.med(_p(q)):,.1f} ms ({'on' if on.med(_p(q)) < off.med(_p(q)) else 'off'})"
+        f"p{round(q * 100)} {on.med(_p(q)):,.1f} vs {off.med(_p(q)):,.1f} ms"
+        f" ({'on' if on.med(_p(q)) < off.med(_p(q)) else 'off'})"
         for q in (0.5, 0.9, 0.99)
     )
     prefill_ratio = on.med(lambda r: r.prefill) / off.med(lambda r: r.prefill)
+    pairs = [returning(a, b) for a, b in zip(off.runs, on.runs, strict=True)]
+    n_ret = statistics.median(len(a) for a, _ in pairs)
+    ret = ", ".join(
+        f"p{round(q * 100)} {statistics.median(pct(b, q) for _, b in pairs):,.1f} vs"
+        f" {statistics.median(pct(a, q) for a, _ in pairs):,.1f} ms"
+        for q in (0.5, 0.9, 0.99)
+    )
     lines = [
         HEADING,
         "",
@@ -210,6 +261,8 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
         f"- Hit rate counting lower tiers (tiers on) {with_lower:.1%} vs device-only (tiers off) {dev_only:.1%}:"
         f" {ratio:.2f}× (target ≥ 1.5×: {'met' if ratio >= 1.5 else 'not met'}).",
         f"- TTFT tiers on vs off: {ttft}; the lower one in brackets.",
+        f"- Returning requests (those whose cached prefix grew with tiers on, paired by request id with the off run of"
+        f" the same repeat; {n_ret:,.0f} of {len(trace.requests):,} per run, median): TTFT on vs off {ret}.",
         f"- Prefill tokens computed: {on.med(lambda r: r.prefill):,.0f} with tiers vs {off.med(lambda r: r.prefill):,.0f}"
         f" without ({prefill_ratio:.2f}×).",
         "",
@@ -221,8 +274,9 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
         p90s = [_p(0.9)(r) for r in row.runs]
         span = f"{min(p90s):,.0f}–{max(p90s):,.0f}" if len(p90s) > 1 else "–"
         lines.append(
-            f"| {'on' if row.tiers else 'off'} | {row.med(lambda r: r.rate(r.device)):.1%} | {row.med(lambda r: r.rate(r.host)):.1%}"
-            f" | {row.med(lambda r: r.rate(r.disk)):.1%} | {row.med(lambda r: r.total):.1%} | {row.med(_p(0.5)):,.1f}"
+            f"| {'on' if row.tiers else 'off'} | {row.med(lambda r: r.rate(r.device)):.1%}"
+            f" | {row.med(lambda r: r.rate(r.host)):.1%} | {row.med(lambda r: r.rate(r.disk)):.1%}"
+            f" | {row.med(lambda r: r.total):.1%} | {row.med(_p(0.5)):,.1f}"
             f" | {row.med(_p(0.9)):,.1f} | {span} | {row.med(_p(0.99)):,.1f}"
             f" | {row.med(lambda r: r.result.p(r.result.e2e_ms, 0.5)):,.0f} | {row.med(lambda r: r.prefill):,.0f}"
             f" | {row.med(lambda r: r.prompt):,.0f} |"
@@ -273,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         host_blocks=int(device * args.host_factor), disk_blocks=int(device * args.disk_factor),
     )  # fmt: skip
     print(f"{trace.describe}; working set {trace.working_set:,} blocks", file=sys.stderr)
-    print(f"per worker: device {setup.device_blocks:,}, host {setup.host_blocks:,}, disk {setup.disk_blocks:,} blocks", file=sys.stderr)
+    budgets = f"device {setup.device_blocks:,}, host {setup.host_blocks:,}, disk {setup.disk_blocks:,}"
+    print(f"per worker: {budgets} blocks", file=sys.stderr)
     with LoadMonitor() as monitor:
         rows = asyncio.run(run_all(setup, trace, repeats))
     section = render(rows, setup, trace, repeats, monitor.samples)
