@@ -8,7 +8,7 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.engine.base import Context, KvTier
-from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
 from meshllm.engine.mocker.config import parse_bytes
 from meshllm.engine.mocker.timing import prefill_ms, restore_seconds
 from meshllm.protocol.kv import block_hashes
@@ -147,3 +147,25 @@ def test_restore_time_follows_bandwidth_and_speedup_and_beats_prefill_at_the_def
     blocks = 4096 // cfg.block_size
     for gbps in (cfg.kv_host_bandwidth, cfg.kv_disk_bandwidth):
         assert restore_seconds(blocks, cfg.block_bytes, gbps * 1e9, 1.0) * 1000 < prefill_ms(4096)
+
+
+async def test_the_step_that_restores_a_prefix_carries_the_restore_time_from_the_tier_bandwidth() -> None:
+    """Locks: StepReport.restore_ms = restored blocks × block bytes / bandwidth (model ms, before the speedup),
+    included in model_ms; steps without restores carry none."""
+    engine, _ = await started(replace(TIERED, kv_host_bandwidth=1e-6, kv_disk_bytes=0))  # 1 kB/s: 4 ms a block
+    steps: list[StepReport] = []
+    engine.on_step = steps.append
+    prompt = list(range(100, 100 + 8 * BS + 2))
+    await run(engine, req(prompt, "a"))
+    await run(engine, req(filler(0), "f0"))
+    await run(engine, req(filler(1), "f1"))
+    restoring = [s for s in steps if s.restore_ms]
+    assert restoring == []
+    host = engine.blocks.tiers[0]
+    in_host = sum(h in host for h in block_hashes(prompt, BS))
+    assert in_host
+    await run(engine, req(prompt, "b"))
+    restoring = [s for s in steps if s.restore_ms]
+    assert len(restoring) == 1 and restoring[0].restore_ms == pytest.approx(in_host * BS / 1000 * 1000)
+    assert restoring[0].model_ms >= restoring[0].restore_ms
+    await engine.cleanup()

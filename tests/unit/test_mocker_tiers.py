@@ -210,24 +210,26 @@ def test_clear_drops_every_tier() -> None:
     check_consistent(bm, sink)
 
 
-def test_a_restoring_sequence_waits_for_its_restore_then_prefills_the_rest() -> None:
-    """Locks: the scheduler admits a lower-tier hit as cached, plans nothing for it until restore_time has
-    passed, then computes only the uncached tail; stats count the hit per tier."""
+def test_a_restored_prefix_costs_its_restore_in_the_step_that_prefills_the_rest() -> None:
+    """Locks: the scheduler admits a lower-tier hit as cached, computes only the uncached tail in the same step,
+    and charges the step the restore's model time; stats count the hit per tier."""
     sink = TierSink()
     bm = BlockManager(4, BS, sink, tiers=tiers(4, 0))
     for i in range(6):
         run_prompt(bm, one_block(i))
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, restore_time=lambda hit: 2.0 * hit.restored)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, restore_ms=lambda hit: 2.5 * hit.restored)
     s = seq([*one_block(0), 1, 2])
     sched.add(s)
     plan = sched.schedule(now=10.0)
-    assert plan.seqs == [] and s.restoring and s.ready_at == 12.0 and s.num_cached_tokens == BS
-    assert sched.next_ready_at() == 12.0
-    assert sched.schedule(now=11.9).seqs == []
-    plan = sched.schedule(now=12.0)
-    assert plan.seqs == [s] and plan.counts == [2] and plan.prefill_tokens == 2 and not s.restoring
+    assert plan.seqs == [s] and plan.counts == [2] and plan.prefill_tokens == 2 and plan.restore_ms == 2.5
+    assert s.num_cached_tokens == BS and s.ready_at == -1.0
     st = sched.stats
     assert (st.prompt_tokens, st.device_hit_tokens, st.host_hit_tokens, st.disk_hit_tokens, st.prefill_tokens) == (
         BS + 2, 0, BS, 0, 2,
     )  # fmt: skip
     assert st.cached_tokens == BS
+    # A device hit costs no restore.
+    sched.postprocess(plan)
+    again = seq([*one_block(0), 3, 4])
+    sched.add(again)
+    assert sched.schedule(now=11.0).restore_ms == 0.0

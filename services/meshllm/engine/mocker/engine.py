@@ -19,8 +19,8 @@ transfer of the tokens it does not already cache, then continues after
 
 Lower KV tiers (--kv-host-bytes, --kv-disk-bytes): device evictions move to
 host memory, host evictions to disk (`tiers`); a prompt whose cached prefix
-reaches into them has those blocks restored (after `timing.restore_seconds`)
-instead of prefilled, and its usage counts them as cached. `start()`
+reaches into them has those blocks restored (the step that prefills the
+rest of it also takes `timing.restore_seconds`) instead of prefilled, and its usage counts them as cached. `start()`
 declares the tiers in `EngineConfig.kv_tiers`, load samples carry their
 usage (`LoadMetrics.tiers`), and `stats` counts hits per tier.
 """
@@ -74,9 +74,10 @@ class StepReport:
     decode_seqs: int
     num_seqs: int
     kv_usage: float
-    model_ms: float  # the timing model's step time, before --speedup-ratio
+    model_ms: float  # the timing model's step time, before --speedup-ratio (restores included)
     waiting: int
     running: int
+    restore_ms: float = 0.0  # of model_ms, the lower-tier restores of the sequences admitted this step
 
 
 class MockerEngine(LLMEngine):
@@ -105,7 +106,7 @@ class MockerEngine(LLMEngine):
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             transfer_time=self._transfer_time,
-            restore_time=self._restore_time,
+            restore_ms=self._restore_ms,
         )
         #: Called after every step with what it did (tests and benchmarks observe through it).
         self.on_step: Callable[[StepReport], None] | None = None
@@ -341,11 +342,10 @@ class MockerEngine(LLMEngine):
         cfg = self.config
         return transfer_seconds(tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
 
-    def _restore_time(self, hit: PrefixHit) -> float:
-        """Seconds to restore a hit's lower-tier blocks, one tier after the other."""
-        speedup = self.config.speedup_ratio
+    def _restore_ms(self, hit: PrefixHit) -> float:
+        """Model milliseconds (before --speedup-ratio) to restore a hit's lower-tier blocks, one tier after the other."""
         per_tier = {KvTier.HOST: hit.host, KvTier.DISK: hit.disk}
-        return sum(restore_seconds(per_tier[t.tier], t.block_bytes, t.restore_bytes_per_s, speedup) for t in self.blocks.tiers)
+        return 1000 * sum(restore_seconds(per_tier[t.tier], t.block_bytes, t.restore_bytes_per_s, 1.0) for t in self.blocks.tiers)
 
     # ------------------------------------------------------------ step loop
     async def _run(self) -> None:
@@ -382,7 +382,7 @@ class MockerEngine(LLMEngine):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 continue
             usage = blocks.usage
-            model_ms = step_ms(plan.prefill_tokens, plan.decode_seqs > 0, usage)
+            model_ms = step_ms(plan.prefill_tokens, plan.decode_seqs > 0, usage) + plan.restore_ms
             if speedup > 0:  # the step's own compute counts towards its simulated duration
                 await asyncio.sleep(max(0.0, pacer.step_end(t0, model_ms / 1000.0 / speedup) - loop.time()))
             else:
@@ -390,7 +390,11 @@ class MockerEngine(LLMEngine):
             sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
             if self.on_step is not None:
                 n_wait, n_run = len(sched.waiting), len(sched.running)
-                self.on_step(StepReport(plan.prefill_tokens, plan.decode_seqs, len(plan.seqs), usage, model_ms, n_wait, n_run))
+                self.on_step(
+                    StepReport(
+                        plan.prefill_tokens, plan.decode_seqs, len(plan.seqs), usage, model_ms, n_wait, n_run, plan.restore_ms
+                    )
+                )
             self._report_load()
 
     # ------------------------------------------------------------ load
@@ -418,7 +422,7 @@ class MockerEngine(LLMEngine):
     def _emit_load(self, key: tuple[int, ...], now: float) -> None:
         sched = self.scheduler
         queued = sum(s.num_tokens for s in sched.waiting if not s.remote_kv)
-        queued += sum(s.num_tokens - s.num_computed for s in sched.running if not s.prefilled and (s.ready_at < 0 or s.restoring))
+        queued += sum(s.num_tokens - s.num_computed for s in sched.running if not s.prefilled and s.ready_at < 0)
         self._load_key, self._load_at = key, now
         tiers = self.blocks.tier_usage()
         self.sink.load(LoadMetrics(key[0], self.blocks.num_blocks, key[1], key[2], queued_prefill_tokens=queued, tiers=tiers))

@@ -17,10 +17,11 @@ admitted like any other but charges no prefill: its blocks are allocated at
 admission and it sits in `running` until its simulated transfer lands.
 
 A sequence whose cached prefix reaches into a lower KV tier (host, disk) is
-admitted with those blocks restored into the device cache; it sits in
-`running` without computing until the restore's simulated time
-(`restore_time(hit)`) has passed, then prefills the rest of its prompt.
-Restored tokens count as cached. `stats` adds up, per first admission, the
+admitted with those blocks restored into the device cache and prefills the
+rest of its prompt in the same step; the step carries the restore's model
+time (`restore_ms(hit)`, `StepPlan.restore_ms`), as an engine that loads a
+prefix before the forward pass that needs it (SGLang HiCache's load-back,
+LMCache) does. Restored tokens count as cached. `stats` adds up, per first admission, the
 prompt tokens and where their cached prefix came from, and every prefill
 token computed.
 """
@@ -48,6 +49,7 @@ class StepPlan:
     counts: list[int] = field(default_factory=list)
     prefill_tokens: int = 0  # new prompt (or recompute) tokens: what the prefill curve charges
     decode_seqs: int = 0
+    restore_ms: float = 0.0  # model time of the lower-tier restores admitted this step
 
 
 @dataclass(slots=True)
@@ -77,13 +79,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         transfer_time: Callable[[int], float] = lambda tokens: 0.0,
-        restore_time: Callable[[PrefixHit], float] = lambda hit: 0.0,
+        restore_ms: Callable[[PrefixHit], float] = lambda hit: 0.0,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._transfer_time = transfer_time
-        self._restore_time = restore_time
+        self._restore_ms = restore_ms
         self.stats = CacheStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -130,10 +132,7 @@ class Scheduler:
                 if seq.ready_at > now:
                     i += 1
                     continue
-                if seq.restoring:
-                    seq.restoring, seq.ready_at = False, -1.0
-                else:
-                    self._land_transfer(seq)
+                self._land_transfer(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not blocks.can_append(seq, n):
                 preempted = True
@@ -236,10 +235,7 @@ class Scheduler:
                     st.disk_hit_tokens += hit.disk * bs
             running.append(seq)
             if hit.restored:
-                wait = self._restore_time(hit)
-                if wait > 0:  # its prefill starts when the restored blocks have landed
-                    seq.ready_at, seq.restoring = now + wait, True
-                    continue
+                plan.restore_ms += self._restore_ms(hit)
             if remote:
                 seq.remote_kv = False
                 seq.ready_at = now + self._transfer_time(n)

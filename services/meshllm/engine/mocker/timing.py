@@ -16,9 +16,11 @@ speedup ratio; a ratio of 0 means "no delay at all".
 
 Restoring blocks from a lower KV tier (host memory, disk) costs
 `blocks × block_bytes / bandwidth` per tier (`restore_seconds`), summed over
-the tiers a prompt's prefix comes from. The restore runs beside the step
-loop, like a KV transfer: the sequence waits for it, other sequences keep
-stepping. At the defaults (64-token blocks of an fp16 Llama-3-8B, 8 MiB;
+the tiers a prompt's prefix comes from, and added to the step that prefills
+the rest of that prompt (the prefix is loaded before the forward pass that
+needs it, so the whole batch waits for it; summing is the conservative
+choice where an engine overlapping loads layer by layer pays about the
+larger of the two). At the defaults (64-token blocks of an fp16 Llama-3-8B, 8 MiB;
 host 25 GB/s, about PCIe 4.0 x16; disk 10 GB/s, a few NVMe drives) a
 512-token prefix restores in 2.7 ms from host and 6.7 ms from disk against
 24 ms to prefill it, and 8,192 tokens in 43 and 107 ms against 169 ms. A
