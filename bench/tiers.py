@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/tiers.py               # 3 repeats, update docs/benchmarks.md (## KV tiers (mocker))
     .venv/bin/python bench/tiers.py --quick       # 1 repeat, a shorter window, prints only
+    .venv/bin/python bench/tiers.py --device-fractions small=0.003 --repeats 1 --no-write
 
 8 mocker workers (block size 16, --speedup-ratio 1: real simulated time),
 routed by an embedded `RouterCore` in `kv` mode over real gRPC, in-memory
 discovery and events — the harness of bench/routing.py. Each worker's device
-cache holds a fraction of the trace's working set (printed); "tiers on" adds
-a host tier and a disk tier per worker (budgets and bandwidths printed).
+cache holds a fraction of the trace's working set (two sizes by default,
+printed); "tiers on" adds a host tier (4× the device) and a disk tier (16×)
+per worker (budgets and bandwidths printed).
 Runs alternate off, on, off, on … on fresh workers so both share the
 machine's noise; figures are medians over the repeats.
 
@@ -215,7 +217,36 @@ def _p(q: float):  # type: ignore[no-untyped-def]
     return lambda r: r.result.p(r.result.ttft_ms, q)
 
 
-def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: list[float]) -> str:
+def render(sizes: list[tuple[str, Setup, list[Row]]], trace: Trace, repeats: int, loads: list[float]) -> str:
+    """The section: what ran, then one part per device cache size."""
+    setup = sizes[0][1]
+    lines = [
+        HEADING,
+        "",
+        f"`.venv/bin/python bench/tiers.py` ({machine()}; {versions('grpcio', 'protobuf', 'xxhash')}): {setup.workers} mocker"
+        f" workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}, fresh workers per run, embedded"
+        " RouterCore in `kv` mode (which scores device blocks only: lower-tier events are not routed on yet, so a"
+        " conversation's next turn finds its prefix in a lower tier only when the router sends it back to the same"
+        " worker), real gRPC to the workers. Per device cache size, tiers off and on alternate, each run of the trace"
+        f" repeated {repeats}×; figures are medians over the repeats. Run on {today()}. {load_sentence(loads)}",
+        "",
+        f"Workload: {trace.describe}; working set {trace.working_set:,} blocks of {setup.block_size} tokens; prefix-reuse"
+        f" ceiling (unbounded caches) {trace.ceiling:.1%}.",
+        "",
+    ]
+    for label, size, rows in sizes:
+        lines += size_part(label, size, rows, trace)
+    lines += [
+        "Restores are charged by the timing model (blocks × block bytes ÷ the tier's bandwidth, before --speedup-ratio),"
+        " added to the step that prefills the rest of the prompt; offloads are free (real offload managers copy in the"
+        " background). Hit rates are counted at each request's first admission, the same tokens its `cached_tokens`"
+        ' reports. "Returning requests" are those whose cached prefix grew with tiers on, paired by request id with the'
+        " tiers-off run of the same repeat.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def size_part(label: str, setup: Setup, rows: list[Row], trace: Trace) -> list[str]:
     off, on = rows
     block_bytes = setup.block_size * DEFAULT_KV_BYTES_PER_TOKEN
     mocker = setup.mocker(True)
@@ -240,16 +271,7 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
         for q in (0.5, 0.9, 0.99)
     )
     lines = [
-        HEADING,
-        "",
-        f"`.venv/bin/python bench/tiers.py` ({machine()}; {versions('grpcio', 'protobuf', 'xxhash')}): {setup.workers} mocker"
-        f" workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}, fresh workers per run, embedded"
-        " RouterCore in `kv` mode (which scores device blocks only: lower-tier events are not routed on yet), real gRPC to"
-        " the workers. Tiers off and on alternate, each run of the trace repeated"
-        f" {repeats}×; figures are medians over the repeats. Run on {today()}. {load_sentence(loads)}",
-        "",
-        f"Workload: {trace.describe}; working set {trace.working_set:,} blocks of {setup.block_size} tokens; prefix-reuse"
-        f" ceiling (unbounded caches) {trace.ceiling:.1%}.",
+        f"### {label} device cache",
         "",
         f"Budgets per worker (blocks of {setup.block_size} tokens × {DEFAULT_KV_BYTES_PER_TOKEN:,} bytes per token ="
         f" {block_bytes / 2**20:g} MiB, an fp16 Llama-3-8B): device --num-gpu-blocks {setup.device_blocks:,}"
@@ -261,8 +283,7 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
         f"- Hit rate counting lower tiers (tiers on) {with_lower:.1%} vs device-only (tiers off) {dev_only:.1%}:"
         f" {ratio:.2f}× (target ≥ 1.5×: {'met' if ratio >= 1.5 else 'not met'}).",
         f"- TTFT tiers on vs off: {ttft}; the lower one in brackets.",
-        f"- Returning requests (those whose cached prefix grew with tiers on, paired by request id with the off run of"
-        f" the same repeat; {n_ret:,.0f} of {len(trace.requests):,} per run, median): TTFT on vs off {ret}.",
+        f"- Returning requests ({n_ret:,.0f} of {len(trace.requests):,} per run, median): TTFT on vs off {ret}.",
         f"- Prefill tokens computed: {on.med(lambda r: r.prefill):,.0f} with tiers vs {off.med(lambda r: r.prefill):,.0f}"
         f" without ({prefill_ratio:.2f}×).",
         "",
@@ -281,23 +302,17 @@ def render(rows: list[Row], setup: Setup, trace: Trace, repeats: int, loads: lis
             f" | {row.med(lambda r: r.result.p(r.result.e2e_ms, 0.5)):,.0f} | {row.med(lambda r: r.prefill):,.0f}"
             f" | {row.med(lambda r: r.prompt):,.0f} |"
         )
-    lines += [
-        "",
-        "Restores are charged by the timing model (blocks × block bytes ÷ the tier's bandwidth, ÷ --speedup-ratio) and run"
-        " beside the step loop; offloads are free (real offload managers copy in the background). Hit rates are counted"
-        " at each request's first admission, the same tokens its `cached_tokens` reports.",
-    ]
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
-async def run_all(setup: Setup, trace: Trace, repeats: int) -> list[Row]:
+async def run_all(setup: Setup, trace: Trace, repeats: int, label: str) -> list[Row]:
     rows = [Row(False), Row(True)]
     for rep in range(repeats):
         for row in rows:
             r = await run_once(setup, trace, row.tiers)
             row.runs.append(r)
             print(
-                f"  tiers {'on ' if row.tiers else 'off'} #{rep + 1}: hit device {r.rate(r.device):6.1%} host"
+                f"  {label} tiers {'on ' if row.tiers else 'off'} #{rep + 1}: hit device {r.rate(r.device):6.1%} host"
                 f" {r.rate(r.host):6.1%} disk {r.rate(r.disk):6.1%} total {r.total:6.1%}  ttft p50"
                 f" {_p(0.5)(r):7.1f} p90 {_p(0.9)(r):7.1f} p99 {_p(0.99)(r):7.1f} ms  prefill {r.prefill:,}"
                 f"  {r.result.seconds:.1f}s",
@@ -310,28 +325,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of tiers off and on each (figures are medians)")
     parser.add_argument("--quick", action="store_true", help="1 repeat, a 600 s trace window; implies --no-write")
-    parser.add_argument("--window", type=float, default=1200.0, help="trace seconds replayed (before the speed-up)")
+    parser.add_argument("--window", type=float, default=3600.0, help="trace seconds replayed (before the speed-up)")
     parser.add_argument("--sessions", type=float, default=0.2, help="fraction of the window's sessions replayed")
     parser.add_argument("--trace-speedup", type=float, default=150.0, help="arrivals this many times faster")
     parser.add_argument("--speedup-ratio", type=float, default=1.0, help="the mockers' --speedup-ratio")
-    parser.add_argument("--device-fraction", type=float, default=1 / 64, help="device blocks per worker ÷ working set")
+    parser.add_argument(
+        "--device-fractions",
+        default="tight=0.005,moderate=0.0078",
+        help="LABEL=FRACTION,…: device blocks per worker ÷ the working set, one part per size",
+    )
     parser.add_argument("--host-factor", type=float, default=4.0, help="host tier blocks ÷ device blocks")
     parser.add_argument("--disk-factor", type=float, default=16.0, help="disk tier blocks ÷ device blocks")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     trace = mooncake(600.0 if args.quick else args.window, args.sessions, args.trace_speedup, 16)
-    device = max(int(trace.working_set * args.device_fraction), 300)  # one 4,096-token prompt needs 257 blocks
-    setup = Setup(
-        speedup_ratio=args.speedup_ratio, device_blocks=device,
-        host_blocks=int(device * args.host_factor), disk_blocks=int(device * args.disk_factor),
-    )  # fmt: skip
     print(f"{trace.describe}; working set {trace.working_set:,} blocks", file=sys.stderr)
-    budgets = f"device {setup.device_blocks:,}, host {setup.host_blocks:,}, disk {setup.disk_blocks:,}"
-    print(f"per worker: {budgets} blocks", file=sys.stderr)
+    sizes: list[tuple[str, Setup, list[Row]]] = []
     with LoadMonitor() as monitor:
-        rows = asyncio.run(run_all(setup, trace, repeats))
-    section = render(rows, setup, trace, repeats, monitor.samples)
+        for item in args.device_fractions.split(","):
+            label, _, frac = item.partition("=")
+            device = max(int(trace.working_set * float(frac)), 300)  # one 4,096-token prompt needs 257 blocks
+            setup = Setup(
+                speedup_ratio=args.speedup_ratio, device_blocks=device,
+                host_blocks=int(device * args.host_factor), disk_blocks=int(device * args.disk_factor),
+            )  # fmt: skip
+            print(f"{label}: device {device:,}, host {setup.host_blocks:,}, disk {setup.disk_blocks:,} blocks", file=sys.stderr)
+            sizes.append((label, setup, asyncio.run(run_all(setup, trace, repeats, label))))
+    section = render(sizes, trace, repeats, monitor.samples)
     print(section)
     if not (args.no_write or args.quick):
         write_section(HEADING, section)
