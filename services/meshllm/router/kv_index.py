@@ -22,6 +22,17 @@ releases a sequence tail first — and the router refines it with what it
 routes: `touch` moves a routed prompt's cached blocks to the most recently
 used end and counts the reuse.
 
+Lower tiers (host memory, disk: `meshllm.v1.KvTier`): a worker may keep
+blocks evicted from its device cache and restore them instead of computing
+them again. `KvIndex` keeps, per slot and lower tier, the set of hashes the
+tier holds (a set, not a mask: only the candidates that hold lower-tier
+blocks are walked further, one at a time, after the device walk). A block
+may be in several tiers at once and each tier's set changes only by its own
+events; "cleared" empties every tier. `KvIndex.tier_overlaps` continues a
+candidate's device prefix through its lower tiers: the prompt prefix the
+worker can serve without computing, each block counted in the nearest tier
+that holds it (device, then host, then disk).
+
 `KvIndex` adds the event bookkeeping: per worker the id of the last applied
 event. A batch whose first id is not `last + 1` (lost events, a restarted
 worker), a new worker and a router start all put the worker in *syncing*
@@ -35,7 +46,7 @@ first, snapshot second: nothing falls in between. The index does no I/O;
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import islice
@@ -43,7 +54,7 @@ from typing import NamedTuple
 
 from meshllm.v1 import events_pb2, worker_pb2
 
-__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "slot_capacity"]
+__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "TierOverlap", "slot_capacity"]
 
 SlotKey = tuple[str, int]  # (worker id, dp rank)
 
@@ -56,6 +67,13 @@ class Capacity(NamedTuple):
     total: int  # blocks the slot holds at most (0 = unknown)
     resident: int  # blocks it holds now, plus `pending` (routed, not yet computed)
     evicted_hot: int  # reused blocks among those it would evict to add the prompt's new blocks
+
+
+class TierOverlap(NamedTuple):
+    """What one candidate serves of a prompt beyond its device prefix (`KvIndex.tier_overlaps`)."""
+
+    device: int  # blocks after the start that the device tier holds (behind a lower-tier block)
+    lower: dict[int, int]  # tier value (KV_TIER_HOST, KV_TIER_DISK) -> blocks restored from it
 
 
 class BlockMap:
@@ -255,6 +273,7 @@ class KvIndex(SlotCapacities):
     def __init__(self) -> None:
         self.map = BlockMap()
         self.totals: dict[SlotKey, int] = {}  # capacity per slot, when known
+        self.lower: dict[int, dict[int, set[int]]] = {}  # lower tier -> slot -> hashes the tier holds
         self._workers: dict[str, _WorkerState] = {}
         self.applied = 0
         self.resyncs_requested = 0
@@ -273,6 +292,7 @@ class KvIndex(SlotCapacities):
         """Forget a worker and every block it held, at once."""
         self._workers.pop(worker_id, None)
         for key in self.map.keys_of(worker_id):
+            self._clear_lower(self.map.slot_of[key])
             self.map.drop(key)
         self._forget_totals(worker_id)
 
@@ -340,9 +360,13 @@ class KvIndex(SlotCapacities):
             return False
         for key in self.map.keys_of(wid):
             self.map.clear_slot(self.map.slot_of[key])
+            self._clear_lower(self.map.slot_of[key])
         for rank in snapshot.ranks:
             slot = self.map.slot((wid, rank.dp_rank))
             self.map.add(slot, [b.block_hash for b in rank.blocks])
+            for tb in rank.lower_tiers:
+                if tb.tier:
+                    self._lower_set(tb.tier, slot).update(b.block_hash for b in tb.blocks)
         st.last_event_id = snapshot.last_event_id
         buffered, overflowed = st.buffer, st.overflowed
         st.buffer, st.overflowed, st.syncing = [], False, False
@@ -370,28 +394,97 @@ class KvIndex(SlotCapacities):
     def _apply(self, slot: int, ev: events_pb2.KvEvent) -> None:
         kind = ev.WhichOneof("data")
         if kind == "stored":
-            if ev.stored.tier:  # lower tiers (host, disk) are not indexed yet
-                return
-            blocks = ev.stored.blocks
-            self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
+            stored = ev.stored
+            blocks = stored.blocks
+            if stored.tier:
+                self._lower_set(stored.tier, slot).update([b.block_hash for b in blocks])
+            else:
+                self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
             self.applied += len(blocks)
         elif kind == "removed":
-            if ev.removed.tier:
-                return
             hashes = ev.removed.block_hashes
-            self.map.remove(slot, hashes)
+            if ev.removed.tier:
+                held = self.lower.get(ev.removed.tier, {}).get(slot)
+                if held:
+                    held.difference_update(hashes)
+            else:
+                self.map.remove(slot, hashes)
             self.applied += len(hashes)
         elif kind == "cleared":
-            self.applied += self.map.clear_slot(slot)
+            self.applied += self.map.clear_slot(slot) + self._clear_lower(slot)
+
+    def _lower_set(self, tier: int, slot: int) -> set[int]:
+        by_slot = self.lower.get(tier)
+        if by_slot is None:
+            by_slot = self.lower[tier] = {}
+            self.lower = dict(sorted(self.lower.items()))  # nearest tier first: the order walks try them in
+        held = by_slot.get(slot)
+        if held is None:
+            held = by_slot[slot] = set()
+        return held
+
+    def _clear_lower(self, slot: int) -> int:
+        n = 0
+        for by_slot in self.lower.values():
+            held = by_slot.pop(slot, None)
+            if held:
+                n += len(held)
+        return n
 
     # ------------------------------------------------------------ queries
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
         """Leading prompt blocks each candidate (worker id, dp rank) caches."""
         return self.map.overlaps(hashes, keys)
 
+    def tier_overlaps(
+        self, hashes: Sequence[int], keys: Iterable[SlotKey], starts: Mapping[SlotKey, int]
+    ) -> dict[SlotKey, TierOverlap]:
+        """Continue each candidate's prefix (`starts[key]` blocks, 0 if absent) through its lower tiers.
+
+        From block `starts[key]` on, a block counts while some tier of the
+        candidate holds it: device first (a device copy beats a host copy),
+        then the lower tiers nearest first (host before disk). Only
+        candidates holding lower-tier blocks are walked, and only those
+        that serve at least one more block are in the answer. Chained
+        hashes make the run a prefix: a block is only usable after every
+        block before it.
+        """
+        out: dict[SlotKey, TierOverlap] = {}
+        if not self.lower:
+            return out
+        slot_of, device = self.map.slot_of, self.map.blocks
+        for key in keys:
+            s = slot_of.get(key)
+            if s is None:
+                continue
+            tiers = [(t, held) for t, by_slot in self.lower.items() if (held := by_slot.get(s))]
+            if not tiers:
+                continue
+            on_device, lower = device[s], dict.fromkeys((t for t, _ in tiers), 0)
+            dev = 0
+            for h in islice(hashes, starts.get(key, 0), None):
+                if h in on_device:
+                    dev += 1
+                    continue
+                for t, held in tiers:
+                    if h in held:
+                        lower[t] += 1
+                        break
+                else:
+                    break
+            found = {t: n for t, n in lower.items() if n}
+            if found:
+                out[key] = TierOverlap(dev, found)
+        return out
+
     def worker_blocks(self, worker_id: str) -> int:
         """Blocks of `worker_id` in the index (all dp ranks)."""
         return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
+
+    def lower_blocks(self, worker_id: str, tier: int) -> int:
+        """Blocks of `worker_id` the index has in lower `tier` (all dp ranks)."""
+        by_slot = self.lower.get(tier, {})
+        return sum(len(by_slot.get(self.map.slot_of[k], ())) for k in self.map.keys_of(worker_id))
 
     # ------------------------------------------------------------ eviction order
 
@@ -403,7 +496,7 @@ class KvIndex(SlotCapacities):
 
     @property
     def size(self) -> int:
-        """Distinct block hashes indexed."""
+        """Distinct block hashes indexed in device tiers."""
         return len(self.map.masks)
 
 
