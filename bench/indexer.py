@@ -322,9 +322,10 @@ row adds what `kv` routing asks next, per worker: `KvIndex.capacity` with every 
 new blocks evict as many least recently used ones, each checked for reuse; half the documents were touched as
 reused, in random order, so reused blocks are spread through the eviction order). The last two rows
 add lower tiers: each worker reports 32 documents it does not hold on the device as kept in host memory
-and 32 on disk; lower-tier blocks go into a plain set per worker and tier, and a lookup of a document
-some workers keep in a lower tier walks on from their device prefix through their tiers, one worker at a
-time (only workers holding lower-tier blocks are walked).
+and 32 on disk; lower-tier blocks go into a set per worker and tier plus one "held in some lower tier"
+bitmask per hash, and a lookup of a document some workers keep in a lower tier walks the prompt once more
+over device ∪ lower masks (where each worker's servable run ends), then splits each run into tiers with
+set intersections.
 """
 
 

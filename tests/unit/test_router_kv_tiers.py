@@ -238,3 +238,52 @@ def test_evicting_reused_blocks_costs_a_restore_on_a_worker_that_keeps_evicted_b
     b.evict_ratio = 0.1
     assert pick([a, b]) == "b"
     assert a.cost - b.cost == pytest.approx(20 * 0.9)
+
+
+def reference(prompt: list[int], start: int, device: set[int], tiers: dict[int, set[int]]) -> tuple[int, dict[int, int]] | None:
+    """The served run after `start`, block by block: device first, then tiers nearest first."""
+    dev, lower = 0, {}
+    for h in prompt[start:]:
+        if h in device:
+            dev += 1
+            continue
+        t = next((t for t in sorted(tiers) if h in tiers[t]), None)
+        if t is None:
+            break
+        lower[t] = lower.get(t, 0) + 1
+    return (dev, lower) if lower else None
+
+
+def test_the_tier_walk_agrees_with_a_block_by_block_reference() -> None:
+    rng = random.Random(18)
+    for trial in range(300):
+        index = synced("a", "b", "c")
+        state = {w: (set(), {HOST: set(), DISK: set(), 3: set()}) for w in "abc"}
+        ids = dict.fromkeys("abc", 0)
+        tiers_used = [HOST, DISK, 3] if trial % 5 == 0 else [HOST, DISK]  # now and then a tier this router does not know
+        for _ in range(rng.randrange(1, 12)):
+            w = rng.choice("abc")
+            tier = rng.choice([0, *tiers_used])
+            hashes = rng.sample(range(1, 25), rng.randrange(1, 8))
+            ids[w] += 1
+            if rng.random() < 0.7:
+                index.apply_batch(batch(w, stored(ids[w], hashes, tier)))
+                (state[w][0] if tier == 0 else state[w][1][tier]).update(hashes)
+            else:
+                index.apply_batch(batch(w, removed(ids[w], hashes, tier)))
+                (state[w][0] if tier == 0 else state[w][1][tier]).difference_update(hashes)
+        prompt = list(range(1, 25))
+        keys = [(w, 0) for w in "abc"]
+        device = index.overlaps(prompt, keys)
+        starts = {k: device.get(k, 0) + rng.choice([0, 0, 0, 2]) for k in keys}  # sometimes in flight beyond it
+        got = index.tier_overlaps(prompt, keys, starts)
+        for w in "abc":
+            ref = reference(prompt, starts[(w, 0)], state[w][0], state[w][1])
+            assert (tuple(got[(w, 0)]) if (w, 0) in got else None) == ref, (trial, w)
+        for w in "abc":
+            assert index.lower_blocks(w, HOST) == len(state[w][1][HOST])
+        # every hash in the any-tier mask is held by the slots it names, and only those
+        for h, m in index.lower.any.items():
+            holders = {w for w in "abc" if any(h in s for s in state[w][1].values())}
+            slots = {w: index.map.slot_of.get((w, 0), -1) for w in "abc"}
+            assert {w for w in "abc" if slots[w] >= 0 and m >> slots[w] & 1} == holders

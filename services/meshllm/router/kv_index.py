@@ -24,11 +24,10 @@ used end and counts the reuse.
 
 Lower tiers (host memory, disk: `meshllm.v1.KvTier`): a worker may keep
 blocks evicted from its device cache and restore them instead of computing
-them again. `KvIndex` keeps, per slot and lower tier, the set of hashes the
-tier holds (a set, not a mask: only the candidates that hold lower-tier
-blocks are walked further, one at a time, after the device walk). A block
-may be in several tiers at once and each tier's set changes only by its own
-events; "cleared" empties every tier. `KvIndex.tier_overlaps` continues a
+them again. `KvIndex.lower` (`meshllm.router.kv_tiers.LowerTiers`) holds,
+per slot and lower tier, the hashes the tier holds; a block may be in
+several tiers at once and each tier's set changes only by its own events;
+"cleared" empties every tier. `KvIndex.tier_overlaps` continues a
 candidate's device prefix through its lower tiers: the prompt prefix the
 worker can serve without computing, each block counted in the nearest tier
 that holds it (device, then host, then disk).
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
+from meshllm.router.kv_tiers import LowerTiers, TierOverlap
 from meshllm.v1 import events_pb2, worker_pb2
 
 __all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "TierOverlap", "slot_capacity"]
@@ -67,13 +67,6 @@ class Capacity(NamedTuple):
     total: int  # blocks the slot holds at most (0 = unknown)
     resident: int  # blocks it holds now, plus `pending` (routed, not yet computed)
     evicted_hot: int  # reused blocks among those it would evict to add the prompt's new blocks
-
-
-class TierOverlap(NamedTuple):
-    """What one candidate serves of a prompt beyond its device prefix (`KvIndex.tier_overlaps`)."""
-
-    device: int  # blocks after the start that the device tier holds (behind a lower-tier block)
-    lower: dict[int, int]  # tier value (KV_TIER_HOST, KV_TIER_DISK) -> blocks restored from it
 
 
 class BlockMap:
@@ -273,7 +266,7 @@ class KvIndex(SlotCapacities):
     def __init__(self) -> None:
         self.map = BlockMap()
         self.totals: dict[SlotKey, int] = {}  # capacity per slot, when known
-        self.lower: dict[int, dict[int, set[int]]] = {}  # lower tier -> slot -> hashes the tier holds
+        self.lower = LowerTiers()  # host and disk blocks per slot
         self._workers: dict[str, _WorkerState] = {}
         self.applied = 0
         self.resyncs_requested = 0
@@ -292,7 +285,7 @@ class KvIndex(SlotCapacities):
         """Forget a worker and every block it held, at once."""
         self._workers.pop(worker_id, None)
         for key in self.map.keys_of(worker_id):
-            self._clear_lower(self.map.slot_of[key])
+            self.lower.clear_slot(self.map.slot_of[key])
             self.map.drop(key)
         self._forget_totals(worker_id)
 
@@ -360,13 +353,13 @@ class KvIndex(SlotCapacities):
             return False
         for key in self.map.keys_of(wid):
             self.map.clear_slot(self.map.slot_of[key])
-            self._clear_lower(self.map.slot_of[key])
+            self.lower.clear_slot(self.map.slot_of[key])
         for rank in snapshot.ranks:
             slot = self.map.slot((wid, rank.dp_rank))
             self.map.add(slot, [b.block_hash for b in rank.blocks])
             for tb in rank.lower_tiers:
                 if tb.tier:
-                    self._lower_set(tb.tier, slot).update(b.block_hash for b in tb.blocks)
+                    self.lower.add(tb.tier, slot, [b.block_hash for b in tb.blocks])
         st.last_event_id = snapshot.last_event_id
         buffered, overflowed = st.buffer, st.overflowed
         st.buffer, st.overflowed, st.syncing = [], False, False
@@ -397,39 +390,19 @@ class KvIndex(SlotCapacities):
             stored = ev.stored
             blocks = stored.blocks
             if stored.tier:
-                self._lower_set(stored.tier, slot).update([b.block_hash for b in blocks])
+                self.lower.add(stored.tier, slot, [b.block_hash for b in blocks])
             else:
                 self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
             self.applied += len(blocks)
         elif kind == "removed":
             hashes = ev.removed.block_hashes
             if ev.removed.tier:
-                held = self.lower.get(ev.removed.tier, {}).get(slot)
-                if held:
-                    held.difference_update(hashes)
+                self.lower.remove(ev.removed.tier, slot, hashes)
             else:
                 self.map.remove(slot, hashes)
             self.applied += len(hashes)
         elif kind == "cleared":
-            self.applied += self.map.clear_slot(slot) + self._clear_lower(slot)
-
-    def _lower_set(self, tier: int, slot: int) -> set[int]:
-        by_slot = self.lower.get(tier)
-        if by_slot is None:
-            by_slot = self.lower[tier] = {}
-            self.lower = dict(sorted(self.lower.items()))  # nearest tier first: the order walks try them in
-        held = by_slot.get(slot)
-        if held is None:
-            held = by_slot[slot] = set()
-        return held
-
-    def _clear_lower(self, slot: int) -> int:
-        n = 0
-        for by_slot in self.lower.values():
-            held = by_slot.pop(slot, None)
-            if held:
-                n += len(held)
-        return n
+            self.applied += self.map.clear_slot(slot) + self.lower.clear_slot(slot)
 
     # ------------------------------------------------------------ queries
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
@@ -449,33 +422,15 @@ class KvIndex(SlotCapacities):
         hashes make the run a prefix: a block is only usable after every
         block before it.
         """
-        out: dict[SlotKey, TierOverlap] = {}
         if not self.lower:
-            return out
-        slot_of, device = self.map.slot_of, self.map.blocks
+            return {}
+        slot_of = self.map.slot_of
+        starts_by_slot, key_of = {}, {}
         for key in keys:
             s = slot_of.get(key)
-            if s is None:
-                continue
-            tiers = [(t, held) for t, by_slot in self.lower.items() if (held := by_slot.get(s))]
-            if not tiers:
-                continue
-            on_device, lower = device[s], dict.fromkeys((t for t, _ in tiers), 0)
-            dev = 0
-            for h in islice(hashes, starts.get(key, 0), None):
-                if h in on_device:
-                    dev += 1
-                    continue
-                for t, held in tiers:
-                    if h in held:
-                        lower[t] += 1
-                        break
-                else:
-                    break
-            found = {t: n for t, n in lower.items() if n}
-            if found:
-                out[key] = TierOverlap(dev, found)
-        return out
+            if s is not None:
+                starts_by_slot[s], key_of[s] = starts.get(key, 0), key
+        return {key_of[s]: t for s, t in self.lower.served(hashes, self.map, starts_by_slot).items()}
 
     def worker_blocks(self, worker_id: str) -> int:
         """Blocks of `worker_id` in the index (all dp ranks)."""
@@ -483,8 +438,7 @@ class KvIndex(SlotCapacities):
 
     def lower_blocks(self, worker_id: str, tier: int) -> int:
         """Blocks of `worker_id` the index has in lower `tier` (all dp ranks)."""
-        by_slot = self.lower.get(tier, {})
-        return sum(len(by_slot.get(self.map.slot_of[k], ())) for k in self.map.keys_of(worker_id))
+        return sum(self.lower.count(tier, self.map.slot_of[k]) for k in self.map.keys_of(worker_id))
 
     # ------------------------------------------------------------ eviction order
 
