@@ -12,7 +12,10 @@ empty worker, with the tier, the advertised restore time and the restore
 term in the explanation; host-tier events reach a running router; a device
 hit beats the same prefix in another worker's host memory; a worker whose
 tier restores slower than the router measured a prefill block to take loses
-to an empty worker, and a worker with a fast tier wins.
+to an empty worker, and a worker with a fast tier wins; `Router.Route` over
+gRPC names, per candidate, its device blocks, the blocks of each lower tier
+(each counted in the nearest tier holding it), the advertised restore time,
+the restore term and the evict ratio.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from test_router_support import collect, mesh, mocker, request, wait_for
+from test_router_support import PLANE, collect, mesh, mocker, request, wait_for
 
 from meshllm.engine.base import EngineConfig, EngineSink, KvTier, LoadMetrics, TierUsage
 from meshllm.engine.mocker import MockerEngine
 from meshllm.protocol.kv import stored_blocks
+from meshllm.router.client import RouterClient
+from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
+from meshllm.router.main import RouterServer
 from meshllm.router.timing import DEFAULT_RESTORE_RATIO
 from meshllm.v1 import events_pb2
 
@@ -161,3 +167,40 @@ async def test_a_tier_restoring_slower_than_computing_is_not_worth_it() -> None:
         d = await core.route("mocker", document, {"allowed_worker_ids": ["slow", "empty"]})
         by_id = {c.worker_id: c for c in d.candidates}
         assert d.worker_id == "empty" and by_id["slow"].cost > by_id["empty"].cost
+
+
+async def test_route_over_grpc_shows_the_tier_of_every_overlap() -> None:
+    async with mesh() as m:
+        a = tiered(restore_bytes_per_s=2e9)
+        await m.worker(a, instance_id="a")
+        await m.worker(mocker(), instance_id="b")
+        server = await RouterServer.start(RouterConfig(plane=PLANE), memory_store=m.store, memory_broker=m.broker)
+        try:
+            core = server.core
+            assert core is not None
+            await core.pool.wait_until(lambda: len(core.pool.all()) == 2)
+            await core.feed.wait_synced(10.0)
+            client = RouterClient(m.channels, server.address)
+            document = doc(1000, 35) + [7, 7, 7, 7, 7]
+            warm = request("warm", document[: 16 * 10], max_tokens=1, routing={"backend_instance_id": "a"})
+            await collect(client.generate(warm))
+            keep(a, document[: 16 * 30], KvTier.HOST)  # blocks 0-29 in host memory (0-9 also on the device)
+            keep(a, document[: 16 * 35], KvTier.DISK)  # blocks 0-34 on disk
+            await wait_for(
+                lambda: (
+                    core.index.worker_blocks("a") >= 10 and core.index.lower_blocks("a", DISK) == 35 and tiers_known(core, "a")
+                ),
+                what="a's device, host and disk blocks and its tiers",
+            )
+            d = await client.route("mocker", document)
+            by_id = {c.worker_id: c for c in d.candidates}
+            ca = by_id["a"]
+            assert d.worker_id == "a" and ca.overlap_blocks == 10
+            assert [(t.tier, t.blocks) for t in ca.lower_tiers] == [(HOST, 20), (DISK, 5)]  # each block from the nearest tier
+            assert all(t.restore_ms_per_block == pytest.approx(0.5) for t in ca.lower_tiers)
+            assert ca.restore_blocks == pytest.approx(20 * DEFAULT_RESTORE_RATIO[HOST] + 5 * DEFAULT_RESTORE_RATIO[DISK])
+            assert ca.prefill_tokens == 5 and ca.new_blocks == 25  # the restored blocks take device room
+            assert ca.evict_ratio == pytest.approx(DEFAULT_RESTORE_RATIO[HOST])  # evicted blocks would go to host
+            assert by_id["b"].evict_ratio == 1.0 and not by_id["b"].lower_tiers and by_id["b"].prefill_tokens == len(document)
+        finally:
+            await server.aclose()
