@@ -15,7 +15,8 @@ tier restores slower than the router measured a prefill block to take loses
 to an empty worker, and a worker with a fast tier wins; `Router.Route` over
 gRPC names, per candidate, its device blocks, the blocks of each lower tier
 (each counted in the nearest tier holding it), the advertised restore time,
-the restore term and the evict ratio.
+the restore term and the evict ratio; a decode worker that can restore the
+prompt from its own host tier prefills it locally (no remote prefill).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
 from meshllm.router.main import RouterServer
 from meshllm.router.timing import DEFAULT_RESTORE_RATIO
-from meshllm.v1 import events_pb2
+from meshllm.v1 import discovery_pb2, events_pb2
 
 HOST, DISK = events_pb2.KV_TIER_HOST, events_pb2.KV_TIER_DISK
 BLOCK_BYTES = 1_000_000
@@ -204,3 +205,21 @@ async def test_route_over_grpc_shows_the_tier_of_every_overlap() -> None:
             assert by_id["b"].evict_ratio == 1.0 and not by_id["b"].lower_tiers and by_id["b"].prefill_tokens == len(document)
         finally:
             await server.aclose()
+
+
+async def test_a_decode_worker_that_restores_the_prompt_from_its_own_host_tier_prefills_locally() -> None:
+    async with mesh() as m:
+        dec = tiered(restore_bytes_per_s=2e9)
+        await m.worker(mocker(), role="prefill", instance_id="p")
+        await m.worker(dec, role="decode", instance_id="d")
+        core = await m.router()
+        held, fresh = doc(1000, 20), doc(5000, 20)
+        keep(dec, held, KvTier.HOST)
+        await wait_for(lambda: core.index.lower_blocks("d", HOST) == 20, what="d's host events")
+        # the decode worker restores the whole prompt: no remote prefill, the decision is the decode pool's
+        d = await core.route("mocker", held)
+        assert d.role == discovery_pb2.WORKER_ROLE_DECODE and d.worker_id == "d"
+        assert [(t.tier, t.blocks) for t in d.candidates[0].lower_tiers] == [(HOST, 20)]
+        # a prompt it holds nowhere is prefilled remotely
+        d = await core.route("mocker", fresh)
+        assert d.role == discovery_pb2.WORKER_ROLE_PREFILL and d.worker_id == "p"
