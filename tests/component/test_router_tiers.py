@@ -203,6 +203,9 @@ async def test_route_over_grpc_shows_the_tier_of_every_overlap() -> None:
             assert ca.prefill_tokens == 5 and ca.new_blocks == 25  # the restored blocks take device room
             assert ca.evict_ratio == pytest.approx(DEFAULT_RESTORE_RATIO[HOST])  # evicted blocks would go to host
             assert by_id["b"].evict_ratio == 1.0 and not by_id["b"].lower_tiers and by_id["b"].prefill_tokens == len(document)
+            listed = {w.worker_id: w for w in (await client.list_workers("mocker")).workers}
+            assert [(t.tier, t.blocks) for t in listed["a"].indexed_lower_tiers] == [(HOST, 30), (DISK, 35)]
+            assert listed["a"].indexed_blocks >= 10 and not listed["b"].indexed_lower_tiers
         finally:
             await server.aclose()
 

@@ -240,6 +240,10 @@ class RouterCore(AsyncCloseable):
                 waiting=rep.waiting if rep is not None else 0, running=rep.running if rep is not None else 0,
                 indexed_blocks=self.index.worker_blocks(w.id), in_flight=load.in_flight,
                 queued_prefill_tokens=load.queued_prefill_tokens,
+                indexed_lower_tiers=[
+                    router_pb2.IndexedTierBlocks(tier=t, blocks=n)  # type: ignore[arg-type]
+                    for t in self.index.lower.sets if (n := self.index.lower_blocks(w.id, t))
+                ],
             )  # fmt: skip
         return out
 

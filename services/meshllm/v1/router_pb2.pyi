@@ -112,7 +112,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "active_blocks", "total_blocks", "waiting", "running", "indexed_blocks", "in_flight", "queued_prefill_tokens")
+    __slots__ = ("worker_id", "role", "address", "model", "active_blocks", "total_blocks", "waiting", "running", "indexed_blocks", "in_flight", "queued_prefill_tokens", "indexed_lower_tiers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class WorkerStatus(_message.Message):
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_LOWER_TIERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _discovery_pb2.WorkerRole
     address: str
@@ -135,7 +136,16 @@ class WorkerStatus(_message.Message):
     indexed_blocks: int
     in_flight: int
     queued_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    indexed_lower_tiers: _containers.RepeatedCompositeFieldContainer[IndexedTierBlocks]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., indexed_lower_tiers: _Optional[_Iterable[_Union[IndexedTierBlocks, _Mapping]]] = ...) -> None: ...
+
+class IndexedTierBlocks(_message.Message):
+    __slots__ = ("tier", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: _events_pb2.KvTier
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
