@@ -60,5 +60,5 @@ async def test_events_are_batched_and_reach_the_other_replica() -> None:
         assert [(e.kind, e.request_id) for e in third.events] == [(events_pb2.RouterSyncEvent.KIND_PREFILL_DONE, "q2")]
         await _until(lambda: t2.get(("w", 0)).queued_prefill_tokens == 0)
         s1.completed("q2", ("w", 0))  # after close: dropped, never published (nor scheduled)
-        assert s1.batches_published == 3 and not s1._flush_scheduled and spy.pending == 0
+        assert s1.batches_published == 3 and not s1._pacer.scheduled and spy.pending == 0
         await s2.aclose()

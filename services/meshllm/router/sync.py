@@ -21,6 +21,7 @@ import logging
 import time
 
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.batching import FlushPacer
 from meshllm.plane.events import EventBus, Subscription
 from meshllm.protocol.names import router_subject
 from meshllm.router.kv_index import SlotKey
@@ -50,8 +51,7 @@ class ReplicaSync(AsyncCloseable):
         self._sub: Subscription[events_pb2.RouterSyncBatch] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending: events_pb2.RouterSyncBatch | None = None
-        self._flush_scheduled = False
-        self._flushed_at = 0.0
+        self._pacer = FlushPacer(self._flush, FLUSH_INTERVAL_S)
 
     @property
     def pending(self) -> int:
@@ -91,22 +91,12 @@ class ReplicaSync(AsyncCloseable):
             prefill_tokens=prefill_tokens,
             blocks=blocks,
         )
-        if self._flush_scheduled:
-            return
-        self._flush_scheduled = True
-        loop = asyncio.get_running_loop()
-        wait = self._flushed_at + FLUSH_INTERVAL_S - time.monotonic()
-        if wait <= 0:
-            loop.call_soon(self._flush)
-        else:
-            loop.call_later(wait, self._flush)
+        self._pacer.request()
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
         batch, self._pending = self._pending, None
         if batch is None:
             return
-        self._flushed_at = time.monotonic()
         self.bus.publish(self.subject, batch)
         self.batches_published += 1
 
@@ -132,7 +122,7 @@ class ReplicaSync(AsyncCloseable):
             self.load.complete(router_id, ev.request_id)
 
     async def _aclose(self) -> None:
-        self._flush()  # the last events still reach the other replicas
+        self._pacer.flush_now()  # the last events still reach the other replicas
         if self._task is not None:
             self._task.cancel()
         if self._sub is not None:
