@@ -26,10 +26,10 @@ per-token differences ≤ ~1e-6, tests/integration/test_llamacpp_prompt_logprobs
 and the thread count, which splits a matmul's rows between threads but not the
 summation order inside a row. Measured on the 24 sums here (the test prints
 them with `pytest -s`): at most 6.4e-7 apart, the same with the engine on 2
-threads and with 2 concurrent requests of 4 prompts; differences are equal for
-every single-token choice of a question (one shared log-softmax normalizer),
-so the logits themselves agree. With the reference's flash attention off they
-are up to 0.27 apart, so 1e-4 also proves the kernels match.
+threads and with 2 concurrent requests of 4 prompts (the single-token choices
+of a question mostly differ by the same amount: the shared log-softmax
+normalizer, not the logits). With the reference's flash attention off they are
+up to 0.27 apart, so 1e-4 also proves the kernels match.
 """
 
 from __future__ import annotations
