@@ -20,8 +20,10 @@ device cache / restored from host / restored from disk ÷ prompt tokens
 `cached_tokens`); TTFT = first token's arrival at the caller minus the
 request's trace arrival (p50, p90, p99); prefill tokens computed = prompt
 tokens the workers' steps computed (recomputes after preemption included).
-The router ignores lower-tier events for now (it scores device blocks only),
-so both rows route the same way by design; only the workers differ.
+The `kv` router indexes the workers' lower tiers from their events and
+prices a prefix held there by its restore cost (docs/routing.md, "Lower KV
+tiers"), so with tiers on it also sends a conversation's next turn back to
+the worker that offloaded its prefix.
 """
 
 from __future__ import annotations
@@ -225,9 +227,8 @@ def render(sizes: list[tuple[str, Setup, list[Row]]], trace: Trace, repeats: int
         "",
         f"`.venv/bin/python bench/tiers.py` ({machine()}; {versions('grpcio', 'protobuf', 'xxhash')}): {setup.workers} mocker"
         f" workers, block size {setup.block_size}, --speedup-ratio {setup.speedup_ratio:g}, fresh workers per run, embedded"
-        " RouterCore in `kv` mode (which scores device blocks only: lower-tier events are not routed on yet, so a"
-        " conversation's next turn finds its prefix in a lower tier only when the router sends it back to the same"
-        " worker), real gRPC to the workers. Per device cache size, tiers off and on alternate, each run of the trace"
+        " RouterCore in `kv` mode (which also prices prefixes held in a worker's lower tiers by their restore cost,"
+        " docs/routing.md), real gRPC to the workers. Per device cache size, tiers off and on alternate, each run of the trace"
         f" repeated {repeats}×; figures are medians over the repeats. Run on {today()}. {load_sentence(loads)}",
         "",
         f"Workload: {trace.describe}; working set {trace.working_set:,} blocks of {setup.block_size} tokens; prefix-reuse"
