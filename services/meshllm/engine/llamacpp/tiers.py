@@ -242,7 +242,11 @@ class TierStore:
         self.events: list[KvEvent] = []
         self.host = Tier(KvTier.HOST, host_bytes, self.events) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, self.events, layout=layout) if disk_dir is not None else None
-        self.stats = TierStats()
+        # every key present from the start, so a reader on another thread never sees a dict change size
+        zero = dict.fromkeys(self.kinds, 0)
+        self.stats = TierStats(
+            hits=dict(zero), restored_tokens=dict(zero), restored_bytes=dict(zero), restore_seconds=dict.fromkeys(self.kinds, 0.0)
+        )
 
     @property
     def tiers(self) -> list[Tier]:
@@ -316,10 +320,10 @@ class TierStore:
     def restored(self, hit: Hit, state: bytes, seconds: float) -> None:
         """A hit was loaded into a slot in `seconds`: count it and promote the blob."""
         s, k = self.stats, hit.tier
-        s.hits[k] = s.hits.get(k, 0) + 1
-        s.restored_tokens[k] = s.restored_tokens.get(k, 0) + hit.n_tokens
-        s.restored_bytes[k] = s.restored_bytes.get(k, 0) + len(state)
-        s.restore_seconds[k] = s.restore_seconds.get(k, 0.0) + seconds
+        s.hits[k] += 1
+        s.restored_tokens[k] += hit.n_tokens
+        s.restored_bytes[k] += len(state)
+        s.restore_seconds[k] += seconds
         self.touch(hit.blob.key)
         if k is KvTier.DISK and self.host is not None and not self.host.covers(hit.blob.key):
             b = hit.blob
