@@ -7,6 +7,7 @@ so the kit compares concurrent outputs with solo ones and must need no fallback.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -26,5 +27,14 @@ ARGS = ["--n-ctx", "1024", "--n-seq-max", "8"]
 async def test_llamacpp_passes_clause(clause: Clause) -> None:
     """Locks: the llama.cpp engine satisfies every clause of the LLMEngine contract, without fallbacks."""
     result = await run_check(clause, factory_for(load_engine_class("llamacpp"), ARGS))
+    assert result.passed, result.error
+    assert result.notes == (), result.notes
+
+
+@pytest.mark.parametrize("clause", list(Clause), ids=str)
+async def test_llamacpp_with_kv_tiers_passes_clause(clause: Clause, tmp_path: Path) -> None:
+    """Locks: with the host and disk KV tiers on (EngineConfig.kv_tiers declared), every clause still passes."""
+    tiers = ["--kv-host-bytes", "64M", "--kv-disk-dir", str(tmp_path), "--kv-disk-bytes", "256M"]
+    result = await run_check(clause, factory_for(load_engine_class("llamacpp"), [*ARGS, *tiers]))
     assert result.passed, result.error
     assert result.notes == (), result.notes
