@@ -48,8 +48,11 @@ async def test_two_replicas_under_the_same_load_agree_on_active_blocks() -> None
             await wait_for(lambda: done >= 10, 30.0, "traffic on both replicas")
             for _ in range(60):
                 await asyncio.sleep(0.02)  # sampling interval of the observation, not a synchronisation
-                # compare what both replicas have applied, not what one has queued (in-process skew)
-                await wait_for(lambda: all(c.sync.pending == 0 and c.feed.pending == 0 for c in (r1, r2)), 10.0)
+                # compare what both replicas have published and applied, not what one has batched or queued (in-process skew)
+                await wait_for(
+                    lambda: all(c.sync.pending == 0 and c.sync.unpublished == 0 and c.feed.pending == 0 for c in (r1, r2)),
+                    10.0,
+                )
                 v1, v2 = views(r1), views(r2)
                 for wid, a in v1.items():
                     b = v2.get(wid, 0)

@@ -1,4 +1,4 @@
-"""Two router replicas over real etcd and nats-server agree on per-worker load (RouterSyncEvent over NATS).
+"""Two router replicas over real etcd and nats-server agree on per-worker load (RouterSyncBatch over NATS).
 
 Locks: with mocker workers registered in etcd and publishing on NATS, two
 RouterCores each routing half the traffic hold per-worker active-block

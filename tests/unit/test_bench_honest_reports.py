@@ -138,8 +138,8 @@ def test_frontend_targets_are_judged_on_the_split_layout() -> None:
 def test_indexer_prints_p90_beside_p50_and_p99() -> None:
     indexer = load("indexer")
     figures = {k: 1.0e6 for k in ("apply_fill", "apply_churn", "decode_fill", "decode_churn")}
-    figures |= {"indexed_blocks": 10.0, "distinct_hashes": 5.0, "fill_events": 10.0}
-    for name in ("total", "walk", "decide"):
+    figures |= {"indexed_blocks": 10.0, "distinct_hashes": 5.0, "fill_events": 10.0, "tier_apply": 1.0e6, "tier_events": 10.0}
+    for name in ("total", "walk", "decide", "tiers"):
         figures |= {f"{name}_p50": 0.2, f"{name}_p90": 0.3, f"{name}_p99": 0.4, f"{name}_max": 0.5}
     text = indexer.render(figures, argparse.Namespace(repeat=5, lookups=10), QUIET, "xxhash 1")
     assert "best of 5 runs" in text and "200 / 300 / 400 µs" in text

@@ -141,6 +141,10 @@ def test_reuse_ceiling_counts_the_prefix_blocks_seen_before(tmp_path: Path) -> N
     prompt = sum(len(r.prompt_token_ids) for r in reqs)
     assert stats.prompt_tokens == prompt and stats.requests == 4 and stats.unique_hash_ids == 8
     assert stats.reuse_ceiling == pytest.approx((32 + 16) / prompt)
+    lengths = sorted(len(r.prompt_token_ids) for r in reqs)
+    left = sorted(len(r.prompt_token_ids) - hit for r, hit in zip(reqs, (0, 32, 16, 0), strict=True))
+    assert stats.p50_prefill_floor == pytest.approx(((left[1] + left[2]) / 2) / ((lengths[1] + lengths[2]) / 2))
+    assert stats.p50_prefill_floor < 1.0
     assert stats.span_s == 8.0 and stats.output_tokens == 40 + 7 + 300 + 2
 
 

@@ -96,11 +96,11 @@ def test_a_replica_applies_another_replicas_events_and_ignores_none() -> None:
     sync = ReplicaSync.__new__(ReplicaSync)
     sync.load = t
     kind = events_pb2.RouterSyncEvent
-    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_ROUTED, worker_id="a", prefill_tokens=64, blocks=6))
+    sync.apply("r2", kind(request_id="q", kind=kind.KIND_ROUTED, worker_id="a", prefill_tokens=64, blocks=6))
     assert (t.get(("a", 0)).active_blocks, t.get(("a", 0)).queued_prefill_tokens) == (6, 64)
-    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_PREFILL_DONE, worker_id="a"))
+    sync.apply("r2", kind(request_id="q", kind=kind.KIND_PREFILL_DONE, worker_id="a"))
     assert t.get(("a", 0)).queued_prefill_tokens == 0
-    sync.apply(kind(router_id="r2", request_id="q", kind=kind.KIND_COMPLETED, worker_id="a"))
+    sync.apply("r2", kind(request_id="q", kind=kind.KIND_COMPLETED, worker_id="a"))
     assert t.get(("a", 0)).active_blocks == 0
-    sync.apply(kind(router_id="r2", request_id="x", kind=kind.KIND_UNSPECIFIED, worker_id="a"))
+    sync.apply("r2", kind(request_id="x", kind=kind.KIND_UNSPECIFIED, worker_id="a"))
     assert t.charges() == 0

@@ -177,6 +177,27 @@ async def test_a_tokenizer_that_releases_the_gil_encodes_mid_length_prompts_in_a
     assert tok.thread_ids[-1] == threading.get_ident()  # the shortest stay inline
 
 
+class RecordingGilFreeTokenizer(GatedTokenizer):
+    releases_gil = True
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        self.thread_ids.append(threading.get_ident())
+        return [len(text)]
+
+
+async def test_the_only_request_in_flight_encodes_mid_length_prompts_inline() -> None:
+    """`alone`: nothing else needs the loop, so the thread hop would only add latency; the longest still go to a thread."""
+    tok = RecordingGilFreeTokenizer()
+    mid = "x" * (PARALLEL_ENCODE_THRESHOLD + 1)
+    assert await encode_async(tok, mid, alone=True) == [len(mid)]
+    assert tok.thread_ids == [threading.get_ident()]
+    assert await encode_async(tok, mid) == [len(mid)]  # not alone: beside the loop
+    assert tok.thread_ids[-1] != threading.get_ident()
+    long = "x" * (ASYNC_ENCODE_THRESHOLD + 1)
+    assert await encode_async(tok, long, alone=True) == [len(long)]
+    assert tok.thread_ids[-1] != threading.get_ident()
+
+
 async def test_a_tokenizer_that_holds_the_gil_keeps_mid_length_prompts_inline() -> None:
     tok = GatedTokenizer()
     assert await encode_async(tok, "x" * (PARALLEL_ENCODE_THRESHOLD + 1)) == [PARALLEL_ENCODE_THRESHOLD + 1]

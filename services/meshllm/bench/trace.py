@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -203,13 +204,18 @@ class TraceStats:
     output_tokens: int
     unique_hash_ids: int
     reuse_ceiling: float  # reusable prompt tokens / prompt tokens, with an unbounded cache
+    # Median over requests of the tokens left to compute with an unbounded
+    # cache, over the median prompt: how far prefix caching alone can lower
+    # the median prefill (TTFT p50 at zero load) against no caching at all.
+    p50_prefill_floor: float = 1.0
 
     def describe(self) -> str:
         n = max(self.requests, 1)
         return (
             f"{self.requests:,} requests over {self.span_s:,.1f} s, mean input {self.prompt_tokens / n:,.0f} / "
             f"output {self.output_tokens / n:,.0f} tokens, {self.unique_hash_ids:,} distinct blocks, "
-            f"prefix-reuse ceiling {self.reuse_ceiling:.1%}"
+            f"prefix-reuse ceiling {self.reuse_ceiling:.1%}, median prefill floor {self.p50_prefill_floor:.2f}× "
+            "the median prompt (unbounded caches)"
         )
 
 
@@ -224,12 +230,16 @@ def trace_stats(requests: Sequence[TraceRequest]) -> TraceStats:
     """
     seen: dict[int, int] = {}  # hash id -> most of its run any earlier prompt held
     reusable = 0
+    left: list[int] = []  # per request: prompt tokens an unbounded cache leaves to compute
     for r in requests:
+        hit = 0
         for hid, n in zip(r.hash_ids, r.block_lengths, strict=True):
             got = seen.get(hid, 0)
-            reusable += min(n, got)
+            hit += min(n, got)
             if got < n:
                 break
+        reusable += hit
+        left.append(len(r.prompt_token_ids) - hit)
         for hid, n in zip(r.hash_ids, r.block_lengths, strict=True):
             seen[hid] = max(seen.get(hid, 0), n)
     prompt = sum(len(r.prompt_token_ids) for r in requests)
@@ -240,4 +250,9 @@ def trace_stats(requests: Sequence[TraceRequest]) -> TraceStats:
         output_tokens=sum(r.max_tokens for r in requests),
         unique_hash_ids=len(seen),
         reuse_ceiling=reusable / prompt if prompt else 0.0,
+        p50_prefill_floor=_median(left) / _median([len(r.prompt_token_ids) for r in requests]) if prompt else 1.0,
     )
+
+
+def _median(values: list[int]) -> float:
+    return float(statistics.median(values)) if values else 0.0

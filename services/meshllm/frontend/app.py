@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API as a hand-written ASGI app (served by uvicorn + httptools + uvloop).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings,
-GET /v1/models, GET /v1/models/{model}, POST /v1/tokenize and /v1/detokenize (also without
+GET /v1/models, GET /v1/models/{model}, POST /v1/tokenize, POST /v1/detokenize and GET /v1/tokenizer_info (also without
 /v1, as vLLM serves them; frontend/tokenize_api.py), GET /health (ready: admitting and serving a model), GET /live, GET /metrics,
 and the live mesh page GET /dashboard (+ /dashboard/state, frontend/dashboard.py).
 
@@ -32,6 +32,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import orjson
 import uvicorn
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 from meshllm.frontend import embeddings_api
 from meshllm.frontend.responses import collect, sse_events
 from meshllm.frontend.responses_api import ResponsesApi
-from meshllm.frontend.tokenize_api import detokenize, model_info, tokenize
+from meshllm.frontend.tokenize_api import detokenize, model_info, tokenize, tokenizer_info
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import TextRequest, model_list, parse_chat, parse_completion, parse_json_body
@@ -163,6 +164,8 @@ class OpenAIApp:
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/v1/detokenize"): self._detokenize,
             ("POST", "/detokenize"): self._detokenize,
+            ("GET", "/v1/tokenizer_info"): self._tokenizer_info,
+            ("GET", "/tokenizer_info"): self._tokenizer_info,
         }
         if dashboard is not None:  # the live mesh page (frontend/dashboard.py): its state is governed like /metrics
             self._routes.update({("GET", path): self._dashboard_asset for path in ASSETS})
@@ -246,6 +249,14 @@ class OpenAIApp:
 
     async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> int:
         return await self._post_json(scope, receive, send, detokenize)
+
+    async def _tokenizer_info(self, scope: Scope, receive: Receive, send: Send) -> int:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        try:
+            body = await tokenizer_info(self.core, query["model"][-1] if "model" in query else None)
+        except MeshError as exc:
+            return await _error(send, exc)
+        return await _json(send, 200, body)
 
     async def _post_json(
         self, scope: Scope, receive: Receive, send: Send, run: Callable[[InferenceCore, Any], Awaitable[Any]]

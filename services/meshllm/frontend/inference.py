@@ -82,7 +82,7 @@ class InferenceCore(Admits):
             rid = req.request_id or f"{kind}-{self._id_prefix}{next(self._id_counter):016x}"
             await check_capabilities(req, model, self.registry)  # a 400 before any engine work
             outputs = self.parsers.factory(req, model.name, model.card, tk.template)
-            plan = await preprocess(req, model, tk, rid)
+            plan = await preprocess(req, model, tk, rid, alone=self.inflight == 1)
         except BaseException:
             self.admission.exit()
             raise

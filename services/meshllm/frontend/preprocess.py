@@ -41,7 +41,7 @@ class Plan:
     prompt_of: list[int]
 
 
-async def _chat_prompt(req: TextRequest, model: ServedModel, tk: Tokenization) -> Prompt:
+async def _chat_prompt(req: TextRequest, model: ServedModel, tk: Tokenization, alone: bool) -> Prompt:
     if tk.template is None:
         raise InvalidArgument(
             f"model {model.name!r} has no chat template; use /v1/completions or serve it with one", param="messages"
@@ -53,7 +53,7 @@ async def _chat_prompt(req: TextRequest, model: ServedModel, tk: Tokenization) -
     text = tk.template.render(list(req.messages), add_generation_prompt=req.add_generation_prompt, tools=tools, **extra)
     if req.continue_final_message:
         text = _continued(text, str(req.messages[-1].get("content") or ""))
-    return Prompt(await encode_async(tk.tokenizer, text), text)
+    return Prompt(await encode_async(tk.tokenizer, text, alone=alone), text)
 
 
 def _continued(rendered: str, final: str) -> str:
@@ -67,9 +67,9 @@ def _continued(rendered: str, final: str) -> str:
     return rendered[: cut + len(final)]
 
 
-async def _completion_prompt(prompt: str | tuple[int, ...], tk: Tokenization) -> Prompt:
+async def _completion_prompt(prompt: str | tuple[int, ...], tk: Tokenization, alone: bool) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt(await encode_async(tk.tokenizer, prompt, add_special_tokens=True), prompt)
+        return Prompt(await encode_async(tk.tokenizer, prompt, add_special_tokens=True, alone=alone), prompt)
     vocab = tk.tokenizer.vocab_size
     if vocab and any(t >= vocab for t in prompt):
         bad = next(t for t in prompt if t >= vocab)
@@ -105,13 +105,16 @@ def prompt_logprobs_asked(req: TextRequest) -> int | None:
     return max(asked) if asked else None
 
 
-async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, request_id: str) -> Plan:
-    """Render, tokenize, check lengths and build the upstream requests (choice i = prompt i // n, sample i % n)."""
+async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, request_id: str, *, alone: bool = False) -> Plan:
+    """Render, tokenize, check lengths and build the upstream requests (choice i = prompt i // n, sample i % n).
+
+    `alone`: this is the only request in flight (`encode_async` may then tokenize inline).
+    """
     if req.kind == "chat":
-        prompts = [await _chat_prompt(req, model, tk)]
+        prompts = [await _chat_prompt(req, model, tk, alone)]
         param = "messages"
     else:
-        prompts = [await _completion_prompt(p, tk) for p in req.prompts]
+        prompts = [await _completion_prompt(p, tk, alone) for p in req.prompts]
         param = "prompt"
     output = OutputSettings(skip_special_tokens=req.skip_special_tokens)
     if req.logprobs is not None:

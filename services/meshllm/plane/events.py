@@ -1,7 +1,7 @@
 """The events plane: publish and subscribe protobuf events on subjects (NATS | memory | none).
 
 Workers publish `KvEventBatch` and `LoadSnapshot` messages, router replicas
-`RouterSyncEvent`s, on the subjects of `meshllm.protocol.names`. Every
+`RouterSyncBatch`es, on the subjects of `meshllm.protocol.names`. Every
 backend has the same contract, written on `EventBus` and `Subscription`:
 
 - `publish()` is a plain function that never blocks and never raises on

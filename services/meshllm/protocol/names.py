@@ -53,5 +53,5 @@ def load_subject(namespace: str, component: str) -> str:
 
 
 def router_subject(namespace: str, component: str) -> str:
-    """NATS subject of RouterSyncEvent messages shared by router replicas."""
+    """NATS subject of the RouterSyncBatch messages router replicas share."""
     return f"meshllm.{namespace}.router.{component}"

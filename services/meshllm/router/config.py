@@ -218,7 +218,7 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
         "--disagg-max-local-hit",
         type=float,
         default=0.9,
-        help="skip remote prefill when the decode worker caches at least this fraction of the prompt",
+        help="skip remote prefill when the decode worker caches (device or lower tiers) at least this fraction of the prompt",
     )
     g.add_argument("--static-endpoint", default="", help="static mode: namespace.component.endpoint of the workers")
     g.add_argument("--static-workers", default="", help="static mode: comma-separated worker host:port list")

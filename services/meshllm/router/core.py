@@ -43,7 +43,7 @@ from meshllm.router.policy import Candidate, make_policy, score
 from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.stream import serve
 from meshllm.router.sync import ReplicaSync
-from meshllm.router.timing import WorkerTimes, wait_blocks
+from meshllm.router.timing import WorkerTimes, evict_ratio, restore_costs, wait_blocks
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
 from meshllm.v1 import discovery_pb2, router_pb2
 from meshllm.worker.client import WorkerClient
@@ -85,6 +85,14 @@ class Decision:
                     queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, total_blocks=k.total_blocks,
                     resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
                     pressure=k.pressure, step_ms=k.step_ms, wait_blocks=k.wait_blocks,
+                    restore_blocks=k.restore_blocks, evict_ratio=k.evict_ratio,
+                    lower_tiers=[
+                        router_pb2.TierOverlap(
+                            tier=r.tier, blocks=k.lower_blocks.get(r.tier, 0),  # type: ignore[arg-type]
+                            restore_ms_per_block=r.ms_per_block, restore_ratio=r.ratio,
+                        )
+                        for r in k.restore
+                    ],
                 )
                 for k in self.candidates
             ],
@@ -232,6 +240,10 @@ class RouterCore(AsyncCloseable):
                 waiting=rep.waiting if rep is not None else 0, running=rep.running if rep is not None else 0,
                 indexed_blocks=self.index.worker_blocks(w.id), in_flight=load.in_flight,
                 queued_prefill_tokens=load.queued_prefill_tokens,
+                indexed_lower_tiers=[
+                    router_pb2.IndexedTierBlocks(tier=t, blocks=n)  # type: ignore[arg-type]
+                    for t in self.index.lower.sets if (n := self.index.lower_blocks(w.id, t))
+                ],
             )  # fmt: skip
         return out
 
@@ -291,10 +303,13 @@ class RouterCore(AsyncCloseable):
         cfg = self.config
         if max_tokens is not None and max_tokens <= 1:
             return False  # the prefill leg alone would answer: no KV to hand over
-        hit = decode.chosen.overlap_blocks * decode.block_size / max(prompt_tokens, 1)
+        # Blocks the decode worker restores from its own lower tiers count as local hits: restoring them
+        # there beats computing them on a prefill worker and moving them.
+        served = decode.chosen.served_blocks
+        hit = served * decode.block_size / max(prompt_tokens, 1)
         if prompt_tokens < cfg.disagg_min_prompt_tokens:
             return False
-        return not (decode.chosen.overlap_blocks and hit >= cfg.disagg_max_local_hit)
+        return not (served and hit >= cfg.disagg_max_local_hit)
 
     def _eligible(self, model: str, role: int, hints: RouteHints, excluded: set[str]) -> list[PoolWorker]:
         workers = [w for w in self.pool.workers(model, role) if w.id not in excluded]
@@ -323,7 +338,10 @@ class RouterCore(AsyncCloseable):
         ]
         if not keys:
             raise Unavailable(f"no {role_name(role)} worker of model {model!r} has dp rank {pin_rank}")
-        overlaps, pending = self._overlaps(hashes, [(w.id, r) for w, r in keys])
+        slots = [(w.id, r) for w, r in keys]
+        overlaps, pending = self._overlaps(hashes, slots)
+        # Where the device prefix ends, lower tiers (host, disk) may continue it (kv mode: events tell).
+        tiers = self.index.tier_overlaps(hashes, slots, overlaps) if self.mode is RouterMode.KV and hashes else {}
         request_blocks = -(-len(tokens) // bs)
         cache = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
         prompt = set(hashes)
@@ -332,21 +350,28 @@ class RouterCore(AsyncCloseable):
         for w, r in keys:
             key = (w.id, r)
             ov = overlaps.get(key, 0)
+            lower: dict[int, int] = {}
+            if (t := tiers.get(key)) is not None:
+                ov, lower = ov + t.device, t.lower
+            served = ov + sum(lower.values())
             load = self.load.get(key)
+            advertised = load.reported.tiers if load.reported is not None else ()
             # Queued prefill of in-flight requests that share this prompt's prefix is work this
             # request shares (the prefix is being computed for both), not a backlog it waits behind.
             queued = max(0, load.queued_prefill_tokens - pending.get(key, 0) * bs)
             cache.set_total(key, self._total_blocks(w, load))
-            new = max(0, len(hashes) - ov)
+            new = max(0, len(hashes) - ov)  # restored blocks take device room as computed ones do
             room = cache.capacity(key, prompt, new, pending=-(-load.queued_prefill_tokens // bs))
             step_ms = self.times.step_ms(key)
             # Decode load once this request runs there: its blocks the worker does not cache are added.
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
-                prefill_tokens=max(0, len(tokens) - ov * bs), decode_blocks=load.active_blocks + request_blocks - ov,
+                prefill_tokens=max(0, len(tokens) - served * bs), decode_blocks=load.active_blocks + request_blocks - ov,
                 queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=room.resident,
                 total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
+                evict_ratio=evict_ratio(advertised, block_ms),
                 step_ms=step_ms, wait_blocks=wait_blocks(load.in_flight, step_ms, block_ms),
+                lower_blocks=lower, restore=restore_costs(lower, advertised, block_ms) if lower else [],
             ))  # fmt: skip
         cfg = self.config
         score(

@@ -22,6 +22,16 @@ releases a sequence tail first — and the router refines it with what it
 routes: `touch` moves a routed prompt's cached blocks to the most recently
 used end and counts the reuse.
 
+Lower tiers (host memory, disk: `meshllm.v1.KvTier`): a worker may keep
+blocks evicted from its device cache and restore them instead of computing
+them again. `KvIndex.lower` (`meshllm.router.kv_tiers.LowerTiers`) holds,
+per slot and lower tier, the hashes the tier holds; a block may be in
+several tiers at once and each tier's set changes only by its own events;
+"cleared" empties every tier. `KvIndex.tier_overlaps` continues a
+candidate's device prefix through its lower tiers: the prompt prefix the
+worker can serve without computing, each block counted in the nearest tier
+that holds it (device, then host, then disk).
+
 `KvIndex` adds the event bookkeeping: per worker the id of the last applied
 event. A batch whose first id is not `last + 1` (lost events, a restarted
 worker), a new worker and a router start all put the worker in *syncing*
@@ -35,15 +45,16 @@ first, snapshot second: nothing falls in between. The index does no I/O;
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
+from meshllm.router.kv_tiers import LowerTiers, TierOverlap
 from meshllm.v1 import events_pb2, worker_pb2
 
-__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "slot_capacity"]
+__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "TierOverlap", "slot_capacity"]
 
 SlotKey = tuple[str, int]  # (worker id, dp rank)
 
@@ -255,6 +266,7 @@ class KvIndex(SlotCapacities):
     def __init__(self) -> None:
         self.map = BlockMap()
         self.totals: dict[SlotKey, int] = {}  # capacity per slot, when known
+        self.lower = LowerTiers()  # host and disk blocks per slot
         self._workers: dict[str, _WorkerState] = {}
         self.applied = 0
         self.resyncs_requested = 0
@@ -273,6 +285,7 @@ class KvIndex(SlotCapacities):
         """Forget a worker and every block it held, at once."""
         self._workers.pop(worker_id, None)
         for key in self.map.keys_of(worker_id):
+            self.lower.clear_slot(self.map.slot_of[key])
             self.map.drop(key)
         self._forget_totals(worker_id)
 
@@ -340,9 +353,13 @@ class KvIndex(SlotCapacities):
             return False
         for key in self.map.keys_of(wid):
             self.map.clear_slot(self.map.slot_of[key])
+            self.lower.clear_slot(self.map.slot_of[key])
         for rank in snapshot.ranks:
             slot = self.map.slot((wid, rank.dp_rank))
             self.map.add(slot, [b.block_hash for b in rank.blocks])
+            for tb in rank.lower_tiers:
+                if tb.tier:
+                    self.lower.add(tb.tier, slot, [b.block_hash for b in tb.blocks])
         st.last_event_id = snapshot.last_event_id
         buffered, overflowed = st.buffer, st.overflowed
         st.buffer, st.overflowed, st.syncing = [], False, False
@@ -370,28 +387,58 @@ class KvIndex(SlotCapacities):
     def _apply(self, slot: int, ev: events_pb2.KvEvent) -> None:
         kind = ev.WhichOneof("data")
         if kind == "stored":
-            if ev.stored.tier:  # lower tiers (host, disk) are not indexed yet
-                return
-            blocks = ev.stored.blocks
-            self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
+            stored = ev.stored
+            blocks = stored.blocks
+            if stored.tier:
+                self.lower.add(stored.tier, slot, [b.block_hash for b in blocks])
+            else:
+                self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
             self.applied += len(blocks)
         elif kind == "removed":
-            if ev.removed.tier:
-                return
             hashes = ev.removed.block_hashes
-            self.map.remove(slot, hashes)
+            if ev.removed.tier:
+                self.lower.remove(ev.removed.tier, slot, hashes)
+            else:
+                self.map.remove(slot, hashes)
             self.applied += len(hashes)
         elif kind == "cleared":
-            self.applied += self.map.clear_slot(slot)
+            self.applied += self.map.clear_slot(slot) + self.lower.clear_slot(slot)
 
     # ------------------------------------------------------------ queries
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
         """Leading prompt blocks each candidate (worker id, dp rank) caches."""
         return self.map.overlaps(hashes, keys)
 
+    def tier_overlaps(
+        self, hashes: Sequence[int], keys: Iterable[SlotKey], starts: Mapping[SlotKey, int]
+    ) -> dict[SlotKey, TierOverlap]:
+        """Continue each candidate's prefix (`starts[key]` blocks, 0 if absent) through its lower tiers.
+
+        From block `starts[key]` on, a block counts while some tier of the
+        candidate holds it: device first (a device copy beats a host copy),
+        then the lower tiers nearest first (host before disk). Only
+        candidates holding lower-tier blocks are walked, and only those
+        that serve at least one more block are in the answer. Chained
+        hashes make the run a prefix: a block is only usable after every
+        block before it.
+        """
+        if not self.lower:
+            return {}
+        slot_of = self.map.slot_of
+        starts_by_slot, key_of = {}, {}
+        for key in keys:
+            s = slot_of.get(key)
+            if s is not None:
+                starts_by_slot[s], key_of[s] = starts.get(key, 0), key
+        return {key_of[s]: t for s, t in self.lower.served(hashes, self.map, starts_by_slot).items()}
+
     def worker_blocks(self, worker_id: str) -> int:
         """Blocks of `worker_id` in the index (all dp ranks)."""
         return sum(self.map.count(k) for k in self.map.keys_of(worker_id))
+
+    def lower_blocks(self, worker_id: str, tier: int) -> int:
+        """Blocks of `worker_id` the index has in lower `tier` (all dp ranks)."""
+        return sum(self.lower.count(tier, self.map.slot_of[k]) for k in self.map.keys_of(worker_id))
 
     # ------------------------------------------------------------ eviction order
 
@@ -403,7 +450,7 @@ class KvIndex(SlotCapacities):
 
     @property
     def size(self) -> int:
-        """Distinct block hashes indexed."""
+        """Distinct block hashes indexed in device tiers."""
         return len(self.map.masks)
 
 

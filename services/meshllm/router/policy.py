@@ -4,10 +4,11 @@ Every candidate is a (worker, dp rank) scored the same way whatever the
 policy, so `Router.Route` can always explain a decision:
 
     prefill_blocks = (prompt tokens it must compute + its queued prefill tokens) / block size
+    restore_blocks = Σ over lower tiers: blocks restored from the tier × its restore ratio
     pressure       = new_blocks × resident_blocks / total_blocks
     wait_blocks    = 1.5 × step_ms / block_ms   if requests are in flight on it, else 0
-    cost           = overlap_weight × prefill_blocks + decode_blocks
-                     + capacity_weight × (pressure + evicted_hot_blocks)
+    cost           = overlap_weight × (prefill_blocks + restore_blocks) + decode_blocks
+                     + capacity_weight × (pressure + evict_ratio × evicted_hot_blocks)
                      + wait_weight × wait_blocks
 
 - `new_blocks`: prompt blocks the worker would add to its cache (those it
@@ -26,6 +27,21 @@ policy, so `Router.Route` can always explain a decision:
   does), those reused since they were stored — each would have to be
   computed again when its prefix comes back, so it is charged as a prefill
   block. Blocks never reused (unique suffixes, one-off prompts) go for free.
+- `restore_blocks`: the prompt prefix a worker can serve is its device
+  blocks (`overlap_blocks`, free) followed by blocks it keeps in a lower
+  tier (host memory, disk: `lower_blocks`, restored into the device cache
+  before use, each from the nearest tier holding it). A restored block is
+  not computed — it leaves `prefill_blocks` — but costs its tier's *restore
+  ratio* (`meshllm.router.timing.restore_cost`: the worker's advertised
+  restore time per block over the model's measured prefill time per block,
+  or the tier's default while either is unknown). So a lower-tier hit
+  beats a miss when the ratio is below 1, loses to a device hit always,
+  and a worker whose tier restores slower than it computes is charged more
+  than a miss (it restores what it holds). Restored blocks need device room
+  like computed ones: they count in `new_blocks`.
+- `evict_ratio`: an evicted reused block costs a recompute (1) on a worker
+  without lower tiers; on one that keeps evicted blocks in a lower tier it
+  comes back at that tier's restore ratio (the nearest tier's, capped at 1).
 - `decode_blocks` (active KV blocks once the request runs there) and the
   queued prefill tokens are load: a busy worker loses even when it holds the
   prefix, as soon as its backlog outweighs the blocks it would save.
@@ -68,9 +84,10 @@ import abc
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshllm.router.config import RouterMode
+from meshllm.router.timing import DEFAULT_RESTORE_RATIO, UNKNOWN_TIER_RESTORE_RATIO, RestoreCost
 
 __all__ = [
     "Candidate",
@@ -100,6 +117,10 @@ class Candidate:
     total_blocks: int = 0  # capacity; 0 = unknown (no capacity terms)
     new_blocks: int = 0  # prompt blocks it would add to its cache
     evicted_hot_blocks: int = 0  # reused blocks it would evict to make room
+    evict_ratio: float = 1.0  # prefill blocks an evicted reused block costs (< 1: it goes to a lower tier)
+    lower_blocks: dict[int, int] = field(default_factory=dict)  # lower tier -> prompt blocks restored from it
+    restore: list[RestoreCost] = field(default_factory=list)  # the cost of each tier in `lower_blocks`
+    restore_blocks: float = 0.0  # Σ lower_blocks[tier] × its restore ratio (filled in by `score`)
     step_ms: float = 0.0  # its measured step time (0 = not measured yet)
     wait_blocks: float = 0.0  # expected wait behind its running requests, in prefill blocks
     pressure: float = 0.0  # new_blocks × cached_blocks / total_blocks (filled in by `score`)
@@ -108,6 +129,11 @@ class Candidate:
     @property
     def key(self) -> tuple[str, int]:
         return (self.worker_id, self.dp_rank)
+
+    @property
+    def served_blocks(self) -> int:
+        """Leading prompt blocks it has in some tier: the device ones plus the restored ones."""
+        return self.overlap_blocks + sum(self.lower_blocks.values())
 
 
 def score(
@@ -118,12 +144,25 @@ def score(
     capacity_weight: float = 0.0,
     wait_weight: float = 0.0,
 ) -> None:
-    """Fill in each candidate's pressure and cost (the formula of the module docstring; `wait_blocks` is given)."""
+    """Fill in each candidate's restore blocks, pressure and cost (the formula of the module docstring).
+
+    `wait_blocks` is given; so are `lower_blocks` and, for each of its
+    tiers, a `RestoreCost` in `restore` (a tier without one costs its
+    default ratio).
+    """
     bs = max(block_size, 1)
     for c in candidates:
-        prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs
+        if c.lower_blocks:
+            ratios = {r.tier: r.ratio for r in c.restore}
+            c.restore_blocks = sum(
+                n * ratios.get(t, DEFAULT_RESTORE_RATIO.get(t, UNKNOWN_TIER_RESTORE_RATIO)) for t, n in c.lower_blocks.items()
+            )
+        else:
+            c.restore_blocks = 0.0
+        prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs + c.restore_blocks
         c.pressure = c.new_blocks * min(c.cached_blocks, c.total_blocks) / c.total_blocks if c.total_blocks > 0 else 0.0
-        capacity = capacity_weight * (c.pressure + c.evicted_hot_blocks) if c.total_blocks > 0 else 0.0
+        evicted = c.evict_ratio * c.evicted_hot_blocks
+        capacity = capacity_weight * (c.pressure + evicted) if c.total_blocks > 0 else 0.0
         c.cost = overlap_weight * prefill_blocks + c.decode_blocks + capacity + wait_weight * c.wait_blocks
 
 

@@ -15,10 +15,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshllm.v1 import events_pb2
+
 if TYPE_CHECKING:
     from meshllm.router.core import Decision
 
 __all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict"]
+
+_TIER_NAMES: dict[int, str] = {events_pb2.KV_TIER_HOST: "host", events_pb2.KV_TIER_DISK: "disk"}
 
 DECISIONS = 64
 EVENTS = 128
@@ -61,6 +65,17 @@ def decision_dict(d: Decision) -> dict[str, Any]:
                 "pressure": round(c.pressure, 3),
                 "step_ms": round(c.step_ms, 3),
                 "wait_blocks": round(c.wait_blocks, 3),
+                "lower_tiers": [
+                    {
+                        "tier": _TIER_NAMES.get(r.tier, str(r.tier)),
+                        "blocks": c.lower_blocks.get(r.tier, 0),
+                        "restore_ms_per_block": round(r.ms_per_block, 4),
+                        "restore_ratio": round(r.ratio, 4),
+                    }
+                    for r in c.restore
+                ],
+                "restore_blocks": round(c.restore_blocks, 3),
+                "evict_ratio": round(c.evict_ratio, 4),
                 "cost": round(c.cost, 3),
                 "chosen": c is d.chosen,
             }

@@ -135,7 +135,9 @@ async def _leg(
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
     blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
     now = time.monotonic()
-    idle = core.load.get(key).in_flight == 0  # nothing to wait for there: its time to first token is prefill
+    # Nothing to wait for there: its time to first token is prefill (a leg that restores blocks from a
+    # lower tier also spends restore time, which would bias the prefill slope: not fitted).
+    idle = core.load.get(key).in_flight == 0 and not cand.lower_blocks
     core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=time.time())
     core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
     entry = None

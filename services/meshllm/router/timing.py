@@ -23,21 +23,49 @@ others waits for the step in progress (half a step on average) and then
 shares its first step with the running sequences (one more step's time on
 top of its own prefill): 1.5 steps, divided by the time of one prefill block.
 0 when either figure is unknown or nothing is in flight there.
+
+`restore_cost(tier, usage, block_ms)`: what bringing one block back from a
+lower KV tier (host memory, disk) costs, in the same unit. The worker
+advertises each tier in its LoadSnapshots (`KvTierUsage`): `block_bytes /
+restore_bytes_per_s` is the restore time of a block, and over the model's
+measured prefill time per block it is the *restore ratio* — the prefill
+blocks one restored block is worth (0.02: fifty times cheaper than
+computing it; above 1: slower than computing it). While the worker
+advertises no bandwidth for the tier, or the prefill time is not measured
+yet, the ratio is the tier's default (`DEFAULT_RESTORE_RATIO`: host 0.1,
+disk 0.3 — a restore is assumed well worth it, disk less so, as on every
+engine the peers and this mesh ship: PCIe and NVMe move a block faster than
+a GPU computes it, and llama.cpp on a CPU restores a 500-token prompt in
+tens of milliseconds where computing it takes seconds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshllm.router.kv_index import SlotKey
+from meshllm.v1 import events_pb2
 
-__all__ = ["BUSY_STEPS", "PrefillFit", "WorkerTimes", "wait_blocks"]
+__all__ = [
+    "BUSY_STEPS",
+    "DEFAULT_RESTORE_RATIO",
+    "PrefillFit",
+    "RestoreCost",
+    "WorkerTimes",
+    "evict_ratio",
+    "restore_cost",
+    "restore_costs",
+    "wait_blocks",
+]
 
 BUSY_STEPS = 1.5  # the rest of the step in progress (half on average) + the step the request shares
 STEP_ALPHA = 0.2  # weight of a new step-time sample
 FIT_DECAY = 0.98  # weight kept by older prefill samples per new one (about the last 50 count)
 MIN_FIT_SAMPLES = 4  # samples before the prefill slope is trusted
 MIN_FIT_SPREAD_TOKENS = 16.0  # standard deviation of the prompt lengths fitted, in tokens
+DEFAULT_RESTORE_RATIO: dict[int, float] = {events_pb2.KV_TIER_HOST: 0.1, events_pb2.KV_TIER_DISK: 0.3}
+UNKNOWN_TIER_RESTORE_RATIO = 0.5  # a tier value this router does not know (a newer engine's)
 
 
 @dataclass(slots=True)
@@ -110,3 +138,41 @@ def wait_blocks(in_flight: int, step_ms: float, block_ms: float) -> float:
     if in_flight <= 0 or step_ms <= 0 or block_ms <= 0:
         return 0.0
     return BUSY_STEPS * step_ms / block_ms
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCost:
+    """The cost of restoring one block from a lower tier of one worker."""
+
+    tier: int  # KV_TIER_HOST, KV_TIER_DISK
+    ms_per_block: float  # block_bytes / restore_bytes_per_s as the worker advertises it (0 = not advertised)
+    ratio: float  # prefill blocks one restored block costs (the advertised time over prefill_ms_per_block, or the default)
+
+
+def restore_cost(tier: int, usage: events_pb2.KvTierUsage | None, block_ms: float) -> RestoreCost:
+    """Restore cost of `tier` from the worker's advertised `usage` and the model's prefill time per block."""
+    ms = 0.0
+    if usage is not None and usage.block_bytes > 0 and usage.restore_bytes_per_s > 0:
+        ms = usage.block_bytes / usage.restore_bytes_per_s * 1000.0
+    if ms > 0 and block_ms > 0:
+        return RestoreCost(tier, ms, ms / block_ms)
+    return RestoreCost(tier, ms, DEFAULT_RESTORE_RATIO.get(tier, UNKNOWN_TIER_RESTORE_RATIO))
+
+
+def restore_costs(tiers: Iterable[int], usages: Iterable[events_pb2.KvTierUsage], block_ms: float) -> list[RestoreCost]:
+    """`restore_cost` of each of `tiers`, from a LoadSnapshot's `tiers` list (`usages`)."""
+    by_tier: dict[int, events_pb2.KvTierUsage] = {int(u.tier): u for u in usages}
+    return [restore_cost(t, by_tier.get(t), block_ms) for t in tiers]
+
+
+def evict_ratio(usages: Iterable[events_pb2.KvTierUsage], block_ms: float) -> float:
+    """Prefill blocks an evicted reused block costs: 1 without lower tiers, else the nearest tier's ratio (≤ 1).
+
+    An engine with lower tiers moves the blocks it evicts from the device
+    cache into the nearest one, so a reused prefix it evicts comes back at
+    that tier's restore cost instead of being computed again.
+    """
+    nearest = min((u for u in usages if u.tier and u.bytes_capacity > 0), key=lambda u: u.tier, default=None)
+    if nearest is None:
+        return 1.0
+    return min(1.0, restore_cost(nearest.tier, nearest, block_ms).ratio)

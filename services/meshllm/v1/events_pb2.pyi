@@ -136,3 +136,11 @@ class RouterSyncEvent(_message.Message):
     prefill_tokens: int
     blocks: int
     def __init__(self, router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[RouterSyncEvent.Kind, str]] = ..., worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class RouterSyncBatch(_message.Message):
+    __slots__ = ("router_id", "events")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    events: _containers.RepeatedCompositeFieldContainer[RouterSyncEvent]
+    def __init__(self, router_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RouterSyncEvent, _Mapping]]] = ...) -> None: ...

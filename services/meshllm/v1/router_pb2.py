@@ -24,29 +24,34 @@ _sym_db = _symbol_database.Default()
 
 
 from meshllm.v1 import discovery_pb2 as meshllm_dot_v1_dot_discovery__pb2
+from meshllm.v1 import events_pb2 as meshllm_dot_v1_dot_events__pb2
 from meshllm.v1 import generate_pb2 as meshllm_dot_v1_dot_generate__pb2
 from meshllm.v1 import session_pb2 as meshllm_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/router.proto\x12\nmeshllm.v1\x1a\x1ameshllm/v1/discovery.proto\x1a\x19meshllm/v1/generate.proto\x1a\x18meshllm/v1/session.proto\"\x81\x01\n\x0cRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x07routing\x18\x03 \x01(\x0b\x32\x18.meshllm.v1.RoutingHints\x12$\n\x04role\x18\x04 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\"\xe3\x02\n\x0e\x43\x61ndidateScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x15\n\rdecode_blocks\x18\x05 \x01(\x04\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\x04\x12\x17\n\x0fresident_blocks\x18\x0b \x01(\x04\x12\x12\n\nnew_blocks\x18\x0c \x01(\r\x12\x1a\n\x12\x65victed_hot_blocks\x18\r \x01(\r\x12\x10\n\x08pressure\x18\x0e \x01(\x01\x12\x0f\n\x07step_ms\x18\x0f \x01(\x01\x12\x13\n\x0bwait_blocks\x18\x10 \x01(\x01\"\xb9\x02\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x04role\x18\x04 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12.\n\ncandidates\x18\x06 \x03(\x0b\x32\x1a.meshllm.v1.CandidateScore\x12\x15\n\rprompt_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0eoverlap_weight\x18\t \x01(\x01\x12\x17\n\x0f\x63\x61pacity_weight\x18\n \x01(\x01\x12\x13\n\x0bwait_weight\x18\x0b \x01(\x01\x12\x1c\n\x14prefill_ms_per_block\x18\x0c \x01(\x01\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x80\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\ractive_blocks\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x04\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\t \x01(\x04\x12\x11\n\tin_flight\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.meshllm.v1.WorkerStatus2\xa3\x02\n\x06Router\x12\x44\n\x08Generate\x12\x1b.meshllm.v1.GenerateRequest\x1a\x19.meshllm.v1.GenerateChunk0\x01\x12\x45\n\x0fGenerateSession\x12\x15.meshllm.v1.SessionUp\x1a\x17.meshllm.v1.SessionDown(\x01\x30\x01\x12<\n\x05Route\x12\x18.meshllm.v1.RouteRequest\x1a\x19.meshllm.v1.RouteDecision\x12N\n\x0bListWorkers\x12\x1e.meshllm.v1.ListWorkersRequest\x1a\x1f.meshllm.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/router.proto\x12\nmeshllm.v1\x1a\x1ameshllm/v1/discovery.proto\x1a\x17meshllm/v1/events.proto\x1a\x19meshllm/v1/generate.proto\x1a\x18meshllm/v1/session.proto\"\x81\x01\n\x0cRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x07routing\x18\x03 \x01(\x0b\x32\x18.meshllm.v1.RoutingHints\x12$\n\x04role\x18\x04 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\"\xbe\x03\n\x0e\x43\x61ndidateScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x15\n\rdecode_blocks\x18\x05 \x01(\x04\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x14\n\x0ctotal_blocks\x18\n \x01(\x04\x12\x17\n\x0fresident_blocks\x18\x0b \x01(\x04\x12\x12\n\nnew_blocks\x18\x0c \x01(\r\x12\x1a\n\x12\x65victed_hot_blocks\x18\r \x01(\r\x12\x10\n\x08pressure\x18\x0e \x01(\x01\x12\x0f\n\x07step_ms\x18\x0f \x01(\x01\x12\x13\n\x0bwait_blocks\x18\x10 \x01(\x01\x12,\n\x0blower_tiers\x18\x11 \x03(\x0b\x32\x17.meshllm.v1.TierOverlap\x12\x16\n\x0erestore_blocks\x18\x12 \x01(\x01\x12\x13\n\x0b\x65vict_ratio\x18\x13 \x01(\x01\"t\n\x0bTierOverlap\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x1c\n\x14restore_ms_per_block\x18\x03 \x01(\x01\x12\x15\n\rrestore_ratio\x18\x04 \x01(\x01\"\xb9\x02\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x04role\x18\x04 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12.\n\ncandidates\x18\x06 \x03(\x0b\x32\x1a.meshllm.v1.CandidateScore\x12\x15\n\rprompt_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0eoverlap_weight\x18\t \x01(\x01\x12\x17\n\x0f\x63\x61pacity_weight\x18\n \x01(\x01\x12\x13\n\x0bwait_weight\x18\x0b \x01(\x01\x12\x1c\n\x14prefill_ms_per_block\x18\x0c \x01(\x01\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbc\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\ractive_blocks\x18\x05 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x04\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x16\n\x0eindexed_blocks\x18\t \x01(\x04\x12\x11\n\tin_flight\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12:\n\x13indexed_lower_tiers\x18\x0c \x03(\x0b\x32\x1d.meshllm.v1.IndexedTierBlocks\"E\n\x11IndexedTierBlocks\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.meshllm.v1.WorkerStatus2\xa3\x02\n\x06Router\x12\x44\n\x08Generate\x12\x1b.meshllm.v1.GenerateRequest\x1a\x19.meshllm.v1.GenerateChunk0\x01\x12\x45\n\x0fGenerateSession\x12\x15.meshllm.v1.SessionUp\x1a\x17.meshllm.v1.SessionDown(\x01\x30\x01\x12<\n\x05Route\x12\x18.meshllm.v1.RouteRequest\x1a\x19.meshllm.v1.RouteDecision\x12N\n\x0bListWorkers\x12\x1e.meshllm.v1.ListWorkersRequest\x1a\x1f.meshllm.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshllm.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTEREQUEST']._serialized_start=121
-  _globals['_ROUTEREQUEST']._serialized_end=250
-  _globals['_CANDIDATESCORE']._serialized_start=253
-  _globals['_CANDIDATESCORE']._serialized_end=608
-  _globals['_ROUTEDECISION']._serialized_start=611
-  _globals['_ROUTEDECISION']._serialized_end=924
-  _globals['_LISTWORKERSREQUEST']._serialized_start=926
-  _globals['_LISTWORKERSREQUEST']._serialized_end=961
-  _globals['_WORKERSTATUS']._serialized_start=964
-  _globals['_WORKERSTATUS']._serialized_end=1220
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1222
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1286
-  _globals['_ROUTER']._serialized_start=1289
-  _globals['_ROUTER']._serialized_end=1580
+  _globals['_ROUTEREQUEST']._serialized_start=146
+  _globals['_ROUTEREQUEST']._serialized_end=275
+  _globals['_CANDIDATESCORE']._serialized_start=278
+  _globals['_CANDIDATESCORE']._serialized_end=724
+  _globals['_TIEROVERLAP']._serialized_start=726
+  _globals['_TIEROVERLAP']._serialized_end=842
+  _globals['_ROUTEDECISION']._serialized_start=845
+  _globals['_ROUTEDECISION']._serialized_end=1158
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1160
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1195
+  _globals['_WORKERSTATUS']._serialized_start=1198
+  _globals['_WORKERSTATUS']._serialized_end=1514
+  _globals['_INDEXEDTIERBLOCKS']._serialized_start=1516
+  _globals['_INDEXEDTIERBLOCKS']._serialized_end=1585
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1587
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1651
+  _globals['_ROUTER']._serialized_start=1654
+  _globals['_ROUTER']._serialized_end=1945
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,24 @@ class WorkerMetrics:
         self.kv_transfer_bytes = counter("meshllm_worker_kv_transfer_bytes", "KV bytes served by PullKv")
         self.kv_events = counter("meshllm_worker_kv_events", "KV events published")
         self.health_failures = counter("meshllm_worker_health_check_failures", "Failed canary requests")
+        tier_labels = [*labels, "tier"]
+        self._tier_blocks = Gauge(
+            "meshllm_worker_kv_tier_blocks", "KV blocks held in a lower tier (host, disk)", tier_labels, registry=self._labelled
+        )
+        self._tier_bytes = Gauge(
+            "meshllm_worker_kv_tier_bytes", "Bytes used in a lower KV tier", tier_labels, registry=self._labelled
+        )
+        self._tier_capacity = Gauge(
+            "meshllm_worker_kv_tier_capacity_bytes", "Byte budget of a lower KV tier", tier_labels, registry=self._labelled
+        )
+        self._worker_id = worker_id
+
+    def tier_usage(self, tier: str, *, blocks: int, bytes_used: int, bytes_capacity: int) -> None:
+        """The latest usage of lower tier `tier` ("host", "disk")."""
+        labels = {"worker_id": self._worker_id, "tier": tier}
+        self._tier_blocks.labels(**labels).set(blocks)
+        self._tier_bytes.labels(**labels).set(bytes_used)
+        self._tier_capacity.labels(**labels).set(bytes_capacity)
 
     def label(self, *, model: str, role: str) -> None:
         """Add `model` and `role` to every series from now on (called once the model card is known)."""

@@ -239,6 +239,9 @@ class Worker(AsyncCloseable):
         self.metrics.kv_usage.set(m.active_blocks / m.total_blocks if m.total_blocks else 0.0)
         self.metrics.waiting.set(m.waiting)
         self.metrics.running.set(m.running)
+        for t in m.tiers:
+            name = t.tier.name.lower()
+            self.metrics.tier_usage(name, blocks=t.blocks, bytes_used=t.bytes_used, bytes_capacity=t.bytes_capacity)
 
     # ------------------------------------------------------------ health
     async def _health_loop(self) -> None:

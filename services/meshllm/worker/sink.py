@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from meshllm.engine.base import KvTier, LoadMetrics
+from meshllm.plane.batching import FlushPacer
 from meshllm.plane.events import EventBus
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.v1 import events_pb2, worker_pb2
@@ -61,8 +62,7 @@ class WorkerSink:
         # (dp rank, tier) -> block_hash -> tokens_hash
         self._blocks: dict[tuple[int, KvTier], dict[int, int]] = collections.defaultdict(dict)
         self._pending: list[tuple[int, events_pb2.KvEvent]] = []
-        self._flush_scheduled = False
-        self._flushed_at = 0.0
+        self._pacer = FlushPacer(self._flush, KV_FLUSH_INTERVAL_S)
         self._latest_load: LoadMetrics | None = None
         self._load_sent_at = 0.0
         self._load_timer: asyncio.TimerHandle | None = None
@@ -118,7 +118,7 @@ class WorkerSink:
     # -- snapshot
     def snapshot(self) -> worker_pb2.KvSnapshot:
         """Every block of every tier, per dp rank, as of `last_event_id` (flushes first)."""
-        self._flush()
+        self._pacer.flush_now()
         snap = worker_pb2.KvSnapshot(worker_id=self.worker_id, last_event_id=self.last_event_id)
         ranks: dict[int, worker_pb2.KvRankSnapshot] = {}
         for (dp, tier), blocks in sorted(self._blocks.items()):
@@ -146,20 +146,11 @@ class WorkerSink:
         event.event_id = self.last_event_id
         self.ring.append(event)
         self._pending.append((dp_rank, event))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop = asyncio.get_running_loop()
-            wait = self._flushed_at + KV_FLUSH_INTERVAL_S - time.monotonic()
-            if wait <= 0:
-                loop.call_soon(self._flush)
-            else:
-                loop.call_later(wait, self._flush)
+        self._pacer.request()
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
         if not self._pending:
             return
-        self._flushed_at = time.monotonic()
         pending, self._pending = self._pending, []
         batch: events_pb2.KvEventBatch | None = None
         for dp, ev in pending:
@@ -211,7 +202,7 @@ class WorkerSink:
 
     def close(self) -> None:
         """Publish what is pending (last events and load) and stop timers."""
-        self._flush()
+        self._pacer.flush_now()
         if self._load_timer is not None:
             self._load_timer.cancel()
             self._send_load()

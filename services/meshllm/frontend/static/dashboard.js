@@ -103,8 +103,11 @@ function renderCharts(state) {
 const TERMS = [
   ["overlap_blocks", "overlap"], ["prefill_tokens", "prefill tok"], ["queued_prefill_tokens", "queued tok"],
   ["decode_blocks", "decode blk"], ["in_flight", "in flight"], ["resident_blocks", "resident"], ["total_blocks", "total"],
-  ["new_blocks", "new"], ["evicted_hot_blocks", "evicted hot"], ["pressure", "pressure"], ["cost", "cost"],
+  ["new_blocks", "new"], ["evicted_hot_blocks", "evicted hot"], ["pressure", "pressure"],
+  ["lower_tiers", "lower tiers"], ["restore_blocks", "restore"], ["wait_blocks", "wait"], ["cost", "cost"],
 ];
+// Blocks a candidate would restore from its lower tiers, e.g. "host 30 · disk 4" (empty without).
+const tiers = (ts) => el("td", {}, (ts || []).map((t) => `${t.tier} ${t.blocks}`).join(" · "));
 
 function renderDecisions(state) {
   const box = document.getElementById("decisions");
@@ -116,7 +119,7 @@ function renderDecisions(state) {
     const key = d.request_id + "/" + d.leg;
     const head = el("tr", {}, el("th", {}, "worker"), ...TERMS.map(([, name]) => el("th", {}, name)));
     const rows = d.candidates.map((c) => el("tr", { class: c.chosen ? "chosen" : "" },
-      el("td", {}, c.worker_id + (c.dp_rank ? `/${c.dp_rank}` : "")), ...TERMS.map(([k]) => num(c[k]))));
+      el("td", {}, c.worker_id + (c.dp_rank ? `/${c.dp_rank}` : "")), ...TERMS.map(([k]) => (k === "lower_tiers" ? tiers(c[k]) : num(c[k])))));
     const n = d.candidates.length, rid = d.request_id.length > 20 ? d.request_id.slice(0, 20) + "…" : d.request_id;
     const summary = el("summary", { title: d.request_id }, el("span", { class: "dim" }, clock(d.at) + "  "),
       `${d.model} · ${d.leg} → ${d.worker_id}`,
