@@ -1,19 +1,27 @@
 """Deliberately broken engines: each breaks exactly one contract clause of the conformance kit.
 
-Each is the `sample` engine with one realistic bug; `BROKEN` maps every clause
-to the engine that breaks it. They also serve the pytest-plugin tests
+Each is the `sample` engine with one realistic bug (the KV tier clauses': the
+mocker with host and disk tiers); `BROKEN` maps every clause to the engine
+that breaks it. They also serve the pytest-plugin tests
 (`pytest --meshllm-engine broken_engines:IgnoresStopTokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Self
 
-from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, terminal
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, WorkerConfig, terminal
+from meshllm.engine.mocker import MockerEngine
 from meshllm.engine.sample import SampleEngine
 from meshllm.testing.conformance import Clause
+
+#: A mocker the kit can push into its lower tiers quickly: 160 device blocks of 16 tokens, host and disk of 64 each.
+TIERED_MOCKER_ARGS = [
+    "--speedup-ratio", "0", "--block-size", "16", "--num-gpu-blocks", "160", "--context-length", "2048",
+    "--kv-bytes-per-token", "1", "--kv-host-bytes", "1024", "--kv-disk-bytes", "1024",
+]  # fmt: skip
 
 
 class BadStartConfig(SampleEngine):
@@ -123,8 +131,36 @@ class AcceptsEmptyPrompt(SampleEngine):
             yield chunk
 
 
+class TieredMocker(MockerEngine):
+    """The mocker with TIERED_MOCKER_ARGS as its defaults."""
+
+    @classmethod
+    async def from_args(cls, argv: Sequence[str]) -> tuple[Self, WorkerConfig]:
+        return await super().from_args([*TIERED_MOCKER_ARGS, *argv])
+
+
+class LookupStopsAtTheDevice(TieredMocker):
+    """kv_tier_restore: blocks are offloaded to host and disk, but the prefix lookup never looks there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lookup = self.blocks.cached_prefix
+        self.blocks.cached_prefix = lambda seq, max_tokens, lower=True: lookup(seq, max_tokens, lower=False)  # type: ignore[method-assign]
+
+
+class RestoreShiftsTheOutput(TieredMocker):
+    """kv_tier_restore_output: a request whose prefix came from a lower tier samples from misplaced KV."""
+
+    async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
+        before = self.stats.host_hit_tokens + self.stats.disk_hit_tokens
+        async for chunk in super().generate(request, context):
+            if self.stats.host_hit_tokens + self.stats.disk_hit_tokens > before and chunk.get("token_ids"):
+                chunk = {**chunk, "token_ids": [(t + 1) % self.config.vocab_size for t in chunk["token_ids"]]}
+            yield chunk
+
+
 #: Every clause and the engine that breaks exactly it.
-BROKEN: dict[Clause, type[SampleEngine]] = {
+BROKEN: dict[Clause, type[LLMEngine]] = {
     Clause.START_CONFIG: BadStartConfig,
     Clause.BASIC_GENERATE: MiscountedUsage,
     Clause.NOTHING_AFTER_TERMINAL: ChunkAfterTerminal,
@@ -136,6 +172,8 @@ BROKEN: dict[Clause, type[SampleEngine]] = {
     Clause.CLEANUP_WITHOUT_START: CleanupNeedsStart,
     Clause.CLEANUP_TWICE: CleanupOnlyOnce,
     Clause.EMPTY_PROMPT_INVALID_ARGUMENT: AcceptsEmptyPrompt,
+    Clause.KV_TIER_RESTORE: LookupStopsAtTheDevice,
+    Clause.KV_TIER_RESTORE_OUTPUT: RestoreShiftsTheOutput,
 }
 
 

@@ -134,6 +134,8 @@ class ConformanceItem(pytest.Item):
         result = asyncio.run(run_check(self.clause, self.target.factory, self.target.options))
         for note in result.notes:
             self.add_report_section("call", "conformance note", note)
+        if result.skipped:
+            pytest.skip(f"{self.clause}: {result.skipped}")
         if result.error is not None:
             raise result.error
 

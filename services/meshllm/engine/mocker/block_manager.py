@@ -14,33 +14,57 @@ computed twice by two concurrent identical prompts is reported once and the
 second copy stays private. Evicting a cached block reports
 `blocks_removed`. Hashes come from `meshllm.protocol.kv`, the function the
 router uses, so the router's index matches this cache block for block.
+
+With lower tiers (`tiers.LowerTier`, HOST then DISK) an evicted block is not
+lost: it moves down a tier (stored there, removed from the device), and a
+prompt's prefix lookup continues past the device blocks into the lower
+tiers. `allocate` promotes the lower-tier blocks of a hit back into the
+device cache (removed from their tier, stored in DEVICE); the scheduler
+charges the restore's simulated time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Sequence_
 from typing import NamedTuple
 
-from meshllm.engine.base import EngineSink
+from meshllm.engine.base import EngineSink, KvTier, TierUsage
 from meshllm.engine.mocker.sequence import Sequence
+from meshllm.engine.mocker.tiers import LowerTier, TierBlock, emit_stored
 
 __all__ = ["Block", "BlockManager", "PrefixHit"]
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "ref_count")
+    __slots__ = ("block_hash", "block_id", "parent_hash", "ref_count", "tokens_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.tokens_hash = 0
+        self.parent_hash: int | None = None
 
 
 class PrefixHit(NamedTuple):
-    """Leading full blocks of a sequence found in the cache, and how many of them are unreferenced."""
+    """Leading full blocks of a sequence found in the cache (every tier), how many of them are
+    unreferenced device blocks, and how many sit in the HOST and DISK tiers (to be restored)."""
 
     blocks: int
     unreferenced: int
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def restored(self) -> int:
+        """Blocks of the hit that come from a lower tier."""
+        return self.host + self.disk
+
+    @property
+    def device(self) -> int:
+        """Blocks of the hit already in the device cache."""
+        return self.blocks - self.host - self.disk
 
 
 class BlockManager:
@@ -54,6 +78,7 @@ class BlockManager:
         *,
         prefix_caching: bool = True,
         watermark_blocks: int = 0,
+        tiers: Sequence_[LowerTier] = (),
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -67,6 +92,11 @@ class BlockManager:
         self._cached: OrderedDict[int, int] = OrderedDict()  # hash -> block id, oldest release first
         self._by_hash: dict[int, int] = {}  # every registered hash -> block id
         self.num_used = 0
+        if [t.tier for t in tiers] not in ([], [KvTier.HOST], [KvTier.DISK], [KvTier.HOST, KvTier.DISK]):
+            raise ValueError("lower tiers are HOST, DISK or HOST then DISK")
+        self.tiers = tuple(tiers) if prefix_caching else ()
+        self._host = next((t for t in self.tiers if t.tier == KvTier.HOST), None)
+        self._disk = next((t for t in self.tiers if t.tier == KvTier.DISK), None)
 
     # ------------------------------------------------------------ queries
     @property
@@ -91,37 +121,88 @@ class BlockManager:
         """Evictable hashes, next victim first."""
         return list(self._cached)
 
-    def cached_prefix(self, seq: Sequence, max_tokens: int) -> PrefixHit:
-        """How many leading full blocks of `seq`, covering at most `max_tokens` tokens, are cached."""
+    def tier_usage(self) -> tuple[TierUsage, ...]:
+        """What each lower tier holds, for `LoadMetrics.tiers`."""
+        return tuple(t.usage() for t in self.tiers)
+
+    def cached_prefix(self, seq: Sequence, max_tokens: int, *, lower: bool = True) -> PrefixHit:
+        """How many leading full blocks of `seq`, covering at most `max_tokens` tokens, are cached.
+
+        The prefix is contiguous: each block is looked up in the device
+        cache, then (with `lower`) in HOST and DISK; the first block no tier
+        holds ends it.
+        """
         if not self.prefix_caching:
             return PrefixHit(0, 0)
         by_hash, blocks = self._by_hash, self.blocks
-        hit = unreferenced = 0
+        host, disk = (self._host, self._disk) if lower else (None, None)
+        hit = unreferenced = in_host = in_disk = 0
         for bh, _ in seq.block_hashes[: max_tokens // self.block_size]:
             bid = by_hash.get(bh)
-            if bid is None:
+            if bid is not None:
+                if blocks[bid].ref_count == 0:
+                    unreferenced += 1
+            elif host is not None and bh in host:
+                in_host += 1
+            elif disk is not None and bh in disk:
+                in_disk += 1
+            else:
                 break
             hit += 1
-            if blocks[bid].ref_count == 0:
-                unreferenced += 1
-        return PrefixHit(hit, unreferenced)
+        return PrefixHit(hit, unreferenced, in_host, in_disk)
 
     # ------------------------------------------------------------ admission
     def can_allocate(self, hit: PrefixHit, num_new_tokens: int) -> bool:
-        """Whether a waiting sequence fits: its hit plus `num_new_tokens`, keeping the watermark free."""
-        needed = -(-(hit.blocks * self.block_size + num_new_tokens) // self.block_size) - hit.blocks
+        """Whether a waiting sequence fits: its hit (restored blocks need device blocks) plus
+        `num_new_tokens`, keeping the watermark free."""
+        needed = -(-(hit.blocks * self.block_size + num_new_tokens) // self.block_size) - hit.device
         return self.num_free - hit.unreferenced - needed >= self.watermark_blocks
 
     def allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> None:
-        """Reference the cached prefix `hit` and add blocks for `num_new_tokens` more tokens."""
-        blocks, table = self.blocks, seq.block_table
-        for bh, _ in seq.block_hashes[: hit.blocks]:
-            block = blocks[self._by_hash[bh]]
+        """Reference the cached prefix `hit`, restoring its lower-tier blocks into the device cache,
+        and add blocks for `num_new_tokens` more tokens."""
+        blocks, table, by_hash = self.blocks, seq.block_table, self._by_hash
+        prefix = seq.block_hashes[: hit.blocks]
+        # Lift the restored blocks out of their tiers first, so evictions below cannot push them further down.
+        lifted: dict[int, TierBlock] = {}
+        if hit.restored:
+            for tier in self.tiers:
+                taken = [b for b in (tier.take(bh) for bh, _ in prefix if bh not in by_hash) if b is not None]
+                if taken:
+                    self.sink.blocks_removed([b.block_hash for b in taken], tier=tier.tier)
+                    lifted.update((b.block_hash, b) for b in taken)
+        # Reference the device blocks before taking any (a take must not evict a block of this prefix).
+        ids: list[int | None] = []
+        for bh, _ in prefix:
+            bid = by_hash.get(bh)
+            ids.append(bid)
+            if bid is None:
+                continue
+            block = blocks[bid]
             if block.ref_count == 0:
                 del self._cached[bh]
                 self.num_used += 1
             block.ref_count += 1
-            table.append(block.block_id)
+        evicted: list[TierBlock] = []
+        restored: list[tuple[int, int]] = []
+        parent: int | None = None
+        for (bh, _), bid in zip(prefix, ids, strict=True):
+            if bid is None:  # a restored block: a fresh device block, registered as if computed
+                b = lifted[bh]
+                bid = self._take(evicted)
+                block = blocks[bid]
+                block.block_hash, block.tokens_hash, block.parent_hash = bh, b.tokens_hash, b.parent_hash
+                by_hash[bh] = bid
+                if not restored:
+                    parent = b.parent_hash
+                restored.append((bh, b.tokens_hash))
+            elif restored:
+                self.sink.blocks_stored(restored, parent)
+                restored = []
+            table.append(bid)
+        if restored:
+            self.sink.blocks_stored(restored, parent)
+        self._evicted(evicted)
         seq.num_computed = hit.blocks * self.block_size
         seq.num_registered = hit.blocks
         self.append(seq, num_new_tokens)
@@ -137,12 +218,11 @@ class BlockManager:
         needed = -(-(seq.num_computed + num_new_tokens) // self.block_size) - len(seq.block_table)
         if needed <= 0:
             return
-        evicted: list[int] = []
+        evicted: list[TierBlock] = []
         table = seq.block_table
         for _ in range(needed):
             table.append(self._take(evicted))
-        if evicted:
-            self.sink.blocks_removed(evicted)
+        self._evicted(evicted)
 
     def register(self, seq: Sequence) -> None:
         """Offer `seq`'s newly computed full blocks to the prefix cache; report the new ones."""
@@ -164,10 +244,11 @@ class BlockManager:
                     run = []
                 continue
             block = blocks[table[i]]
-            block.block_hash = bh
+            block.block_hash, block.tokens_hash = bh, th
+            block.parent_hash = hashes[i - 1][0] if i else None
             by_hash[bh] = block.block_id
             if not run:
-                parent = hashes[i - 1][0] if i else None
+                parent = block.parent_hash
             run.append((bh, th))
         if run:
             self.sink.blocks_stored(run, parent)
@@ -189,8 +270,9 @@ class BlockManager:
         seq.reset_progress()
 
     def clear(self) -> int:
-        """Forget every registered hash; return how many unreferenced cached blocks were dropped."""
-        dropped = len(self._cached)
+        """Forget every registered hash and every lower tier's blocks; return how many
+        unreferenced cached blocks (device and lower tiers) were dropped."""
+        dropped = len(self._cached) + sum(t.clear() for t in self.tiers)
         for bid in self._cached.values():
             self._free.append(bid)
         self._cached.clear()
@@ -200,14 +282,33 @@ class BlockManager:
         self.sink.all_cleared()
         return dropped
 
-    def _take(self, evicted: list[int]) -> int:
+    def _take(self, evicted: list[TierBlock]) -> int:
+        """A block for a sequence: a free one, else the device LRU victim (which joins `evicted`)."""
         if self._free:
             bid = self._free.pop()
         else:
             bh, bid = self._cached.popitem(last=False)
             del self._by_hash[bh]
-            self.blocks[bid].block_hash = None
-            evicted.append(bh)
+            block = self.blocks[bid]
+            block.block_hash = None
+            evicted.append(TierBlock(bh, block.tokens_hash, block.parent_hash))
         self.blocks[bid].ref_count = 1
         self.num_used += 1
         return bid
+
+    def _evicted(self, evicted: list[TierBlock]) -> None:
+        """Report device evictions (victims in order) and move them down the tiers.
+
+        Each tier reports what it stored before what it evicted, so a block
+        that passes through a full tier in one go ends up where it is.
+        """
+        if not evicted:
+            return
+        moving = evicted
+        self.sink.blocks_removed([b.block_hash for b in moving])
+        for tier in self.tiers:
+            emit_stored(self.sink, moving, tier.tier)
+            moving = tier.put(moving)
+            if not moving:
+                return
+            self.sink.blocks_removed([b.block_hash for b in moving], tier=tier.tier)

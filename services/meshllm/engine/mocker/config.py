@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 
 from meshllm.config import ConfigError, EnvArgumentParser
 
-__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "MockerConfig", "add_mocker_args"]
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "MockerConfig", "add_mocker_args", "parse_bytes"]
 
 # fp16 K and V of a Llama-3-8B-shaped model: 2 · 32 layers · 8 KV heads · 128 dims · 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
+# Restore bandwidths of the lower KV tiers, GB/s: host memory over PCIe 4.0 x16; disk, a few NVMe drives.
+DEFAULT_KV_HOST_BANDWIDTH = 25.0
+DEFAULT_KV_DISK_BANDWIDTH = 10.0
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?", re.IGNORECASE)
+
+
+class _SizeError(argparse.ArgumentTypeError, ValueError):
+    """A bad byte count: argparse shows the message as is (and `ValueError` for env values and callers)."""
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: `1073741824`, `64GiB`, `1.5G`, `512MB` (K/M/G/T powers of 1000; Ki/Mi/Gi/Ti of 1024)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise _SizeError(f"expected a byte count such as 68719476736, 64GiB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +48,10 @@ class MockerConfig:
     kv_transfer_bandwidth: float = 0.0  # GB/s; 0 = instant
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     kv_hold_timeout_s: float = 30.0
+    kv_host_bytes: int = 0  # HOST tier budget; 0 = no host tier
+    kv_disk_bytes: int = 0  # DISK tier budget; 0 = no disk tier
+    kv_host_bandwidth: float = DEFAULT_KV_HOST_BANDWIDTH  # GB/s, host -> device restores
+    kv_disk_bandwidth: float = DEFAULT_KV_DISK_BANDWIDTH  # GB/s, disk -> device restores
     context_length: int = 8192
     vocab_size: int = 32000
     eos_token_id: int = 2
@@ -57,6 +80,7 @@ class MockerConfig:
                 raise ConfigError(f"{flag} must be a finite number >= 0, got {fvalue}")
         if self.kv_bytes_per_token < 0:
             raise ConfigError(f"--kv-bytes-per-token must be >= 0, got {self.kv_bytes_per_token}")
+        self._check_tiers()
         if self.vocab_size < 2:
             raise ConfigError(f"--vocab-size must be >= 2, got {self.vocab_size}")
         if not 0 <= self.eos_token_id < self.vocab_size:
@@ -66,6 +90,32 @@ class MockerConfig:
                 f"--num-gpu-blocks {self.num_gpu_blocks} cannot hold one --context-length {self.context_length} sequence"
                 f" ({self.max_blocks_per_seq} blocks of {self.block_size} plus a {self.watermark_blocks}-block watermark)"
             )
+
+    def _check_tiers(self) -> None:
+        for flag, budget, bw_flag, bw in (
+            ("--kv-host-bytes", self.kv_host_bytes, "--kv-host-bandwidth", self.kv_host_bandwidth),
+            ("--kv-disk-bytes", self.kv_disk_bytes, "--kv-disk-bandwidth", self.kv_disk_bandwidth),
+        ):
+            if budget < 0:
+                raise ConfigError(f"{flag} must be >= 0 (0 = no such tier), got {budget}")
+            if not math.isfinite(bw) or bw <= 0:
+                raise ConfigError(f"{bw_flag} must be a finite number of GB/s > 0, got {bw}")
+            if budget == 0:
+                continue
+            if not self.enable_prefix_caching:
+                raise ConfigError(f"{flag} needs prefix caching (drop --no-enable-prefix-caching)")
+            if self.block_bytes <= 0:
+                raise ConfigError(f"{flag} needs --kv-bytes-per-token > 0 to size blocks")
+            if budget < self.block_bytes:
+                raise ConfigError(
+                    f"{flag} {budget} holds no block: one block is {self.block_bytes} bytes"
+                    f" (--block-size {self.block_size} × --kv-bytes-per-token {self.kv_bytes_per_token})"
+                )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full KV block (what a lower tier's budget is counted in)."""
+        return self.block_size * self.kv_bytes_per_token
 
     @property
     def watermark_blocks(self) -> int:
@@ -94,6 +144,10 @@ class MockerConfig:
             kv_transfer_bandwidth=ns.kv_transfer_bandwidth,
             kv_bytes_per_token=ns.kv_bytes_per_token,
             kv_hold_timeout_s=ns.kv_hold_timeout,
+            kv_host_bytes=ns.kv_host_bytes,
+            kv_disk_bytes=ns.kv_disk_bytes,
+            kv_host_bandwidth=ns.kv_host_bandwidth,
+            kv_disk_bandwidth=ns.kv_disk_bandwidth,
             context_length=ns.context_length,
             vocab_size=ns.vocab_size,
             eos_token_id=ns.eos_token_id,
@@ -124,6 +178,20 @@ def add_mocker_args(parser: EnvArgumentParser) -> None:
         help="KV bytes per token (default: an fp16 Llama-3-8B)",
     )
     g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill result's KV is held for its decode leg")
+    g.add_argument(
+        "--kv-host-bytes",
+        type=parse_bytes,
+        default=0,
+        help="byte budget of the host-memory KV tier that device evictions move to, e.g. 64GiB (0 = no host tier)",
+    )
+    g.add_argument(
+        "--kv-disk-bytes",
+        type=parse_bytes,
+        default=0,
+        help="byte budget of the disk KV tier that host evictions move to, e.g. 1TB (0 = no disk tier)",
+    )
+    g.add_argument("--kv-host-bandwidth", type=float, default=DEFAULT_KV_HOST_BANDWIDTH, help="host -> device restore GB/s")
+    g.add_argument("--kv-disk-bandwidth", type=float, default=DEFAULT_KV_DISK_BANDWIDTH, help="disk -> device restore GB/s")
     g.add_argument("--context-length", type=int, default=8192, help="max prompt + output tokens")
     g.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn from [0, vocab-size)")
     g.add_argument("--eos-token-id", type=int, default=2, help="the model's EOS token id")

@@ -16,6 +16,13 @@ or a decode leg on this same engine presents the handle. A
 (reported with BlocksStored like computed ones), waits the simulated
 transfer of the tokens it does not already cache, then continues after
 `disagg.first_token_ids`; its usage counts those first tokens.
+
+Lower KV tiers (--kv-host-bytes, --kv-disk-bytes): device evictions move to
+host memory, host evictions to disk (`tiers`); a prompt whose cached prefix
+reaches into them has those blocks restored (after `timing.restore_seconds`)
+instead of prefilled, and its usage counts them as cached. `start()`
+declares the tiers in `EngineConfig.kv_tiers`, load samples carry their
+usage (`LoadMetrics.tiers`), and `stats` counts hits per tier.
 """
 
 from __future__ import annotations
@@ -33,18 +40,20 @@ from typing import Self
 from meshllm.engine.base import (
     Context,
     EngineConfig,
+    KvTier,
     LLMEngine,
     LoadMetrics,
     WorkerConfig,
     terminal,
     worker_arg_parser,
 )
-from meshllm.engine.mocker.block_manager import BlockManager
+from meshllm.engine.mocker.block_manager import BlockManager, PrefixHit
 from meshllm.engine.mocker.config import MockerConfig, add_mocker_args
 from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
-from meshllm.engine.mocker.scheduler import Scheduler
+from meshllm.engine.mocker.scheduler import CacheStats, Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
-from meshllm.engine.mocker.timing import StepPacer, step_ms, transfer_seconds
+from meshllm.engine.mocker.tiers import LowerTier
+from meshllm.engine.mocker.timing import StepPacer, restore_seconds, step_ms, transfer_seconds
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import DisaggInfo, TokenChunk, TokenRequest, TokenUsage
@@ -75,18 +84,28 @@ class MockerEngine(LLMEngine):
 
     def __init__(self, config: MockerConfig | None = None) -> None:
         self.config = cfg = config or MockerConfig()
+        tiers = [
+            LowerTier(tier, budget, cfg.block_bytes, gbps * 1e9)
+            for tier, budget, gbps in (
+                (KvTier.HOST, cfg.kv_host_bytes, cfg.kv_host_bandwidth),
+                (KvTier.DISK, cfg.kv_disk_bytes, cfg.kv_disk_bandwidth),
+            )
+            if budget > 0
+        ]
         self.blocks = BlockManager(
             cfg.num_gpu_blocks,
             cfg.block_size,
             self.sink,
             prefix_caching=cfg.enable_prefix_caching,
             watermark_blocks=cfg.watermark_blocks,
+            tiers=tiers,
         )
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             transfer_time=self._transfer_time,
+            restore_time=self._restore_time,
         )
         #: Called after every step with what it did (tests and benchmarks observe through it).
         self.on_step: Callable[[StepReport], None] | None = None
@@ -99,7 +118,7 @@ class MockerEngine(LLMEngine):
         self._task: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
         self._failure = ""
-        self._load_key: tuple[int, int, int] | None = None
+        self._load_key: tuple[int, ...] | None = None
         self._load_at = -LOAD_INTERVAL_S
         self._load_timer: asyncio.TimerHandle | None = None
 
@@ -130,6 +149,7 @@ class MockerEngine(LLMEngine):
             eos_token_ids=(cfg.eos_token_id,),
             tokenizer_source="builtin:mocker",
             kv_layout=KV_LAYOUT,
+            kv_tiers=tuple(t.tier for t in self.blocks.tiers),
         )
 
     async def cleanup(self) -> None:
@@ -158,6 +178,11 @@ class MockerEngine(LLMEngine):
 
     async def clear_kv_blocks(self) -> int:
         return self.blocks.clear()
+
+    @property
+    def stats(self) -> CacheStats:
+        """Prompt tokens, cached tokens per tier (device, host, disk) and prefill tokens computed so far."""
+        return self.scheduler.stats
 
     @property
     def num_holds(self) -> int:
@@ -316,6 +341,12 @@ class MockerEngine(LLMEngine):
         cfg = self.config
         return transfer_seconds(tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
 
+    def _restore_time(self, hit: PrefixHit) -> float:
+        """Seconds to restore a hit's lower-tier blocks, one tier after the other."""
+        speedup = self.config.speedup_ratio
+        per_tier = {KvTier.HOST: hit.host, KvTier.DISK: hit.disk}
+        return sum(restore_seconds(per_tier[t.tier], t.block_bytes, t.restore_bytes_per_s, speedup) for t in self.blocks.tiers)
+
     # ------------------------------------------------------------ step loop
     async def _run(self) -> None:
         try:
@@ -363,8 +394,12 @@ class MockerEngine(LLMEngine):
             self._report_load()
 
     # ------------------------------------------------------------ load
+    def _load_now(self) -> tuple[int, ...]:
+        blocks, sched = self.blocks, self.scheduler
+        return (blocks.num_used, len(sched.waiting), len(sched.running), *(len(t) for t in blocks.tiers))
+
     def _report_load(self) -> None:
-        key = (self.blocks.num_used, len(self.scheduler.waiting), len(self.scheduler.running))
+        key = self._load_now()
         if key == self._load_key or self._load_timer is not None:
             return
         loop = asyncio.get_running_loop()
@@ -376,13 +411,14 @@ class MockerEngine(LLMEngine):
 
     def _flush_load(self) -> None:
         self._load_timer = None
-        key = (self.blocks.num_used, len(self.scheduler.waiting), len(self.scheduler.running))
+        key = self._load_now()
         if key != self._load_key:
             self._emit_load(key, asyncio.get_running_loop().time())
 
-    def _emit_load(self, key: tuple[int, int, int], now: float) -> None:
+    def _emit_load(self, key: tuple[int, ...], now: float) -> None:
         sched = self.scheduler
         queued = sum(s.num_tokens for s in sched.waiting if not s.remote_kv)
-        queued += sum(s.num_tokens - s.num_computed for s in sched.running if not s.prefilled and s.ready_at < 0)
+        queued += sum(s.num_tokens - s.num_computed for s in sched.running if not s.prefilled and (s.ready_at < 0 or s.restoring))
         self._load_key, self._load_at = key, now
-        self.sink.load(LoadMetrics(key[0], self.blocks.num_blocks, key[1], key[2], queued_prefill_tokens=queued))
+        tiers = self.blocks.tier_usage()
+        self.sink.load(LoadMetrics(key[0], self.blocks.num_blocks, key[1], key[2], queued_prefill_tokens=queued, tiers=tiers))

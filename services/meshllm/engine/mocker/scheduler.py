@@ -15,6 +15,14 @@ one overtakes an earlier request.
 A decode-leg sequence (its prompt's KV comes from a prefill worker) is
 admitted like any other but charges no prefill: its blocks are allocated at
 admission and it sits in `running` until its simulated transfer lands.
+
+A sequence whose cached prefix reaches into a lower KV tier (host, disk) is
+admitted with those blocks restored into the device cache; it sits in
+`running` without computing until the restore's simulated time
+(`restore_time(hit)`) has passed, then prefills the rest of its prompt.
+Restored tokens count as cached. `stats` adds up, per first admission, the
+prompt tokens and where their cached prefix came from, and every prefill
+token computed.
 """
 
 from __future__ import annotations
@@ -23,10 +31,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meshllm.engine.mocker.block_manager import BlockManager
+from meshllm.engine.mocker.block_manager import BlockManager, PrefixHit
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 
-__all__ = ["Scheduler", "StepPlan"]
+__all__ = ["CacheStats", "Scheduler", "StepPlan"]
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -42,6 +50,23 @@ class StepPlan:
     decode_seqs: int = 0
 
 
+@dataclass(slots=True)
+class CacheStats:
+    """Prompt tokens seen and where their cached prefixes came from, counted at each sequence's first
+    admission; `prefill_tokens` counts every prompt token computed (recomputes after preemption too)."""
+
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    prefill_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Cached prompt tokens, every tier."""
+        return self.device_hit_tokens + self.host_hit_tokens + self.disk_hit_tokens
+
+
 class Scheduler:
     """Waiting and running queues over one `BlockManager`."""
 
@@ -52,11 +77,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         transfer_time: Callable[[int], float] = lambda tokens: 0.0,
+        restore_time: Callable[[PrefixHit], float] = lambda hit: 0.0,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._transfer_time = transfer_time
+        self._restore_time = restore_time
+        self.stats = CacheStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,7 +130,10 @@ class Scheduler:
                 if seq.ready_at > now:
                     i += 1
                     continue
-                self._land_transfer(seq)
+                if seq.restoring:
+                    seq.restoring, seq.ready_at = False, -1.0
+                else:
+                    self._land_transfer(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not blocks.can_append(seq, n):
                 preempted = True
@@ -153,6 +184,7 @@ class Scheduler:
             plan.decode_seqs += 1
         else:
             plan.prefill_tokens += n
+            self.stats.prefill_tokens += n
 
     def _preempt_for(self, seq: Sequence, n: int) -> bool:
         """Preempt from the back of `running` until `seq` fits; False when `seq` itself was preempted."""
@@ -181,7 +213,7 @@ class Scheduler:
             seq = waiting[0]
             remote = seq.remote_kv
             # At least one token is always computed, so a fully cached prompt still samples.
-            hit = blocks.cached_prefix(seq, seq.num_prompt if remote else seq.num_tokens - 1)
+            hit = blocks.cached_prefix(seq, seq.num_prompt if remote else seq.num_tokens - 1, lower=not remote)
             cached = hit.blocks * bs
             if remote:
                 n = seq.num_prompt - cached  # arrives by transfer: no budget
@@ -194,9 +226,20 @@ class Scheduler:
             waiting.popleft()
             blocks.allocate(seq, hit, n)
             seq.status = _RUNNING
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first admission (a readmission after preemption is no new prompt)
                 seq.num_cached_tokens = cached
+                if not remote:
+                    st = self.stats
+                    st.prompt_tokens += seq.num_prompt
+                    st.device_hit_tokens += hit.device * bs
+                    st.host_hit_tokens += hit.host * bs
+                    st.disk_hit_tokens += hit.disk * bs
             running.append(seq)
+            if hit.restored:
+                wait = self._restore_time(hit)
+                if wait > 0:  # its prefill starts when the restored blocks have landed
+                    seq.ready_at, seq.restoring = now + wait, True
+                    continue
             if remote:
                 seq.remote_kv = False
                 seq.ready_at = now + self._transfer_time(n)

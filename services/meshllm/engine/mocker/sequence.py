@@ -60,6 +60,7 @@ class Sequence:
         "ready_at",
         "remote_kv",
         "request_id",
+        "restoring",
         "status",
         "stop_ids",
         "tokens",
@@ -99,7 +100,8 @@ class Sequence:
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not admitted yet)
         self.prefilled = False  # this admission's prefill (or transfer) is done: steps are decode
-        self.ready_at = -1.0  # loop time when an in-flight KV transfer lands (-1: none)
+        self.ready_at = -1.0  # loop time when an in-flight KV transfer or restore lands (-1: none)
+        self.restoring = False  # what lands at ready_at is a restore from a lower tier (else a transfer)
         self.block_table: list[int] = []
         self.hashing = hashing
         self._block_size = block_size
@@ -162,6 +164,7 @@ class Sequence:
         self.num_registered = 0
         self.prefilled = False
         self.ready_at = -1.0
+        self.restoring = False
         self.remote_kv = False
 
     def _unbanned(self, tok: int) -> int:

@@ -21,14 +21,22 @@ request first. Where a clause compares two runs (stop tokens, concurrent
 streams) and the engine does not reproduce its own output, the check falls back
 to the properties that hold for any output (the stop token is never emitted;
 every stream ends with a proper terminal) and records a note saying so.
+
+Optional features: the KV tier clauses (`TIER_CLAUSES`) run only on engines
+whose `EngineConfig.kv_tiers` is not empty; on others the check reports the
+clause skipped (`CheckResult.skipped`, "SKIP" in the summary, a pytest skip
+in the plugin), which counts as passed. See `tier_checks` for what an engine
+with tiers needs (a device cache small enough for the kit to fill).
 """
 
 from meshllm.testing.conformance.checks import CHECKS
 from meshllm.testing.conformance.kit import (
+    TIER_CLAUSES,
     Clause,
     ConformanceError,
     ConformanceOptions,
     EngineFactory,
+    NotApplicable,
     RecordingSink,
     Stream,
     factory_for,
@@ -43,12 +51,14 @@ from meshllm.testing.conformance.runner import (
 
 __all__ = [
     "CHECKS",
+    "TIER_CLAUSES",
     "CheckResult",
     "Clause",
     "ConformanceError",
     "ConformanceOptions",
     "ConformanceReport",
     "EngineFactory",
+    "NotApplicable",
     "RecordingSink",
     "Stream",
     "factory_for",

@@ -17,6 +17,7 @@ from meshllm.testing.conformance.kit import (
     _Probe,
     _require_terminal,
 )
+from meshllm.testing.conformance.tier_checks import check_kv_tier_restore, check_kv_tier_restore_output
 
 # ------------------------------------------------------------------ checks
 
@@ -231,4 +232,6 @@ CHECKS: dict[Clause, CheckFn] = {
     Clause.CLEANUP_WITHOUT_START: check_cleanup_without_start,
     Clause.CLEANUP_TWICE: check_cleanup_twice,
     Clause.EMPTY_PROMPT_INVALID_ARGUMENT: check_empty_prompt_invalid_argument,
+    Clause.KV_TIER_RESTORE: check_kv_tier_restore,
+    Clause.KV_TIER_RESTORE_OUTPUT: check_kv_tier_restore_output,
 }

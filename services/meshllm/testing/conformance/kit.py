@@ -29,6 +29,8 @@ class Clause(enum.StrEnum):
     CLEANUP_WITHOUT_START = "cleanup_without_start"
     CLEANUP_TWICE = "cleanup_twice"
     EMPTY_PROMPT_INVALID_ARGUMENT = "empty_prompt_invalid_argument"
+    KV_TIER_RESTORE = "kv_tier_restore"
+    KV_TIER_RESTORE_OUTPUT = "kv_tier_restore_output"
 
     @property
     def text(self) -> str:
@@ -48,7 +50,16 @@ _CLAUSE_TEXT = {
     Clause.CLEANUP_WITHOUT_START: "cleanup() is safe without start()",
     Clause.CLEANUP_TWICE: "cleanup() is safe twice and concurrently",
     Clause.EMPTY_PROMPT_INVALID_ARGUMENT: "an empty prompt raises InvalidArgument before any chunk",
+    Clause.KV_TIER_RESTORE: "blocks evicted to a lower KV tier are restored: their prompt again reports them cached",
+    Clause.KV_TIER_RESTORE_OUTPUT: "greedy output after a restore from a lower KV tier equals the recomputed output",
 }
+
+#: Clauses that run only on engines declaring `EngineConfig.kv_tiers` (others skip them).
+TIER_CLAUSES = (Clause.KV_TIER_RESTORE, Clause.KV_TIER_RESTORE_OUTPUT)
+
+
+class NotApplicable(Exception):
+    """A clause does not apply to this engine (it lacks the optional feature the clause checks)."""
 
 
 class ConformanceError(AssertionError):
@@ -74,6 +85,10 @@ class ConformanceOptions:
     start_timeout_s: float = 300.0
     timeout_s: float = 60.0
     cancel_within_s: float = 2.0
+    # Tier clauses: full blocks in the prompt that is evicted to a lower tier and restored, and the most
+    # filler the kit sends to evict it, in multiples of the device cache (`EngineConfig.total_kv_blocks`).
+    tier_prompt_blocks: int = 4
+    tier_fill_factor: float = 4.0
 
 
 @dataclass
@@ -87,6 +102,8 @@ class RecordingSink:
     loads: list[LoadMetrics] = field(default_factory=list)
     tier_stored: list[tuple[KvTier, list[tuple[int, int]], int | None, int]] = field(default_factory=list)
     tier_removed: list[tuple[KvTier, list[int], int]] = field(default_factory=list)
+    # Every tier's blocks (all dp ranks) as the events so far leave them.
+    held: dict[KvTier, set[int]] = field(default_factory=lambda: {t: set() for t in KvTier})
 
     def blocks_stored(
         self,
@@ -96,12 +113,14 @@ class RecordingSink:
         tier: KvTier = KvTier.DEVICE,
     ) -> None:
         pairs = [(int(b), int(t)) for b, t in blocks]
+        self.held[KvTier(tier)].update(b for b, _ in pairs)
         if tier == KvTier.DEVICE:
             self.stored.append((pairs, parent_hash, dp_rank))
         else:
             self.tier_stored.append((KvTier(tier), pairs, parent_hash, dp_rank))
 
     def blocks_removed(self, block_hashes: Sequence[int], dp_rank: int = 0, tier: KvTier = KvTier.DEVICE) -> None:
+        self.held[KvTier(tier)].difference_update(block_hashes)
         if tier == KvTier.DEVICE:
             self.removed.append((list(block_hashes), dp_rank))
         else:
@@ -109,6 +128,8 @@ class RecordingSink:
 
     def all_cleared(self, dp_rank: int = 0) -> None:
         self.cleared.append(dp_rank)
+        for blocks in self.held.values():
+            blocks.clear()
 
     def load(self, metrics: LoadMetrics) -> None:
         self.loads.append(metrics)
@@ -176,6 +197,9 @@ class _Probe:
 
     def fail(self, message: str) -> ConformanceError:
         return ConformanceError(self.clause, message)
+
+    def skip(self, reason: str) -> NotApplicable:
+        return NotApplicable(reason)
 
     async def call(self, what: str, awaitable: Awaitable[Any], limit_s: float | None = None) -> Any:
         """Await an engine call; a timeout or an exception fails the clause."""

@@ -15,6 +15,7 @@ from meshllm.testing.conformance.kit import (
     ConformanceError,
     ConformanceOptions,
     EngineFactory,
+    NotApplicable,
     _Probe,
     factory_for,
 )
@@ -24,12 +25,13 @@ from meshllm.testing.conformance.kit import (
 
 @dataclass(frozen=True, slots=True)
 class CheckResult:
-    """The outcome of one clause's check."""
+    """The outcome of one clause's check; `skipped` says why a clause did not apply (it then counts as passed)."""
 
     clause: Clause
     error: ConformanceError | None
     duration_s: float
     notes: tuple[str, ...] = ()
+    skipped: str = ""
 
     @property
     def passed(self) -> bool:
@@ -56,8 +58,9 @@ class ConformanceReport:
     def summary(self) -> str:
         lines = []
         for r in self.results:
-            head = f"{'PASS' if r.passed else 'FAIL'} {r.clause:<30} {r.duration_s:6.2f} s"
-            lines.append(head if r.error is None else f"{head}  {r.error}")
+            word = "SKIP" if r.skipped else "PASS" if r.passed else "FAIL"
+            head = f"{word} {r.clause:<30} {r.duration_s:6.2f} s"
+            lines.append(f"{head}  {r.skipped}" if r.skipped else head if r.error is None else f"{head}  {r.error}")
             lines.extend(f"     note: {n}" for n in r.notes)
         return "\n".join(lines)
 
@@ -74,13 +77,16 @@ async def run_check(clause: Clause | str, factory: EngineFactory, options: Confo
     probe = _Probe(clause, options or ConformanceOptions(), notes)
     t0 = time.monotonic()
     error: ConformanceError | None = None
+    skipped = ""
     try:
         await CHECKS[clause](factory, probe)
+    except NotApplicable as exc:
+        skipped = str(exc)
     except ConformanceError as exc:
         error = exc if exc.clause is clause else ConformanceError(clause, str(exc))
     except Exception as exc:
         error = ConformanceError(clause, f"unexpected {type(exc).__name__}: {exc}")
-    return CheckResult(clause, error, time.monotonic() - t0, tuple(notes))
+    return CheckResult(clause, error, time.monotonic() - t0, tuple(notes), skipped)
 
 
 async def run_conformance(
