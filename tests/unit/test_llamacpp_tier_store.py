@@ -128,6 +128,7 @@ def test_a_restart_scans_valid_files_and_skips_corrupt_and_foreign_ones_with_a_l
     assert held(again, KvTier.DISK) == {bh for bh, _ in a[1] + b[1]}
     hit = again.lookup(a[0] + [1])
     assert hit is not None and hit.tier is KvTier.DISK and again.fetch(hit) == state(300, 1)
+    again.close()
 
 
 def test_a_file_corrupted_after_the_scan_is_dropped_at_restore_not_loaded(tmp_path: Path) -> None:
@@ -162,3 +163,18 @@ def test_a_disk_hit_is_promoted_into_host_memory_and_clear_empties_every_tier(tm
     store.drain_events()
     assert store.clear() == 2 + 4
     assert held(store, KvTier.HOST) == set() and list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_directory_serves_one_engine_at_a_time(tmp_path: Path) -> None:
+    """Locks: a second store scanning a directory another one holds stops with a one-line ConfigError; close releases it."""
+    from meshllm.config import ConfigError
+
+    first = TierStore(block_size=BS, layout=LAYOUT, disk_dir=tmp_path, disk_bytes=1 << 20)
+    first.scan()
+    second = TierStore(block_size=BS, layout=LAYOUT, disk_dir=tmp_path, disk_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="in use by another worker") as info:
+        second.scan()
+    assert "\n" not in str(info.value)
+    first.close()
+    second.scan()
+    second.close()

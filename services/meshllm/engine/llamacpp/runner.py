@@ -110,6 +110,7 @@ class Runner:
             try:
                 tiers.scan()  # what a previous run left on disk, advertised before the first request
             except BaseException as exc:
+                tiers.close()
                 backend.close()
                 self._post(_settle, self._ready, None, exc)
                 return
@@ -130,6 +131,8 @@ class Runner:
                 outputs = sched.fail_all(error)
                 self._post(self._deliver, sched.drain_events(), outputs, None)
             finally:
+                if tiers is not None:
+                    tiers.close()
                 backend.close()
 
     def _steps(self, sched: Scheduler) -> None:

@@ -28,6 +28,7 @@ they delay that thread's next step by milliseconds, never the event loop).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -35,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshllm.config import ConfigError
 from meshllm.engine.base import KvTier, TierUsage
 from meshllm.engine.llamacpp import kvfile
 from meshllm.engine.llamacpp.slots import BlockRefs, KvEvent
@@ -171,6 +173,22 @@ class DiskTier(Tier):
         self.directory = directory
         self.layout = layout
         self._pending: dict[int, tuple[bytes, bytes]] = {}  # key -> (header, state) being added
+        self._lock: int | None = None
+
+    def lock(self) -> None:
+        """Own the directory for this engine's lifetime (ConfigError if another engine does): one directory, one worker."""
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"--kv-disk-dir {self.directory} is in use by another worker; give each worker its own") from None
+        self._lock = fd
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def add_state(self, tokens: list[int], blocks: list[tuple[int, int]], state: bytes) -> bool:
         header = kvfile.encode_header(layout=self.layout, tokens=tokens, state=state)
@@ -207,6 +225,7 @@ class DiskTier(Tier):
 
     def scan(self, block_size: int) -> None:
         """Index the files a previous run left (oldest first); skip, with a log line, any that fail validation."""
+        self.lock()
         for tmp in self.directory.glob(f".tmp-*{kvfile.SUFFIX}"):
             tmp.unlink(missing_ok=True)  # a write interrupted by a crash
         entries: list[tuple[float, Path]] = []
@@ -257,8 +276,14 @@ class TierStore:
         return tuple(t.kind for t in self.tiers)
 
     def scan(self) -> None:
+        """Lock the disk directory and index what it holds (call once, before the first request)."""
         if self.disk is not None:
             self.disk.scan(self.block_size)
+
+    def close(self) -> None:
+        """Release the disk directory (the files stay for the next run)."""
+        if self.disk is not None:
+            self.disk.unlock()
 
     # ------------------------------------------------------------ saving
     def covers(self, block_hash: int) -> bool:
