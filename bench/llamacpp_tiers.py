@@ -2,6 +2,7 @@
 
     flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py              # measure, print, update docs/benchmarks.md
     flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --no-write   # measure and print only
+    flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --mesh       # also through meshllm run's KV router
 
 Workload (a documented *document-return* workload, deterministic): `--contexts`
 contexts of `--context-tokens` tokens (distinct passages of this repository's
@@ -27,6 +28,12 @@ llama.cpp's CPU kernels do not give bit-identical results when the same
 positions are computed in batches of different shapes, so a token-level
 reuse of a shared opener would make outputs differ between configurations for
 reasons unrelated to the tiers (docs/engines/llamacpp.md, "Exactness").
+
+With `--mesh` the workload is also replayed through `meshllm run` in-process
+(OpenAI completions with token-id prompts → KV router → 2 llama.cpp workers,
+one request at a time), tiers off vs host tier on: the router, which prices a
+prefix in a worker's lower tier from its advertised restore bandwidth, picks
+the worker instead of the affinity rule.
 
 Reported per configuration, over all repeats: TTFT p50/p90/p99 of returning
 requests (and of first visits), the share of returning requests' prompt tokens
@@ -182,6 +189,51 @@ async def run_config(args: argparse.Namespace, prompts: dict[tuple[int, int], li
             shutil.rmtree(d, ignore_errors=True)
 
 
+async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], list[int]], mode: str) -> dict[str, Any]:
+    """The schedule through `meshllm run` in-process (OpenAI completions → KV router → 2 workers), one request at a time.
+
+    The router picks the worker (it prices a prefix in a lower tier from the worker's advertised restore bandwidth);
+    outputs are compared as text. Host tier only: `meshllm run` gives every worker the same flags, and a disk
+    directory serves one worker.
+    """
+    from openai import AsyncOpenAI
+
+    from meshllm.run import Mesh, RunConfig
+
+    argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1"]
+    if mode == "on":
+        argv += ["--kv-host-bytes", str(args.mesh_host_bytes)]
+    config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=tuple(argv))
+    results: list[Result] = []
+    async with await Mesh.start(config) as mesh, AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="-") as client:  # type: ignore[union-attr]
+        engines = [w.engine for w in mesh.workers]
+        t_start = time.perf_counter()
+        for c, v in schedule(args.contexts, args.visits, args.seed):
+            before = [e.tier_stats() for e in engines]  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            first, text, cached = 0.0, "", 0
+            stream: Any = await client.completions.create(
+                model=mesh.model, prompt=prompts[c, v], max_tokens=args.max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                for choice in chunk.choices or ():
+                    if choice.text:
+                        first = first or time.perf_counter() - t0
+                        text += choice.text
+                if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                    cached = int(chunk.usage.prompt_tokens_details.cached_tokens or 0)
+            restored: dict[KvTier, int] = {}
+            for b, e in zip(before, engines, strict=True):
+                a = e.tier_stats()  # type: ignore[attr-defined]
+                if a is not None and b is not None:
+                    for k, n in a.restored_tokens.items():
+                        restored[k] = restored.get(k, 0) + n - b.restored_tokens.get(k, 0)
+            results.append(Result(c, v, first, [text], len(prompts[c, v]), cached, restored))
+        wall = time.perf_counter() - t_start
+    return {"results": results, "wall_s": wall, "usage": [], "stats": []}
+
+
 def pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -230,11 +282,12 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
     saves = sum(s.saves for s in on["stats"] if s)
     save_ms = sum(s.save_seconds for s in on["stats"] if s) * 1000
     saved_mb = sum(s.saved_bytes for s in on["stats"] if s) / 1e6
+    mesh_flag = " --mesh" if args.mesh else ""
     lines = [
         HEADING,
         "",
-        f"`flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --repeat {args.repeat}` on {today()} ({machine()}; "
-        f"{llama_cpp_build()}).",
+        f"`flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --repeat {args.repeat}{mesh_flag}` on {today()} "
+        f"({machine()}; {llama_cpp_build()}).",
         f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens, {args.visits} visits each (a different question",
         f"each time), {args.repeat} repeat(s) with their own shuffles: {sn['n_ret']} returning requests per configuration.",
         f"2 workers (in-process engines, 1 thread each), `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx}`: each worker's",
@@ -275,6 +328,7 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
         f"in all ({save_ms / max(saves, 1):.1f} ms each: state export, host copy, disk file write).",
         *(f"- Tier usage at the end of the last repeat, {row}." for row in usage_rows),
         "",
+        *mesh_lines(args, runs),
         "First visits cost about the same in every configuration (nothing to restore); a returning request with tiers",
         "off finds its context in a slot only when no other context passed through that worker since. With tiers on",
         "the context comes back from host memory or disk (whole blocks: up to 15 tokens of it plus the question",
@@ -301,25 +355,61 @@ def differences(base: list[Result], other: list[Result]) -> list[str]:
     return out
 
 
+def mesh_lines(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> list[str]:
+    """The same workload through `meshllm run` (KV router picks the worker), when run with --mesh."""
+    if "mesh-on" not in runs:
+        return []
+    mo, mn = summary(runs["mesh-off"]["results"]), summary(runs["mesh-on"]["results"])
+    n_req = len(runs["mesh-off"]["results"])
+    return [
+        "Through `meshllm run` (`--mesh`: OpenAI completions with token-id prompts → KV router → the same 2 workers,",
+        f"one request at a time; tiers on = host tier only, `--kv-host-bytes {args.mesh_host_bytes}`): the router, not",
+        "the affinity rule, picks each request's worker.",
+        "",
+        "| measurement (through the mesh) | tiers off | tiers on |",
+        "|---|---|---|",
+        f"| TTFT of returning requests, p50 / p90 / p99 ms | {p3(mo['ret_ms'])} | {p3(mn['ret_ms'])} |",
+        f"| TTFT of first visits, p50 / p90 / p99 ms | {p3(mo['first_ms'])} | {p3(mn['first_ms'])} |",
+        *(
+            f"| returning prompt tokens {label} | {mo[k]:.1%} | {mn[k]:.1%} |"
+            for k, label in (("device", "from device slots"), ("host", "from host tier"), ("computed", "computed"))
+        ),
+        f"| prefill tokens computed, returning / all requests | {mo['prefill_ret']} / {mo['prefill_all']} | "
+        f"{mn['prefill_ret']} / {mn['prefill_all']} |",
+        f"| greedy outputs (text) identical to tiers off | – | {n_req - len(runs['mesh-on']['diffs'])} of {n_req} |",
+        "",
+        f"- Through the mesh, TTFT p50 of returning requests is {pct(mo['ret_ms'], 50) / pct(mn['ret_ms'], 50):.1f}× lower "
+        f"with tiers on (p90 {pct(mo['ret_ms'], 90) / pct(mn['ret_ms'], 90):.1f}×, "
+        f"p99 {pct(mo['ret_ms'], 99) / pct(mn['ret_ms'], 99):.1f}×).",
+        *(f"- Output differing from tiers off (mesh): {d}." for d in runs["mesh-on"]["diffs"]),
+        "",
+    ]
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     assert args.model is not None
     tok = load_tokenizer(str(args.model))
     ctx = passages(tok, args.contexts, args.context_tokens)
-    runs: dict[str, dict[str, Any]] = {m: {"results": [], "wall_s": 0.0, "diffs": []} for m in ("off", "on", "slots")}
+    modes = ("off", "on", "slots", *(("mesh-off", "mesh-on") if args.mesh else ()))
+    runs: dict[str, dict[str, Any]] = {m: {"results": [], "wall_s": 0.0, "diffs": []} for m in modes}
     for rep in range(args.repeat):
         args.seed = rep
         prompts = {(c, v): prompt_of(tok, ctx[c], QUESTIONS[(v + rep) % len(QUESTIONS)]) for c in range(args.contexts)
                    for v in range(args.visits)}  # fmt: skip
         for mode, acc in runs.items():
-            got = await run_config(args, prompts, mode)
+            if mode.startswith("mesh-"):
+                got = await mesh_config(args, prompts, mode.removeprefix("mesh-"))
+            else:
+                got = await run_config(args, prompts, mode)
             acc["results"] += got["results"]
             acc["wall_s"] += got["wall_s"]
             acc["usage"], acc["stats"] = got.get("usage"), got.get("stats")
             s = summary(got["results"])
             print(f"repeat {rep} {mode}: returning TTFT p50 {pct(s['ret_ms'], 50):.0f} ms, "
                   f"computed {s['computed']:.1%}, wall {got['wall_s']:.0f} s", file=sys.stderr)  # fmt: skip
-            if mode != "off":
-                acc["diffs"] += differences(runs["off"]["results"][-len(prompts) :], got["results"])
+            base = "mesh-off" if mode.startswith("mesh-") else "off"
+            if mode != base:
+                acc["diffs"] += differences(runs[base]["results"][-len(prompts) :], got["results"])
     return runs
 
 
@@ -335,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-bytes", type=int, default=512 << 20, help="disk tier budget per worker (bytes)")
     parser.add_argument("--repeat", type=int, default=2, help="repeats of the workload, each with its own shuffles")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--mesh", action="store_true", help="also replay through meshllm run (KV router), host tier only")
+    parser.add_argument("--mesh-host-bytes", type=int, default=256 << 20, help="host tier budget per worker in --mesh")
     args = parser.parse_args(argv)
 
     from meshllm.engine.llamacpp.config import default_model_path
