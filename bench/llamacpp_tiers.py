@@ -288,7 +288,8 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
         "",
         f"`flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --repeat {args.repeat}{mesh_flag}` on {today()} "
         f"({machine()}; {llama_cpp_build()}).",
-        f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens, {args.visits} visits each (a different question",
+        f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens (passages of docs/*.md as of the run), "
+        f"{args.visits} visits each (a different question",
         f"each time), {args.repeat} repeat(s) with their own shuffles: {sn['n_ret']} returning requests per configuration.",
         f"2 workers (in-process engines, 1 thread each), `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx}`: each worker's",
         f"slots hold {args.n_seq_max} of its {args.contexts // 2} contexts. Context i goes to worker i mod 2; each worker serves",
@@ -349,9 +350,13 @@ def differences(base: list[Result], other: list[Result]) -> list[str]:
     for r in other:
         b = ref[r.context, r.visit]
         if b.tokens != r.tokens:
-            at = next((i for i, (x, y) in enumerate(zip(b.tokens, r.tokens, strict=False)) if x != y), len(b.tokens))
-            out.append(f"context {r.context} visit {r.visit}: token {at + 1} of {len(b.tokens)}, "
-                       f"{b.prompt}-token prompt, cached {b.cached} (off) vs {r.cached}")  # fmt: skip
+            if b.tokens and isinstance(b.tokens[0], str):  # through the mesh: the text
+                where = "the text"
+            else:
+                at = next((i for i, (x, y) in enumerate(zip(b.tokens, r.tokens, strict=False)) if x != y), len(b.tokens))
+                where = f"token {at + 1} of {len(b.tokens)}"
+            out.append(f"context {r.context} visit {r.visit}: {where}, {b.prompt}-token prompt, "
+                       f"cached {b.cached} (off) vs {r.cached}")  # fmt: skip
     return out
 
 
