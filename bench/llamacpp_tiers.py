@@ -95,7 +95,8 @@ def passages(tok: Any, n: int, length: int) -> list[list[int]]:
     """`n` distinct passages of `length` tokens from docs/*.md, each opening with its own name (no shared first token)."""
     if n > len(NAMES):
         raise SystemExit(f"--contexts must be <= {len(NAMES)}")
-    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    # not docs/benchmarks.md: this script writes it, and the workload must not change with its own report
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md")
     body = tok.encode(text)
     step = max(length, len(body) // n)
     out = []
@@ -288,7 +289,7 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
         "",
         f"`flock /tmp/cpu.lock .venv/bin/python bench/llamacpp_tiers.py --repeat {args.repeat}{mesh_flag}` on {today()} "
         f"({machine()}; {llama_cpp_build()}).",
-        f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens (passages of docs/*.md as of the run), "
+        f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens (passages of docs/*.md, as of the run), "
         f"{args.visits} visits each (a different question",
         f"each time), {args.repeat} repeat(s) with their own shuffles: {sn['n_ret']} returning requests per configuration.",
         f"2 workers (in-process engines, 1 thread each), `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx}`: each worker's",
