@@ -130,3 +130,41 @@ async def test_held_kv_is_served_once_and_released_after_the_timeout() -> None:
     h2 = holds.hold(b"kv2", [3])
     await asyncio.wait_for(expired.wait(), 5)
     assert holds.take(h2) is None and len(holds) == 0 and holds.expired == 1
+
+
+def test_kv_tier_flags_default_off_and_read_sizes_from_flags_and_env(gguf: Path, tmp_path: Path) -> None:
+    """Locks: tiers are off unless asked; sizes accept K/M/G suffixes; MESHLLM_KV_* variables work; the dir is created."""
+    off = parse(["--model-path", str(gguf)])
+    assert not off.tiers_on and off.kv_host_bytes == 0 and off.kv_disk_dir is None
+    d = tmp_path / "kv" / "disk"
+    on = parse(["--model-path", str(gguf), "--kv-host-bytes", "512M", "--kv-disk-dir", str(d), "--kv-disk-bytes", "2G"])
+    assert (on.kv_host_bytes, on.kv_disk_dir, on.kv_disk_bytes) == (512 << 20, d, 2 << 30) and d.is_dir()
+    env = parse(["--model-path", str(gguf)], env={"MESHLLM_KV_HOST_BYTES": "64MiB"})
+    assert env.kv_host_bytes == 64 << 20 and env.tiers_on
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-disk-dir", "DIR"], "--kv-disk-dir and --kv-disk-bytes go together"),
+        (["--kv-disk-bytes", "1G"], "--kv-disk-dir and --kv-disk-bytes go together"),
+        (["--kv-host-bytes", "1G", "--no-enable-prefix-caching"], "need prefix caching"),
+        (["--kv-disk-dir", "FILE", "--kv-disk-bytes", "1G"], "is not a directory"),
+    ],
+)
+def test_bad_kv_tier_flags_are_one_line_config_errors(gguf: Path, tmp_path: Path, argv: list[str], message: str) -> None:
+    """Locks: inconsistent tier flags stop the worker at startup with one line naming the flag."""
+    argv = [a.replace("DIR", str(tmp_path / "d")).replace("FILE", str(gguf)) for a in argv]
+    with pytest.raises(ConfigError, match=message) as info:
+        parse(["--model-path", str(gguf), *argv])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1G", "1X", "nan"])
+def test_a_bad_byte_size_stops_the_parser_with_one_line(gguf: Path, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Locks: MESHLLM_KV_HOST_BYTES / --kv-host-bytes that are not sizes exit 2 with one error line."""
+    with pytest.raises(SystemExit) as info:
+        parse(["--model-path", str(gguf)], env={"MESHLLM_KV_HOST_BYTES": value})
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "MESHLLM_KV_HOST_BYTES" in err[-1]

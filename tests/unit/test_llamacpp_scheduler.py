@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from meshllm.engine.base import KvTier
 from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.scheduler import BatchEntry, Scheduler, validate_length
 from meshllm.engine.llamacpp.sequence import Output, Sequence, SequenceStatus
@@ -276,3 +277,42 @@ def test_logprobs_ride_with_their_tokens_and_skip_the_unemitted_stop_token() -> 
     sched, _ = make()
     s = seq([3, 4, 5], max_tokens=2)
     assert all(o.logprobs == [] for o in run(sched, s)[s.id])
+
+
+# ---------------------------------------------------------------- lower tiers
+
+
+def tiered(n_slots: int = 1, host_bytes: int = 1 << 20) -> tuple[Scheduler, FakeBackend]:
+    from meshllm.engine.llamacpp.tiers import TierStore
+
+    be = FakeBackend(n_slots)
+    tiers = TierStore(block_size=4, layout="fake", host_bytes=host_bytes)
+    return Scheduler(be, SlotTable(n_slots, 4), n_batch=16, n_ctx=256, min_copy_gain=4, tiers=tiers), be
+
+
+def test_an_overwritten_slot_is_saved_in_whole_blocks_and_restored_trimmed_to_the_match() -> None:
+    """Locks: the evicted slot's whole blocks are exported (partial tail dropped first); a later prompt sharing them
+    loads the blob, trims it to the matched blocks, reports them cached, and samples what a fresh run samples."""
+    sched, _ = tiered()
+    a = list(range(1, 12))  # 11 tokens; with 3 generated, 13 in the slot -> 3 whole blocks (12 tokens) saved
+    first = emitted(next(iter(run(sched, seq(a, 3)).values())))
+    run(sched, seq([500, 501, 502, 503, 504], 2))  # overwrites the only slot: a is saved
+    assert sched.tiers is not None and sched.tiers.host is not None and sched.tiers.host.used == 12 * 4
+    again = seq(a, 3)
+    outs = run(sched, again)
+    assert again.num_cached == 8  # the prompt's own whole blocks, its last token excluded (10 -> 2 blocks)
+    assert emitted(outs[again.id]) == first
+    assert sched.tiers.stats.hits[KvTier.HOST] == 1
+
+
+def test_a_blob_that_does_not_load_is_dropped_and_the_prompt_is_computed() -> None:
+    """Locks: state_set failing (0 bytes read) clears the slot, drops the blob, and the sequence runs from scratch."""
+    sched, be = tiered()
+    a = list(range(1, 12))
+    first = emitted(next(iter(run(sched, seq(a, 3)).values())))
+    run(sched, seq([500, 501, 502, 503, 504], 2))
+    be.state_set = lambda slot, data: 0  # type: ignore[method-assign]
+    again = seq(a, 3)
+    outs = run(sched, again)
+    assert again.num_cached == 0 and emitted(outs[again.id]) == first
+    assert sched.tiers is not None and sched.tiers.stats.failed_restores == 1 and sched.tiers.lookup(a) is None

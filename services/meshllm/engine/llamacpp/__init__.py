@@ -4,7 +4,8 @@
 `sequence` (one request on the engine thread), `slots` (per-slot resident
 KV, prefix matching, KV events), `scheduler` (continuous batching over
 slots), `backend` (the llama.cpp model, context and calls), `runner` (the
-engine thread), `transfer` (kv handles, held prefill KV, pieces), `files`
+engine thread), `tiers` (host and disk KV tiers for evicted prefixes),
+`kvfile` (the disk tier's files), `transfer` (kv handles, held prefill KV, pieces), `files`
 (tokenizer files for GetModelFiles) and `engine` (`LlamaCppEngine`).
 Only `backend` imports llama_cpp, so everything else imports without it.
 """

@@ -5,6 +5,8 @@
 each, so a sequence's results never depend on its batch neighbours.
 `--block-size` (default 16, vLLM's) only sets the granularity of the KV events
 the router indexes; llama.cpp itself reuses prefixes token by token.
+`--kv-host-bytes`, `--kv-disk-dir` and `--kv-disk-bytes` turn on the lower
+KV tiers (`tiers.py`); all default off.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from meshllm.config import ConfigError, EnvArgumentParser
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "byte_size", "default_model_path"]
 
 DEFAULT_BLOCK_SIZE = 16
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,6 +36,23 @@ def default_model_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     return path if path.is_file() else None
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'512M', '2GiB', '1048576' → bytes (K/M/G/T are powers of 1024; a trailing 'B' or 'iB' is optional)."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    number = raw[: len(raw) - len(unit)].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a byte size (e.g. 536870912, 512M, 2G)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} must be a finite size >= 0")
+    return int(value * _UNITS[unit])
 
 
 def _default_threads() -> int:
@@ -55,6 +74,13 @@ class LlamaCppConfig:
     kv_hold_timeout_s: float = 30.0
     flash_attn: bool = True
     prefix_caching: bool = True
+    kv_host_bytes: int = 0  # 0 = no host-memory tier
+    kv_disk_dir: Path | None = None  # None = no disk tier
+    kv_disk_bytes: int = 0
+
+    @property
+    def tiers_on(self) -> bool:
+        return self.kv_host_bytes > 0 or self.kv_disk_dir is not None
 
     def __post_init__(self) -> None:
         if not self.model_path.is_file():
@@ -79,6 +105,30 @@ class LlamaCppConfig:
             raise ConfigError(f"--kv-hold-timeout must be a finite number of seconds > 0, got {self.kv_hold_timeout_s}")
         if self.model_name and not self.model_name.strip():
             raise ConfigError("--model-name must not be empty")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ConfigError("--kv-host-bytes and --kv-disk-bytes must be >= 0")
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes == 0):
+            raise ConfigError(
+                "--kv-disk-dir and --kv-disk-bytes go together: give both (a directory and a budget > 0) or neither"
+            )
+        if self.tiers_on and not self.prefix_caching:
+            raise ConfigError(
+                "the KV tiers (--kv-host-bytes, --kv-disk-dir) need prefix caching: drop --no-enable-prefix-caching"
+            )
+        d = self.kv_disk_dir
+        if d is None:
+            return
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"--kv-disk-dir {d} exists and is not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--kv-disk-dir {d} cannot be created: {exc.strerror}") from None
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(f"--kv-disk-dir {d} is not writable")
 
     @property
     def served_model_name(self) -> str:
@@ -104,6 +154,9 @@ class LlamaCppConfig:
             kv_hold_timeout_s=ns.kv_hold_timeout,
             flash_attn=_flag(ns.flash_attn),
             prefix_caching=_flag(ns.enable_prefix_caching),
+            kv_host_bytes=ns.kv_host_bytes,
+            kv_disk_dir=Path(ns.kv_disk_dir).expanduser() if ns.kv_disk_dir else None,
+            kv_disk_bytes=ns.kv_disk_bytes,
         )
 
 
@@ -133,3 +186,7 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
         default=True,
         help="keep finished sequences' KV and reuse the longest cached prefix",
     )
+    t = parser.add_argument_group("llamacpp KV tiers (evicted prefixes kept and restored instead of recomputed)")
+    t.add_argument("--kv-host-bytes", type=byte_size, default=0, help="host-memory tier budget, e.g. 512M (0 = no host tier)")
+    t.add_argument("--kv-disk-dir", default="", help="disk tier directory; files survive restarts ('' = no disk tier)")
+    t.add_argument("--kv-disk-bytes", type=byte_size, default=0, help="disk tier budget, e.g. 4G (needed with --kv-disk-dir)")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib.util
 import logging
 import secrets
@@ -56,6 +57,7 @@ from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
+from meshllm.engine.llamacpp.tiers import TierStats
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
 from meshllm.protocol.types import DisaggInfo, LogprobItem, TokenChunk, TokenRequest
@@ -177,6 +179,7 @@ class LlamaCppEngine(LLMEngine):
             tokenizer_source="",
             chat_template=info.chat_template,
             kv_layout=self.layout,
+            kv_tiers=self._runner.tiers.kinds if self._runner.tiers is not None else (),
         )
 
     async def cleanup(self) -> None:
@@ -212,6 +215,14 @@ class LlamaCppEngine(LLMEngine):
         runner.submit(clear)
         return await done
 
+    def tier_stats(self) -> TierStats | None:
+        """The lower tiers' counters (hits, restored tokens and bytes per tier, saves); None without tiers.
+
+        A copy of counters the engine thread keeps writing: exact once the engine is idle.
+        """
+        tiers = self._runner.tiers if self._runner is not None else None
+        return copy.deepcopy(tiers.stats) if tiers is not None else None
+
     def model_files(self) -> Mapping[str, Path]:
         return dict(self._files)
 
@@ -225,9 +236,9 @@ class LlamaCppEngine(LLMEngine):
     def _deliver(self, events: list[KvEvent], outputs: list[Output], load: LoadMetrics | None) -> None:
         for ev in events:
             if isinstance(ev, BlocksStored):
-                self.sink.blocks_stored(ev.blocks, ev.parent_hash)
+                self.sink.blocks_stored(ev.blocks, ev.parent_hash, tier=ev.tier)
             else:
-                self.sink.blocks_removed(ev.block_hashes)
+                self.sink.blocks_removed(ev.block_hashes, tier=ev.tier)
         for out in outputs:
             if out.seq.stream is not None:
                 out.seq.stream.push(out.tokens, out.logprobs, out.finish, out.prompt_logprobs)

@@ -25,6 +25,7 @@ from meshllm.engine.llamacpp.config import LlamaCppConfig
 from meshllm.engine.llamacpp.scheduler import Scheduler
 from meshllm.engine.llamacpp.sequence import Output
 from meshllm.engine.llamacpp.slots import KvEvent, SlotTable
+from meshllm.engine.llamacpp.tiers import TierStore
 from meshllm.errors import EngineShutdown, MeshError, Unknown
 
 __all__ = ["Command", "Deliver", "Runner"]
@@ -49,6 +50,8 @@ class Runner:
         self._thread = threading.Thread(target=self._main, name="llamacpp-engine", daemon=True)
         self._last_load: LoadMetrics | None = None
         self.failure = ""
+        #: The lower tiers, once started with them (engine-thread state: read its counters only).
+        self.tiers: TierStore | None = None
 
     async def start(self) -> Any:
         """Load the model on the engine thread; the backend's `info()` once it is ready."""
@@ -95,7 +98,26 @@ class Runner:
             return
         cfg = self.config
         slots = SlotTable(cfg.n_seq_max, cfg.block_size, caching=cfg.prefix_caching)
-        sched = Scheduler(backend, slots, n_batch=cfg.n_batch, n_ctx=cfg.n_ctx, min_copy_gain=cfg.block_size)
+        tiers = None
+        if cfg.tiers_on:
+            tiers = TierStore(
+                block_size=cfg.block_size,
+                layout=info.kv_layout,
+                host_bytes=cfg.kv_host_bytes,
+                disk_dir=cfg.kv_disk_dir,
+                disk_bytes=cfg.kv_disk_bytes,
+            )
+            try:
+                tiers.scan()  # what a previous run left on disk, advertised before the first request
+            except BaseException as exc:
+                tiers.close()
+                backend.close()
+                self._post(_settle, self._ready, None, exc)
+                return
+        self.tiers = tiers
+        sched = Scheduler(backend, slots, n_batch=cfg.n_batch, n_ctx=cfg.n_ctx, min_copy_gain=cfg.block_size, tiers=tiers)
+        self._last_load = sched.load()
+        self._post(self._deliver, sched.drain_events(), [], self._last_load)
         self._post(_settle, self._ready, info, None)
         error: MeshError = EngineShutdown("the llamacpp engine is shutting down")
         try:
@@ -107,8 +129,10 @@ class Runner:
         finally:
             try:
                 outputs = sched.fail_all(error)
-                self._post(self._deliver, slots.drain_events(), outputs, None)
+                self._post(self._deliver, sched.drain_events(), outputs, None)
             finally:
+                if tiers is not None:
+                    tiers.close()
                 backend.close()
 
     def _steps(self, sched: Scheduler) -> None:
@@ -124,7 +148,7 @@ class Runner:
                 outputs.extend(command(sched) or ())
             if stopping:  # what the commands added is failed by the caller, with the rest
                 if outputs:
-                    self._post(self._deliver, sched.slots.drain_events(), outputs, None)
+                    self._post(self._deliver, sched.drain_events(), outputs, None)
                 return
             outputs.extend(sched.step())
             load = sched.load()
@@ -132,7 +156,7 @@ class Runner:
                 load_out = None
             else:
                 load_out = self._last_load = load
-            events = sched.slots.drain_events()
+            events = sched.drain_events()
             if events or outputs or load_out is not None:
                 self._post(self._deliver, events, outputs, load_out)
 

@@ -12,12 +12,22 @@ evaluated token and applies the stop conditions. Finished and cancelled
 sequences release their slot in the same step; with prefix caching the KV
 stays as evictable cache, without it `seq_rm` clears it at once.
 
+Lower tiers (`tiers.TierStore`, when configured): before a free slot's KV is
+overwritten or truncated past whole blocks no other slot holds, its prefix
+(trimmed to whole blocks) is saved with `state_get`; at admission, a prompt
+whose deepest block match in a tier beats the slots' by more than
+`min_copy_gain` tokens is restored instead — `state_set` into the LRU free
+slot, then `seq_rm` down to the matched blocks — and reports those tokens as
+cached. A blob that fails to load is dropped and the prompt is computed.
+
 The scheduler calls llama.cpp only through `Backend`, so it runs unchanged
 against a fake in unit tests.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -26,11 +36,14 @@ from typing import Any, Protocol
 from meshllm.engine.base import LoadMetrics
 from meshllm.engine.llamacpp.sampling import SamplingSpec
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence, SequenceStatus
-from meshllm.engine.llamacpp.slots import Slot, SlotTable
+from meshllm.engine.llamacpp.slots import KvEvent, Placement, Slot, SlotTable
+from meshllm.engine.llamacpp.tiers import Hit, TierStore
 from meshllm.errors import ContextLengthExceeded, FailedPrecondition, InvalidArgument, MeshError, Unknown
 from meshllm.protocol.types import FinishReason, LogprobItem
 
 __all__ = ["Backend", "BatchEntry", "Scheduler", "validate_length"]
+
+log = logging.getLogger("meshllm.engine.llamacpp")
 
 BatchEntry = tuple[int, int, int, bool]  # token, position, slot (llama seq id), wants logits
 
@@ -56,9 +69,19 @@ class Backend(Protocol):
 class Scheduler:
     """Waiting and running sequences over a `SlotTable` (see the module docstring)."""
 
-    def __init__(self, backend: Backend, slots: SlotTable, *, n_batch: int, n_ctx: int, min_copy_gain: int = 16) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        slots: SlotTable,
+        *,
+        n_batch: int,
+        n_ctx: int,
+        min_copy_gain: int = 16,
+        tiers: TierStore | None = None,
+    ) -> None:
         self.backend = backend
         self.slots = slots
+        self.tiers = tiers
         self.n_batch = n_batch
         self.n_ctx = n_ctx
         self.min_copy_gain = min_copy_gain
@@ -88,13 +111,21 @@ class Scheduler:
         return out
 
     def clear_cache(self) -> int:
-        """Drop the KV of every free slot; return how many cached blocks left the cache."""
+        """Drop the KV of every free slot and every lower tier; how many cached blocks left each tier, summed."""
         before = self.slots.num_cached_blocks
         for slot in self.slots.free():
             if slot.tokens:
                 self.backend.seq_rm(slot.index, -1, -1)
                 self.slots.truncate(slot, 0)
-        return before - self.slots.num_cached_blocks
+        lower = self.tiers.clear() if self.tiers is not None else 0
+        return before - self.slots.num_cached_blocks + lower
+
+    def drain_events(self) -> list[KvEvent]:
+        """Pending KV events of the slots (device tier) and of the lower tiers."""
+        events = self.slots.drain_events()
+        if self.tiers is not None:
+            events += self.tiers.drain_events()
+        return events
 
     def load(self) -> LoadMetrics:
         bs = self.slots.block_size
@@ -102,7 +133,8 @@ class Scheduler:
         queued = sum(s.pending for s in self.waiting if not s.remote_kv)
         queued += sum(s.pending for s in self.running if s.pending > 1)
         total = len(self.slots.slots) * (self.n_ctx // bs)
-        return LoadMetrics(active, total, len(self.waiting), len(self.running), queued_prefill_tokens=queued)
+        tiers = self.tiers.usage() if self.tiers is not None else ()
+        return LoadMetrics(active, total, len(self.waiting), len(self.running), queued_prefill_tokens=queued, tiers=tiers)
 
     # ------------------------------------------------------------ step
     def step(self) -> list[Output]:
@@ -154,8 +186,12 @@ class Scheduler:
             if placement is None:
                 break
             self.waiting.popleft()
+            hit = self._tier_hit(seq.tokens, placement) if reusable else None
             try:
-                self._place(seq, placement.target, placement.reuse, placement.source, prompt)
+                if hit is not None:
+                    self._restore(seq, hit)
+                else:
+                    self._place(seq, placement.target, placement.reuse, placement.source, prompt)
                 seq.sampler = self.backend.new_sampler(seq.sampling, seq.suppressed_ids)
             except MeshError as exc:
                 outputs.append(self._finish(seq, [], "error", error=exc))
@@ -168,6 +204,7 @@ class Scheduler:
         return outputs
 
     def _place(self, seq: Sequence, slot: Slot, reuse: int, source: Slot | None, prompt: list[int]) -> None:
+        self._spill(slot, 0 if source is not None or seq.kv_state is not None else reuse)
         self.slots.claim(slot)
         seq.slot = slot.index
         be = self.backend
@@ -190,6 +227,68 @@ class Scheduler:
             )
         seq.n_past = seq.num_prompt
         self.slots.extend(slot, prompt)
+
+    # ------------------------------------------------------------ lower tiers
+    def _spill(self, slot: Slot, keep: int) -> None:
+        """Save `slot`'s whole blocks to the lower tiers before its KV is cut to `keep` tokens, unless held elsewhere."""
+        tiers, bs = self.tiers, self.slots.block_size
+        if tiers is None or len(slot.blocks) <= keep // bs:
+            return
+        deepest = slot.blocks[-1][0]
+        if self.slots.holders(deepest) > 1:  # another slot holds the same prefix; it spills when it goes
+            return
+        if tiers.covers(deepest):
+            tiers.touch(deepest)
+            return
+        t0 = time.perf_counter()
+        n = len(slot.blocks) * bs
+        if len(slot.tokens) > n:  # the partial block goes anyway: the saved state holds whole blocks only
+            self.backend.seq_rm(slot.index, n, -1)
+            self.slots.truncate(slot, n)
+        state = self.backend.state_get(slot.index)
+        tiers.save(list(slot.tokens), list(slot.blocks), state, time.perf_counter() - t0)
+
+    def _tier_hit(self, tokens: list[int], placement: Placement) -> Hit | None:
+        """A lower-tier match worth restoring: longer than the slots' by more than `min_copy_gain` tokens."""
+        if self.tiers is None or len(tokens) < 2:
+            return None
+        hit = self.tiers.lookup(tokens[: len(tokens) - 1])  # the last token is always computed
+        if hit is None or hit.n_tokens - placement.reuse <= self.min_copy_gain:
+            return None
+        return hit
+
+    def _restore(self, seq: Sequence, hit: Hit) -> None:
+        """Load `hit`'s blob into the LRU free slot and keep its matched blocks; compute from scratch if it fails."""
+        assert self.tiers is not None
+        t0 = time.perf_counter()
+        state = self.tiers.fetch(hit)
+        self.tiers.touch(hit.blob.key)  # before the victim's spill, which may need room in the same tier
+        fetched = time.perf_counter() - t0
+        slot = self.slots.victim()
+        assert slot is not None  # placement found a free slot
+        self._spill(slot, 0)
+        self.slots.claim(slot)
+        seq.slot = slot.index
+        self.slots.truncate(slot, 0)
+        be, n = self.backend, hit.n_tokens
+        seq.n_past = seq.num_cached = 0
+        be.seq_rm(slot.index, -1, -1)
+        if state is None:
+            return
+        t1 = time.perf_counter()
+        loaded = be.state_set(slot.index, state)
+        if loaded <= 0 or be.pos_max(slot.index) < n - 1:
+            log.warning(
+                "a %s tier prefix of %d tokens did not load (%d of %d bytes read); computing it instead",
+                hit.tier.name.lower(), n, loaded, len(state),
+            )  # fmt: skip
+            be.seq_rm(slot.index, -1, -1)
+            self.tiers.discard(hit)
+            return
+        be.seq_rm(slot.index, n, -1)
+        self.tiers.restored(hit, state, fetched + time.perf_counter() - t1)
+        self.slots.extend(slot, seq.tokens[:n])
+        seq.n_past = seq.num_cached = n
 
     def _plan(self) -> list[tuple[Sequence, list[BatchEntry], int | None]]:
         """One batch: decodes first, then prompt chunks FCFS, within `n_batch` tokens."""

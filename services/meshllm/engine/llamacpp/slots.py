@@ -8,30 +8,81 @@ already computed (in place, or copied from another slot) and report cache
 changes as KV events: a full block is *stored* when the first slot holds it
 and *removed* when the last slot drops it (reference counts by block hash,
 hashes from `meshllm.protocol.kv`). The table does no llama.cpp calls; the
-scheduler mirrors each change onto the context.
+scheduler mirrors each change onto the context. `BlockRefs` (the reference
+counts behind those events) also serves the lower tiers (`tiers.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshllm.engine.base import KvTier
 from meshllm.protocol.kv import stored_blocks
 
-__all__ = ["BlocksRemoved", "BlocksStored", "KvEvent", "Placement", "Slot", "SlotTable"]
+__all__ = ["BlockRefs", "BlocksRemoved", "BlocksStored", "KvEvent", "Placement", "Slot", "SlotTable"]
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
     blocks: list[tuple[int, int]]  # (block_hash, tokens_hash), chained after `parent_hash`
     parent_hash: int | None
+    tier: KvTier = KvTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
     block_hashes: list[int]
+    tier: KvTier = KvTier.DEVICE
 
 
 KvEvent = BlocksStored | BlocksRemoved
+
+
+class BlockRefs:
+    """Reference counts by block hash in one tier: a block is *stored* on its first reference, *removed* on its last."""
+
+    def __init__(self, tier: KvTier, events: list[KvEvent]) -> None:
+        self.tier = tier
+        self.events = events  # shared with the owner, drained by it
+        self.counts: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self.counts
+
+    def holders(self, block_hash: int) -> int:
+        return self.counts.get(block_hash, 0)
+
+    def ref(self, blocks: list[tuple[int, int]], parent: int | None) -> None:
+        """Count new references; report runs of blocks nothing held before."""
+        run: list[tuple[int, int]] = []
+        run_parent = parent
+        for bh, th in blocks:
+            count = self.counts.get(bh, 0)
+            self.counts[bh] = count + 1
+            if count == 0:
+                run.append((bh, th))
+                continue
+            if run:
+                self.events.append(BlocksStored(run, run_parent, self.tier))
+                run = []
+            run_parent = bh
+        if run:
+            self.events.append(BlocksStored(run, run_parent, self.tier))
+
+    def unref(self, blocks: list[tuple[int, int]]) -> None:
+        gone: list[int] = []
+        for bh, _ in blocks:
+            count = self.counts[bh] - 1
+            if count:
+                self.counts[bh] = count
+            else:
+                del self.counts[bh]
+                gone.append(bh)
+        if gone:
+            self.events.append(BlocksRemoved(gone, self.tier))
 
 
 @dataclass(eq=False)
@@ -74,7 +125,7 @@ class SlotTable:
         self.block_size = block_size
         self.caching = caching
         self.events: list[KvEvent] = []
-        self._refs: dict[int, int] = {}
+        self._refs = BlockRefs(KvTier.DEVICE, self.events)
         self._clock = 0
 
     # ------------------------------------------------------------ queries
@@ -85,6 +136,15 @@ class SlotTable:
     def num_cached_blocks(self) -> int:
         """Distinct full blocks resident in any slot."""
         return len(self._refs)
+
+    def holders(self, block_hash: int) -> int:
+        """How many slots hold the block `block_hash` (and so its whole prefix)."""
+        return self._refs.holders(block_hash)
+
+    def victim(self) -> Slot | None:
+        """The free slot a copied or restored prefix overwrites: an empty one, else the least recently used."""
+        free = self.free()
+        return min(free, key=lambda s: (bool(s.tokens), s.used_at)) if free else None
 
     def place(self, tokens: list[int], *, min_copy_gain: int) -> Placement | None:
         """Choose a free slot for a prompt (None when every slot is busy).
@@ -103,12 +163,13 @@ class SlotTable:
         best = max(self.slots, key=lambda s: matches.get(s.index, 0))
         own = max(free, key=lambda s: (matches.get(s.index, 0), -s.used_at))
         best_n, own_n = matches.get(best.index, 0), matches.get(own.index, 0)
+        victim = self.victim()
+        assert victim is not None
         if best_n - own_n > min_copy_gain:
-            victim = min(free, key=lambda s: (bool(s.tokens), s.used_at))
             return Placement(victim, best_n, best)
         if own_n > 0:
             return Placement(own, own_n)
-        return Placement(min(free, key=lambda s: (bool(s.tokens), s.used_at)), 0)
+        return Placement(victim, 0)
 
     # ------------------------------------------------------------ changes
     def claim(self, slot: Slot) -> None:
@@ -126,7 +187,7 @@ class SlotTable:
         del slot.tokens[n:]
         keep = n // self.block_size
         dropped, slot.blocks = slot.blocks[keep:], slot.blocks[:keep]
-        self._unref(dropped)
+        self._refs.unref(dropped)
 
     def extend(self, slot: Slot, tokens: list[int]) -> None:
         """`tokens` entered `slot`'s KV after its resident ones."""
@@ -142,47 +203,19 @@ class SlotTable:
         parent = slot.blocks[-1][0] if slot.blocks else None
         new = stored_blocks(slot.tokens[start:], bs, parent_hash=parent)
         slot.blocks.extend(new)
-        self._ref(new, parent)
+        self._refs.ref(new, parent)
 
     def copy(self, source: Slot, target: Slot, n: int) -> None:
         """`target` now holds the first `n` tokens of `source` (its own KV replaced)."""
         keep = n // self.block_size
         shared = source.blocks[:keep]
         for bh, _ in shared:
-            self._refs[bh] += 1
+            self._refs.counts[bh] += 1
         old = target.blocks
         target.tokens, target.blocks = source.tokens[:n], list(shared)
-        self._unref(old)
-
-    def _ref(self, blocks: list[tuple[int, int]], parent: int | None) -> None:
-        """Count new references; report runs of blocks no slot held before."""
-        run: list[tuple[int, int]] = []
-        run_parent = parent
-        for bh, th in blocks:
-            count = self._refs.get(bh, 0)
-            self._refs[bh] = count + 1
-            if count == 0:
-                run.append((bh, th))
-                continue
-            if run:
-                self.events.append(BlocksStored(run, run_parent))
-                run = []
-            run_parent = bh
-        if run:
-            self.events.append(BlocksStored(run, run_parent))
-
-    def _unref(self, blocks: list[tuple[int, int]]) -> None:
-        gone: list[int] = []
-        for bh, _ in blocks:
-            count = self._refs[bh] - 1
-            if count:
-                self._refs[bh] = count
-            else:
-                del self._refs[bh]
-                gone.append(bh)
-        if gone:
-            self.events.append(BlocksRemoved(gone))
+        self._refs.unref(old)
 
     def drain_events(self) -> list[KvEvent]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()  # the list is shared with the reference counts
         return events
