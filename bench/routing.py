@@ -303,29 +303,13 @@ def docs_http_scenario(n: int, setup: Setup) -> Scenario:
 
 
 def mooncake_scenario(quick: bool, setup: Setup, speedup: float) -> Scenario:
-    from meshllm.bench.trace import TraceScale, load_trace, trace_stats
+    from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
 
     window = 600.0 if quick else 1200.0
     keep = 0.1
     scale = TraceScale(tokens_per_block=64, speedup=speedup, duration_s=window, max_isl=4096, max_osl=16, seed=0)
-    rows = load_trace(TRACE, scale)
-    rng = random.Random(0)
-    sessions: dict[int, bool] = {}
-    picked = []
-    for r in rows:
-        key = r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index
-        if key not in sessions:
-            sessions[key] = rng.random() < keep
-        if sessions[key]:
-            picked.append(r)
-    t0 = picked[0].arrival_s if picked else 0.0
-    out: list[Arrival] = []
-    for r in picked:
-        req: TokenRequest = {
-            "request_id": f"m{r.index}", "model": "mocker", "token_ids": list(r.prompt_token_ids),
-            "stop": {"max_tokens": r.max_tokens, "ignore_eos": True},
-        }  # fmt: skip
-        out.append((r.arrival_s - t0, req))
+    picked = sample_sessions(load_trace(TRACE, scale), keep)
+    out: list[Arrival] = token_arrivals(picked, "mocker")
     stats = trace_stats(picked)
     working_set = stats.unique_hash_ids * scale.tokens_per_block // setup.block_size
     tight, roomy = max(working_set // 16, 300), max(working_set // 4, 300)

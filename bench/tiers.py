@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from benchdoc import write_section
 from routing import PLANE, TRACE, Arrival, Result
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
-from meshllm.bench.trace import TraceScale, load_trace, trace_stats
+from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
 from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.mocker.config import DEFAULT_KV_BYTES_PER_TOKEN
@@ -117,24 +116,8 @@ class Row:
 def mooncake(window_s: float, keep: float, speedup: float, block_size: int) -> Trace:
     """A time window of the conversation trace, a seeded sample of its sessions (kept whole), scaled."""
     scale = TraceScale(tokens_per_block=64, speedup=speedup, duration_s=window_s, max_isl=4096, max_osl=16, seed=0)
-    rows = load_trace(TRACE, scale)
-    rng = random.Random(0)
-    sessions: dict[int, bool] = {}
-    picked = []
-    for r in rows:
-        key = r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index
-        if key not in sessions:
-            sessions[key] = rng.random() < keep
-        if sessions[key]:
-            picked.append(r)
-    t0 = picked[0].arrival_s if picked else 0.0
-    out: list[Arrival] = []
-    for r in picked:
-        req: TokenRequest = {
-            "request_id": f"m{r.index}", "model": "mocker", "token_ids": list(r.prompt_token_ids),
-            "stop": {"max_tokens": r.max_tokens, "ignore_eos": True},
-        }  # fmt: skip
-        out.append((r.arrival_s - t0, req))
+    picked = sample_sessions(load_trace(TRACE, scale), keep)
+    out: list[Arrival] = token_arrivals(picked, "mocker")
     stats = trace_stats(picked)
     working_set = stats.unique_hash_ids * scale.tokens_per_block // block_size
     describe = f"conversation trace, {scale.describe()}; {keep:.0%} of the sessions of the window (seeded); {stats.describe()}"

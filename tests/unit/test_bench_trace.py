@@ -12,6 +12,7 @@ a row, saying why.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from pathlib import Path
@@ -24,7 +25,15 @@ from meshllm.bench.http import Endpoint
 from meshllm.bench.main import HttpSender, bench_arg_parser
 from meshllm.bench.replay import ReplayMode, replay
 from meshllm.bench.report import RequestRecord
-from meshllm.bench.trace import TraceRequest, TraceScale, hash_id_tokens, load_trace, trace_stats
+from meshllm.bench.trace import (
+    TraceRequest,
+    TraceScale,
+    hash_id_tokens,
+    load_trace,
+    sample_sessions,
+    token_arrivals,
+    trace_stats,
+)
 
 ROWS: list[dict[str, Any]] = [
     {"timestamp": 1000, "input_length": 1500, "output_length": 40, "hash_ids": [0, 1, 2]},  # last block: 476 of 512
@@ -274,3 +283,24 @@ async def test_after_a_success_a_run_stops_only_after_failures_in_a_row() -> Non
     assert [r.error for r in result.records] == [None, "HTTP 500: a", None, "HTTP 500: b", "HTTP 500: c", "HTTP 429: d",
                                                  f"not completed: {result.stopped}"]  # fmt: skip
     assert math.isnan(result.hit_rate)
+
+
+def test_sessions_are_sampled_whole_and_arrivals_start_at_zero(tmp_path: Path) -> None:
+    """Locks: requests sharing their second hash id stay together (all or none); a one-block request is its own."""
+    rows = [
+        {"timestamp": 1000 * i, "input_length": 40, "output_length": 3, "hash_ids": [0, 10 + i % 5, 100 + i]} for i in range(60)
+    ] + [{"timestamp": 61_000, "input_length": 10, "output_length": 2, "hash_ids": [0]}]
+    reqs = load_trace(write_trace(tmp_path, rows), TraceScale(tokens_per_block=16))
+    picked = sample_sessions(reqs, 0.5, seed=3)
+    sessions = {r.hash_ids[1] for r in picked if len(r.hash_ids) > 1}
+    assert 0 < len(sessions) < 5  # some sessions kept, not all
+    assert [r.index for r in picked] == [r.index for r in reqs if len(r.hash_ids) > 1 and r.hash_ids[1] in sessions] + (
+        [60] if any(r.index == 60 for r in picked) else []
+    )
+    assert sample_sessions(reqs, 0.5, seed=3) == picked  # seeded
+    assert len(sample_sessions(reqs, 1.0)) == len(reqs) and sample_sessions(reqs, 0.0) == []
+    arrivals = token_arrivals(picked, "m")
+    assert arrivals[0][0] == 0.0 and all(a[0] <= b[0] for a, b in itertools.pairwise(arrivals))
+    first = arrivals[0][1]
+    assert first["request_id"] == f"m{picked[0].index}" and first["token_ids"] == list(picked[0].prompt_token_ids)
+    assert first["stop"] == {"max_tokens": picked[0].max_tokens, "ignore_eos": True} and first["model"] == "m"

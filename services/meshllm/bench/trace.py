@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import statistics
 import struct
 from collections.abc import Iterable, Sequence
@@ -37,7 +38,18 @@ from pathlib import Path
 
 import orjson
 
-__all__ = ["TraceRequest", "TraceScale", "TraceStats", "hash_id_tokens", "load_trace", "trace_stats"]
+from meshllm.protocol.types import TokenRequest
+
+__all__ = [
+    "TraceRequest",
+    "TraceScale",
+    "TraceStats",
+    "hash_id_tokens",
+    "load_trace",
+    "sample_sessions",
+    "token_arrivals",
+    "trace_stats",
+]
 
 _SIXTEEN_U32 = struct.Struct("<16I")
 
@@ -256,3 +268,39 @@ def trace_stats(requests: Sequence[TraceRequest]) -> TraceStats:
 
 def _median(values: list[int]) -> float:
     return float(statistics.median(values)) if values else 0.0
+
+
+def sample_sessions(requests: Sequence[TraceRequest], keep: float, *, seed: int = 0) -> list[TraceRequest]:
+    """A seeded sample of whole sessions: each session is kept with probability `keep`, all its requests or none.
+
+    A session is the requests sharing their second hash id (the first is the
+    trace's shared system block), so a kept conversation keeps every turn
+    that returns to its prefix; a one-block request is its own session.
+    """
+    rng = random.Random(seed)
+    kept: dict[int, bool] = {}
+    out = []
+    for r in requests:
+        key = r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index
+        if key not in kept:
+            kept[key] = rng.random() < keep
+        if kept[key]:
+            out.append(r)
+    return out
+
+
+def token_arrivals(requests: Sequence[TraceRequest], model: str) -> list[tuple[float, TokenRequest]]:
+    """(seconds after the first arrival, the token-level request) per trace request, ids `m<row>`."""
+    t0 = requests[0].arrival_s if requests else 0.0
+    return [
+        (
+            r.arrival_s - t0,
+            {
+                "request_id": f"m{r.index}",
+                "model": model,
+                "token_ids": list(r.prompt_token_ids),
+                "stop": {"max_tokens": r.max_tokens, "ignore_eos": True},
+            },
+        )
+        for r in requests
+    ]
