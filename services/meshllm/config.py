@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -28,6 +29,7 @@ __all__ = [
     "add_plane_args",
     "add_tracing_args",
     "env_name",
+    "parse_byte_size",
     "parse_host_port",
 ]
 
@@ -117,6 +119,27 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?", re.IGNORECASE)
+
+
+class _ByteSizeError(argparse.ArgumentTypeError, ValueError):
+    """A bad byte count: argparse shows the message as is (and `ValueError` for env values and callers)."""
+
+
+def parse_byte_size(text: str) -> int:
+    """A byte count of a budget flag: `1073741824`, `64GiB`, `1.5G`, `512MB`.
+
+    K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024 (as in SI and IEC);
+    a trailing B is optional and case does not matter. Every size flag of every
+    engine parses with this one, so `2G` means the same everywhere.
+    """
+    m = _BYTE_SIZE.fullmatch(text.strip())
+    if m is None:
+        raise _ByteSizeError(f"expected a byte count such as 68719476736, 64GiB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "").lower()])
 
 
 def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:

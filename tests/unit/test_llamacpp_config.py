@@ -138,7 +138,7 @@ def test_kv_tier_flags_default_off_and_read_sizes_from_flags_and_env(gguf: Path,
     assert not off.tiers_on and off.kv_host_bytes == 0 and off.kv_disk_dir is None
     d = tmp_path / "kv" / "disk"
     on = parse(["--model-path", str(gguf), "--kv-host-bytes", "512M", "--kv-disk-dir", str(d), "--kv-disk-bytes", "2G"])
-    assert (on.kv_host_bytes, on.kv_disk_dir, on.kv_disk_bytes) == (512 << 20, d, 2 << 30) and d.is_dir()
+    assert (on.kv_host_bytes, on.kv_disk_dir, on.kv_disk_bytes) == (512 * 10**6, d, 2 * 10**9) and d.is_dir()
     env = parse(["--model-path", str(gguf)], env={"MESHLLM_KV_HOST_BYTES": "64MiB"})
     assert env.kv_host_bytes == 64 << 20 and env.tiers_on
 

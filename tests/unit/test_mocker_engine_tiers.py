@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from meshllm.config import ConfigError
+from meshllm.config import parse_byte_size as parse_bytes
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
-from meshllm.engine.mocker.config import parse_bytes
 from meshllm.engine.mocker.timing import prefill_ms, restore_seconds
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import TokenChunk, TokenRequest

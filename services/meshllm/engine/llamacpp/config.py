@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.config import ConfigError, EnvArgumentParser, parse_byte_size
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "byte_size", "default_model_path"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path"]
 
 DEFAULT_BLOCK_SIZE = 16
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,23 +36,6 @@ def default_model_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     return path if path.is_file() else None
-
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def byte_size(text: str) -> int:
-    """'512M', '2GiB', '1048576' → bytes (K/M/G/T are powers of 1024; a trailing 'B' or 'iB' is optional)."""
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = raw[-1:] if raw[-1:] in _UNITS else ""
-    number = raw[: len(raw) - len(unit)].strip()
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a byte size (e.g. 536870912, 512M, 2G)") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{text!r} must be a finite size >= 0")
-    return int(value * _UNITS[unit])
 
 
 def _default_threads() -> int:
@@ -187,6 +170,10 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
         help="keep finished sequences' KV and reuse the longest cached prefix",
     )
     t = parser.add_argument_group("llamacpp KV tiers (evicted prefixes kept and restored instead of recomputed)")
-    t.add_argument("--kv-host-bytes", type=byte_size, default=0, help="host-memory tier budget, e.g. 512M (0 = no host tier)")
+    t.add_argument(
+        "--kv-host-bytes", type=parse_byte_size, default=0, help="host-memory tier budget, e.g. 512M (0 = no host tier)"
+    )
     t.add_argument("--kv-disk-dir", default="", help="disk tier directory; files survive restarts ('' = no disk tier)")
-    t.add_argument("--kv-disk-bytes", type=byte_size, default=0, help="disk tier budget, e.g. 4G (needed with --kv-disk-dir)")
+    t.add_argument(
+        "--kv-disk-bytes", type=parse_byte_size, default=0, help="disk tier budget, e.g. 4G (needed with --kv-disk-dir)"
+    )

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from dataclasses import dataclass
 
-from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.config import ConfigError, EnvArgumentParser, parse_byte_size
 
-__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "MockerConfig", "add_mocker_args", "parse_bytes"]
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "MockerConfig", "add_mocker_args"]
 
 # fp16 K and V of a Llama-3-8B-shaped model: 2 · 32 layers · 8 KV heads · 128 dims · 2 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
 # Restore bandwidths of the lower KV tiers, GB/s: host memory over PCIe 4.0 x16; disk, a few NVMe drives.
 DEFAULT_KV_HOST_BANDWIDTH = 25.0
 DEFAULT_KV_DISK_BANDWIDTH = 10.0
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?", re.IGNORECASE)
-
-
-class _SizeError(argparse.ArgumentTypeError, ValueError):
-    """A bad byte count: argparse shows the message as is (and `ValueError` for env values and callers)."""
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count: `1073741824`, `64GiB`, `1.5G`, `512MB` (K/M/G/T powers of 1000; Ki/Mi/Gi/Ti of 1024)."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None:
-        raise _SizeError(f"expected a byte count such as 68719476736, 64GiB or 500MB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,13 +164,13 @@ def add_mocker_args(parser: EnvArgumentParser) -> None:
     g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill result's KV is held for its decode leg")
     g.add_argument(
         "--kv-host-bytes",
-        type=parse_bytes,
+        type=parse_byte_size,
         default=0,
         help="byte budget of the host-memory KV tier that device evictions move to, e.g. 64GiB (0 = no host tier)",
     )
     g.add_argument(
         "--kv-disk-bytes",
-        type=parse_bytes,
+        type=parse_byte_size,
         default=0,
         help="byte budget of the disk KV tier that host evictions move to, e.g. 1TB (0 = no disk tier)",
     )
