@@ -90,6 +90,7 @@ from meshllm.router.config import RouterMode
 from meshllm.router.timing import DEFAULT_RESTORE_RATIO, UNKNOWN_TIER_RESTORE_RATIO, RestoreCost
 
 __all__ = [
+    "REUSED_EVICT_COST",
     "Candidate",
     "KvPolicy",
     "LeastLoadedPolicy",
@@ -99,6 +100,11 @@ __all__ = [
     "make_policy",
     "score",
 ]
+
+# Prefill blocks one evicted reused block costs (before `evict_ratio`): its recompute when its prefix
+# returns (1), plus half a block for what storing the recomputed block evicts in turn on a cache
+# full of reused prefixes (see the module docstring).
+REUSED_EVICT_COST = 1.5
 
 
 @dataclass(slots=True)
@@ -161,7 +167,7 @@ def score(
             c.restore_blocks = 0.0
         prefill_blocks = (c.prefill_tokens + c.queued_prefill_tokens) / bs + c.restore_blocks
         c.pressure = c.new_blocks * min(c.cached_blocks, c.total_blocks) / c.total_blocks if c.total_blocks > 0 else 0.0
-        evicted = c.evict_ratio * c.evicted_hot_blocks
+        evicted = REUSED_EVICT_COST * c.evict_ratio * c.evicted_hot_blocks
         capacity = capacity_weight * (c.pressure + evicted) if c.total_blocks > 0 else 0.0
         c.cost = overlap_weight * prefill_blocks + c.decode_blocks + capacity + wait_weight * c.wait_blocks
 
