@@ -5,7 +5,8 @@ with the one cached on worker a goes to a worker with room (in `kv` and in
 `approximate` mode), and the explanation shows why (a's pressure; without
 the capacity terms a wins on its preamble); of two equally cheap, nearly full
 workers, the one whose eviction victims were never reused takes a new
-prefix, and the other's reused blocks are reported as `evicted_hot_blocks`.
+prefix, and the other's reused blocks are reported as `evicted_hot_blocks`,
+each charged `reused_evict_cost` (1.5) prefill blocks.
 """
 
 from __future__ import annotations
@@ -70,3 +71,8 @@ async def test_a_new_prefix_evicts_never_reused_blocks_rather_than_reused_ones()
         assert by_id["a"].evicted_hot_blocks == 12 and by_id["b"].evicted_hot_blocks == 0
         assert by_id["a"].pressure < by_id["b"].pressure
         assert d.worker_id == "b"
+        # Route explains the price of each reused victim: 1.5 prefill blocks (× the tier's evict ratio, 1 here)
+        a = by_id["a"]
+        assert d.reused_evict_cost == 1.5 and a.evict_ratio == 1.0
+        prefill = (a.prefill_tokens + a.queued_prefill_tokens) / d.block_size
+        assert a.cost == pytest.approx(prefill + a.decode_blocks + a.pressure + 1.5 * 12 + a.wait_blocks)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from meshllm.router.config import RouterMode
-from meshllm.router.policy import Candidate, KvPolicy, make_policy, score
+from meshllm.router.policy import REUSED_EVICT_COST, Candidate, KvPolicy, make_policy, score
 
 
 def cands(*specs: tuple[str, int, int, int]) -> list[Candidate]:
@@ -109,7 +109,7 @@ def test_capacity_terms_are_pressure_and_evicted_hot_blocks_times_the_capacity_w
     room(c, new=48, resident=75, total=150, hot=3)
     score([c], block_size=16, overlap_weight=1.0, capacity_weight=2.0)
     assert c.pressure == pytest.approx(48 * 75 / 150)
-    assert c.cost == pytest.approx(48 + 10 + 2.0 * (24 + 3))
+    assert c.cost == pytest.approx(48 + 10 + 2.0 * (24 + REUSED_EVICT_COST * 3))
     room(c, new=48, resident=75, total=0, hot=3)  # capacity unknown: no capacity terms at all
     score([c], block_size=16, overlap_weight=1.0, capacity_weight=2.0)
     assert c.pressure == 0 and c.cost == pytest.approx(48 + 10)
@@ -141,7 +141,7 @@ def test_evicting_reused_blocks_is_charged_and_evicting_never_reused_blocks_is_n
     room(a, new=40, resident=110, total=120, hot=10)
     room(b, new=40, resident=110, total=120, hot=0)
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0)
-    assert b.cost == pytest.approx(a.cost - 10)
+    assert b.cost == pytest.approx(a.cost - REUSED_EVICT_COST * 10)
     assert make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick([a, b], "m").worker_id == "b"
 
 
@@ -180,3 +180,22 @@ def test_a_cache_hit_on_a_busy_worker_loses_when_the_wait_costs_more_than_recomp
     a.wait_blocks = 40.0  # a short wait (10 ms) is worth the 64 blocks it saves
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
     assert pick([a, b], "m").worker_id == "a"
+
+
+def test_a_busy_holder_keeps_its_request_when_moving_it_would_evict_enough_reused_blocks() -> None:
+    # a caches 64 of the prompt's 65 blocks but runs another request (a wait of 150 blocks); b is idle,
+    # holds nothing of the prompt and must evict 35 blocks to take its 65, some of them reused.
+    assert REUSED_EVICT_COST == 1.5  # the recompute, plus half a block for what storing it again evicts
+    pick = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick
+    a, b = cands(("a", 64, 16, 66), ("b", 0, 65 * 16, 65))
+    a.wait_blocks = 150.0
+    room(a, new=1, resident=130, total=160)
+    room(b, new=65, resident=130, total=160, hot=30)
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    pressure = 65 * 130 / 160
+    assert a.cost == pytest.approx(1 + 66 + 130 / 160 + 150)  # 217.8
+    assert b.cost == pytest.approx(65 + 65 + pressure + 1.5 * 30)  # 227.8: 30 reused victims at 1.5 each
+    assert pick([a, b], "m").worker_id == "a"  # at 1 block each (212.8) the request would have moved
+    room(b, new=65, resident=130, total=160, hot=20)  # fewer reused victims: the wait is worth avoiding
+    score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
+    assert b.cost == pytest.approx(65 + 65 + pressure + 30) and pick([a, b], "m").worker_id == "b"

@@ -39,7 +39,7 @@ from meshllm.router.feed import EventFeed
 from meshllm.router.kv_index import KvIndex, SlotKey
 from meshllm.router.load import LoadTracker, SlotLoad
 from meshllm.router.metrics import RouterMetrics
-from meshllm.router.policy import Candidate, make_policy, score
+from meshllm.router.policy import REUSED_EVICT_COST, Candidate, make_policy, score
 from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.stream import serve
 from meshllm.router.sync import ReplicaSync
@@ -77,7 +77,7 @@ class Decision:
             worker_id=c.worker_id, dp_rank=c.dp_rank, address=c.address, role=self.role,  # type: ignore[arg-type]
             policy=self.policy, prompt_blocks=self.prompt_blocks, block_size=self.block_size,
             overlap_weight=self.overlap_weight, capacity_weight=self.capacity_weight,
-            wait_weight=self.wait_weight, prefill_ms_per_block=self.block_ms,
+            wait_weight=self.wait_weight, prefill_ms_per_block=self.block_ms, reused_evict_cost=REUSED_EVICT_COST,
             candidates=[
                 router_pb2.CandidateScore(
                     worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshllm.router.policy import REUSED_EVICT_COST
 from meshllm.v1 import events_pb2
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
         "capacity_weight": d.capacity_weight,
         "wait_weight": d.wait_weight,
         "prefill_ms_per_block": round(d.block_ms, 4),
+        "reused_evict_cost": REUSED_EVICT_COST,
         "candidates": [
             {
                 "worker_id": c.worker_id,

@@ -78,7 +78,7 @@ class TierOverlap(_message.Message):
     def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., restore_ms_per_block: _Optional[float] = ..., restore_ratio: _Optional[float] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block")
+    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block", "reused_evict_cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class RouteDecision(_message.Message):
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     WAIT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    REUSED_EVICT_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     address: str
@@ -103,7 +104,8 @@ class RouteDecision(_message.Message):
     capacity_weight: float
     wait_weight: float
     prefill_ms_per_block: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ...) -> None: ...
+    reused_evict_cost: float
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., reused_evict_cost: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)
