@@ -20,7 +20,7 @@ import pytest
 
 from meshllm.router.config import RouterMode
 from meshllm.router.kv_index import KvIndex, TierOverlap
-from meshllm.router.policy import Candidate, make_policy, score
+from meshllm.router.policy import REUSED_EVICT_COST, Candidate, make_policy, score
 from meshllm.router.timing import DEFAULT_RESTORE_RATIO, RestoreCost, evict_ratio, restore_cost, restore_costs
 from meshllm.v1 import events_pb2, worker_pb2
 
@@ -226,7 +226,7 @@ def test_restored_blocks_need_device_room() -> None:
     for c in (a, b):
         c.cached_blocks, c.total_blocks, c.evicted_hot_blocks = 100, 100, 40
     assert pick([a, b]) == "a"
-    assert a.new_blocks == 40 and a.cost == pytest.approx(4.0 + 40 + (40 + 40))
+    assert a.new_blocks == 40 and a.cost == pytest.approx(4.0 + 40 + (40 + REUSED_EVICT_COST * 40))
 
 
 def test_evicting_reused_blocks_costs_a_restore_on_a_worker_that_keeps_evicted_blocks() -> None:
@@ -237,7 +237,7 @@ def test_evicting_reused_blocks_costs_a_restore_on_a_worker_that_keeps_evicted_b
         c.cached_blocks, c.total_blocks, c.evicted_hot_blocks = 80, 100, 20
     b.evict_ratio = 0.1
     assert pick([a, b]) == "b"
-    assert a.cost - b.cost == pytest.approx(20 * 0.9)
+    assert a.cost - b.cost == pytest.approx(REUSED_EVICT_COST * 20 * 0.9)
 
 
 def reference(prompt: list[int], start: int, device: set[int], tiers: dict[int, set[int]]) -> tuple[int, dict[int, int]] | None:
