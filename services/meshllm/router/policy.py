@@ -33,8 +33,8 @@ policy, so `Router.Route` can always explain a decision:
   copying the prefix onto a cache full of other reused prefixes for a small
   saving in wait (with distinct prefixes and tight caches, at 1 such copies
   split groups across workers that then evict each other: 84.6 % hit rate;
-  at 1.5: about 89 %, TTFT p90 the same; at 2 the waits it keeps push the
-  p90 over round-robin's).
+  at 1.5: 88.7 %, TTFT p90 still at round-robin's; at 2 the waits it keeps
+  push the p90 over round-robin's — docs/routing.md).
 - `restore_blocks`: the prompt prefix a worker can serve is its device
   blocks (`overlap_blocks`, free) followed by blocks it keeps in a lower
   tier (host memory, disk: `lower_blocks`, restored into the device cache
