@@ -10,8 +10,12 @@ consumer was busy leave as one chunk.
 Roles. A "context_only" request computes its prompt, samples the first token
 and ends with one terminal chunk whose `disagg.kv_handle` names the prompt's
 blocks; those blocks stay referenced until `--kv-hold-timeout` passes (the
-mocker has no `pull_kv`, so nobody fetches them), the request is cancelled,
-or a decode leg on this same engine presents the handle. A
+mocker's `pull_kv` serves prefix handles only, so nobody fetches them), the
+request is cancelled, or a decode leg on this same engine presents the handle.
+A "context_only" request with `disagg.kv_source` first pulls that peer's
+prefix (`_pull_prefix`: the transfer's simulated time, then the blocks are
+cached on the device) so that its admission finds them; a failed pull
+computes the prompt. A
 "generation_only" request allocates the prompt's blocks as if transferred
 (reported with BlocksStored like computed ones), waits the simulated
 transfer of the tokens it does not already cache, then continues after
