@@ -27,7 +27,7 @@ from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
 from meshllm.router.core import RouterCore
 from meshllm.router.timing import WorkerTimes
-from meshllm.v1 import events_pb2
+from meshllm.v1 import discovery_pb2, events_pb2
 from meshllm.worker.client import WorkerClient
 
 HOST = events_pb2.KV_TIER_HOST
@@ -89,6 +89,8 @@ async def test_the_prefill_leg_pulls_a_prefix_from_a_peers_host_tier_when_cheape
         assert pull.transfer_ms == pytest.approx(40 * block_bytes / 10e9 * 1000)
         assert pull.recompute_ms == pytest.approx(40 * 16.0)
         assert pull.pull_ms == pytest.approx(pull.restore_ms + pull.transfer_ms) and pull.pull_ms < pull.recompute_ms
+        asked = await core.route("mocker", prompt, role=discovery_pb2.WORKER_ROLE_PREFILL)  # the prefill pool named
+        assert asked.kv_pull == pull
 
         chunks = await collect(core.generate(request("r", prompt, max_tokens=4)))
         assert len(tokens_of(chunks)) == 4 and chunks[-1]["finish_reason"] == "length"

@@ -224,7 +224,11 @@ class RouterCore(AsyncCloseable):
             plan = self.plan(model, tokens, hints, set())
             return (plan.prefill or plan.main).to_proto()
         bs = self.block_size(model)
-        return self.decide(model, role, tokens, block_hashes(tokens, bs), bs, hints, set()).to_proto()
+        hashes = block_hashes(tokens, bs)
+        decision = self.decide(model, role, tokens, hashes, bs, hints, set())
+        if role == PREFILL:
+            decision.pull = self._peer_pull(model, decision, hashes, set())
+        return decision.to_proto()
 
     def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:
         """Every known worker with its load and indexed blocks."""
