@@ -12,16 +12,19 @@ Locks: with a fast assumed link the router attaches the pull and explains it
 cached tokens are the pulled ones and the request's usage reports them; with
 a slow link the router explains why it computes instead and attaches
 nothing; a prefill leg whose peer no longer holds the blocks (NOT_FOUND), or
-whose peer is gone, computes the prompt and succeeds.
+whose peer is gone, computes the prompt and succeeds; a prefill leg cancelled
+while its pull is seconds from done ends "cancelled" at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from test_router_support import collect, mesh, mocker, request, tokens_of, wait_for
 
+from meshllm.engine.base import Context, KvTier
 from meshllm.engine.mocker import MockerEngine
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
@@ -173,3 +176,29 @@ async def test_a_prefill_leg_pulls_from_a_peer_over_grpc_and_reports_the_tokens_
         chunks = await collect(WorkerClient(channels, p.address).generate(prefill_leg("pull", prompt, peer_worker.address, 10)))
         assert chunks[-1]["disagg"]["cached_tokens"] == 160 and chunks[-1]["usage"]["cached_tokens"] == 160
         assert prefill.pulled_tokens == 160 and prefill.pull_failures == 0 and prefill.stats.prefill_tokens == 3
+
+
+async def test_a_prefill_leg_cancelled_while_pulling_ends_at_once() -> None:
+    async with mesh() as m, ChannelCache() as channels:
+        # The peer's host tier restores at 1 MB/s in real time: 2 s a block.
+        peer = mocker(
+            num_gpu_blocks=50, context_length=720, kv_host_bytes=200 * 16 * 131072, kv_host_bandwidth=0.001, speedup_ratio=1.0
+        )
+        prefill = mocker()
+        peer_worker = await m.worker(peer, instance_id="peer")
+        await m.worker(prefill, role="prefill", instance_id="p")
+        client = WorkerClient(channels, peer_worker.address)
+        document = doc(1000, 40)
+        for rid, tokens in (("warm", document), ("evict", doc(20_000, 40))):
+            await collect(client.generate(request(rid, tokens, max_tokens=1)))
+        hashes = block_hashes(document, 16)
+        assert any(peer.blocks.holder(h) == KvTier.HOST for h in hashes) and all(
+            peer.blocks.holder(h) is not None for h in hashes
+        )
+        ctx = Context("c")
+        leg = prefill_leg("c", document + [1], peer_worker.address, 40)
+        task = asyncio.ensure_future(collect(prefill.generate(leg, ctx)))
+        ctx.stop()  # the pull has seconds to go
+        chunks = await asyncio.wait_for(task, 2.0)
+        assert chunks[-1]["finish_reason"] == "cancelled" and prefill.pulled_tokens == 0 and prefill.pull_failures == 0
+        assert not prefill.scheduler.waiting and not prefill.scheduler.running
