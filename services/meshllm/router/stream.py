@@ -146,6 +146,11 @@ async def _leg(
     key = cand.key
     leg_id = f"{req['request_id']}/{kind}"
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
+    source = req.get("disagg", {}).get("kv_source")
+    if source:  # the pulled prefix is not computed there
+        prefill_tokens = min(
+            prefill_tokens, max(0, len(req["token_ids"]) - source.get("blocks", 0) * source.get("block_size", 0))
+        )
     blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
     now = time.monotonic()
     # Nothing to wait for there: its time to first token is prefill (a leg that restores blocks from a
