@@ -162,7 +162,7 @@ async def run_config(args: argparse.Namespace, prompts: dict[tuple[int, int], li
     engines: list[LlamaCppEngine] = []
     try:
         for d in disk_dirs:
-            argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(slots), "--n-threads", "1"]
+            argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(slots), "--n-threads", "1", fa_flag(args)]
             if tiers:
                 argv += ["--kv-host-bytes", str(args.host_bytes), "--kv-disk-dir", str(d)]
                 argv += ["--kv-disk-bytes", str(args.disk_bytes)]
@@ -201,7 +201,7 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
 
     from meshllm.run import Mesh, RunConfig
 
-    argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1"]
+    argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1", fa_flag(args)]
     if mode == "on":
         argv += ["--kv-host-bytes", str(args.mesh_host_bytes)]
     config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=tuple(argv))
@@ -233,6 +233,12 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
             results.append(Result(c, v, first, [text], len(prompts[c, v]), cached, restored))
         wall = time.perf_counter() - t_start
     return {"results": results, "wall_s": wall, "usage": [], "stats": []}
+
+
+def fa_flag(args: argparse.Namespace) -> str:
+    """The engines' attention flag: flash attention's CPU kernel changes with the batch shape, plain attention does not
+    across prompt splits (docs/engines/llamacpp.md, "Exactness")."""
+    return "--flash-attn" if args.flash_attn else "--no-flash-attn"
 
 
 def pct(values: list[float], p: float) -> float:
@@ -283,7 +289,7 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
     saves = sum(s.saves for s in on["stats"] if s)
     save_ms = sum(s.save_seconds for s in on["stats"] if s) * 1000
     saved_mb = sum(s.saved_bytes for s in on["stats"] if s) / 1e6
-    mesh_flag = " --mesh" if args.mesh else ""
+    mesh_flag = (" --mesh" if args.mesh else "") + ("" if args.flash_attn else " --no-flash-attn")
     lines = [
         HEADING,
         "",
@@ -292,7 +298,8 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
         f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens (passages of docs/*.md, as of the run), "
         f"{args.visits} visits each (a different question",
         f"each time), {args.repeat} repeat(s) with their own shuffles: {sn['n_ret']} returning requests per configuration.",
-        f"2 workers (in-process engines, 1 thread each), `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx}`: each worker's",
+        "2 workers (in-process engines, 1 thread each), "
+        f"`--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx} {fa_flag(args)}`: each worker's",
         f"slots hold {args.n_seq_max} of its {args.contexts // 2} contexts. Context i goes to worker i mod 2; each worker serves",
         f"its requests one at a time, both at once; greedy, max_tokens {args.max_tokens}. Tiers on: `--kv-host-bytes "
         f"{args.host_bytes}` (~{args.host_bytes / 2**20:.0f} MiB)",
@@ -430,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-bytes", type=int, default=32 << 20, help="host tier budget per worker (bytes)")
     parser.add_argument("--disk-bytes", type=int, default=512 << 20, help="disk tier budget per worker (bytes)")
     parser.add_argument("--repeat", type=int, default=2, help="repeats of the workload, each with its own shuffles")
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True, help="the engines' flash attention")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--mesh", action="store_true", help="also replay through meshllm run (KV router), host tier only")
     parser.add_argument("--mesh-host-bytes", type=int, default=256 << 20, help="host tier budget per worker in --mesh")
