@@ -194,8 +194,7 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
     """The schedule through `meshllm run` in-process (OpenAI completions → KV router → 2 workers), one request at a time.
 
     The router picks the worker (it prices a prefix in a lower tier from the worker's advertised restore bandwidth);
-    outputs are compared as text. Host tier only: `meshllm run` gives every worker the same flags, and a disk
-    directory serves one worker.
+    outputs are compared as text. Host tier only, with a budget for every context (the disk tier is measured above).
     """
     from openai import AsyncOpenAI
 
