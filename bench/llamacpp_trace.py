@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchdoc import write_section
-from llamacpp_tiers import fa_flag, pct
+from llamacpp_tiers import add_engine_args, fa_flag, pct, stream_completion
 from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, sample_sessions, trace_stats
@@ -93,19 +93,7 @@ async def replay(args: argparse.Namespace, reqs: list[TraceRequest], back: list[
             async def caller() -> None:
                 while queue:
                     i, r = queue.pop()
-                    t0 = time.perf_counter()
-                    first, text, cached = 0.0, "", 0
-                    stream: Any = await client.completions.create(
-                        model=mesh.model, prompt=list(r.prompt_token_ids), max_tokens=r.max_tokens, temperature=0,
-                        stream=True, stream_options={"include_usage": True},
-                    )  # fmt: skip
-                    async for chunk in stream:
-                        for choice in chunk.choices or ():
-                            if choice.text:
-                                first = first or time.perf_counter() - t0
-                                text += choice.text
-                        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-                            cached = int(chunk.usage.prompt_tokens_details.cached_tokens or 0)
+                    first, text, cached = await stream_completion(client, mesh.model, list(r.prompt_token_ids), r.max_tokens)
                     results.append(Sent(i, back[i], first, text, len(r.prompt_token_ids), cached))
 
             t_start = time.perf_counter()
@@ -214,15 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="session sample seed")
     parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens each trace hash id becomes")
     parser.add_argument("--max-isl", type=int, default=768, help="prompt cap (tokens)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output cap (tokens), greedy")
     parser.add_argument("--concurrency", type=int, default=2, help="closed-loop callers")
-    parser.add_argument("--n-seq-max", type=int, default=2, help="slots per worker (the device cache)")
-    parser.add_argument("--n-ctx", type=int, default=1024, help="context per slot")
-    parser.add_argument("--host-bytes", type=int, default=64 << 20, help="host tier budget per worker (bytes)")
-    parser.add_argument("--disk-bytes", type=int, default=1 << 30, help="disk tier budget per worker (bytes)")
-    parser.add_argument("--repeat", type=int, default=1, help="repeats (fresh meshes each)")
-    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True, help="the engines' flash attention")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    add_engine_args(parser, host_bytes=64 << 20, disk_bytes=1 << 30, repeat=1)
     args = parser.parse_args(argv)
     from meshllm.engine.llamacpp.config import default_model_path
 
