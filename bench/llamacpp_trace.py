@@ -40,7 +40,7 @@ from benchdoc import write_section
 from llamacpp_tiers import add_engine_args, fa_flag, pct, stream_completion
 from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
-from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, sample_sessions, trace_stats
+from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, sample_sessions, trace_stats, unbounded_hits
 from meshllm.engine.base import KvTier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,6 +131,7 @@ def render(args: argparse.Namespace, scale: TraceScale, reqs: list[TraceRequest]
            runs: dict[str, list[dict[str, Any]]], loads: list[float]) -> str:  # fmt: skip
     stats = trace_stats(reqs)
     n_back = sum(back)
+    reusable = [h / len(r.prompt_token_ids) for r, h, b in zip(reqs, unbounded_hits(reqs), back, strict=True) if b]
     lines = [
         HEADING,
         "",
@@ -139,7 +140,8 @@ def render(args: argparse.Namespace, scale: TraceScale, reqs: list[TraceRequest]
         f"({machine()}; {llama_cpp_build()}).",
         f"Mooncake conversation trace, {scale.describe()}; {args.keep:.0%} of its sessions (seeded {args.seed}), "
         f"{len(reqs)} requests in trace order: {stats.describe()}. {n_back} of them are returning (a "
-        "later turn of a conversation: more than the shared first hash id seen before).",
+        "later turn of a conversation: more than the shared first hash id seen before); an unbounded cache would serve "
+        f"a median {statistics.median(reusable or [0]):.0%} of a returning prompt.",
         f"Closed loop, {args.concurrency} callers, through `meshllm run` (in-process; KV router, 2 llama.cpp workers, "
         f"1 thread each, `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx} {fa_flag(args)}`: {args.n_seq_max} slots a worker). "
         f"Tiers on: `--kv-host-bytes {args.host_bytes}` (~{args.host_bytes / 2**20:.0f} MiB) and a disk tier of "
