@@ -336,6 +336,17 @@ class LLMEngine(abc.ABC):
     async def from_args(cls, argv: Sequence[str]) -> tuple[Self, WorkerConfig]:
         """Parse flags; construct the engine (do not start it)."""
 
+    @classmethod
+    def instance_args(cls, argv: Sequence[str], index: int, count: int) -> list[str]:
+        """The engine flags of worker `index` (0-based) of `count` that one process builds from the same flags.
+
+        `meshllm run` passes every worker the flags after `--`. An engine whose flags
+        name a resource one worker must own (a directory it locks) returns flags that
+        give each worker its own, stable across restarts for the same `index`. The
+        default returns `argv` unchanged.
+        """
+        return list(argv)
+
     @abc.abstractmethod
     async def start(self, worker_id: str) -> EngineConfig:
         """Load the model; afterwards `generate` is safe to call concurrently."""

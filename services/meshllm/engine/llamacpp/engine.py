@@ -50,7 +50,7 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
-from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args
+from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, per_worker_disk_dir
 from meshllm.engine.llamacpp.files import write_model_files
 from meshllm.engine.llamacpp.runner import Runner
 from meshllm.engine.llamacpp.sampling import SamplingSpec
@@ -150,6 +150,11 @@ class LlamaCppEngine(LLMEngine):
         if importlib.util.find_spec("llama_cpp") is None:
             raise ConfigError(INSTALL_HINT)
         return cls(LlamaCppConfig.from_namespace(ns)), WorkerConfig.from_namespace(ns, engine="llamacpp")
+
+    @classmethod
+    def instance_args(cls, argv: Seq[str], index: int, count: int) -> list[str]:
+        """Each of several workers built from the same flags gets `--kv-disk-dir D/worker-<index>` (one lock each)."""
+        return per_worker_disk_dir(argv, index) if count > 1 else list(argv)
 
     async def start(self, worker_id: str) -> EngineConfig:
         if self._closing is not None:
