@@ -162,7 +162,7 @@ async def run_config(args: argparse.Namespace, prompts: dict[tuple[int, int], li
     engines: list[LlamaCppEngine] = []
     try:
         for d in disk_dirs:
-            argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(slots), "--n-threads", "1"]
+            argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(slots), "--n-threads", "1", fa_flag(args)]
             if tiers:
                 argv += ["--kv-host-bytes", str(args.host_bytes), "--kv-disk-dir", str(d)]
                 argv += ["--kv-disk-bytes", str(args.disk_bytes)]
@@ -194,14 +194,13 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
     """The schedule through `meshllm run` in-process (OpenAI completions → KV router → 2 workers), one request at a time.
 
     The router picks the worker (it prices a prefix in a lower tier from the worker's advertised restore bandwidth);
-    outputs are compared as text. Host tier only: `meshllm run` gives every worker the same flags, and a disk
-    directory serves one worker.
+    outputs are compared as text. Host tier only, with a budget for every context (the disk tier is measured above).
     """
     from openai import AsyncOpenAI
 
     from meshllm.run import Mesh, RunConfig
 
-    argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1"]
+    argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1", fa_flag(args)]
     if mode == "on":
         argv += ["--kv-host-bytes", str(args.mesh_host_bytes)]
     config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=tuple(argv))
@@ -211,19 +210,7 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
         t_start = time.perf_counter()
         for c, v in schedule(args.contexts, args.visits, args.seed):
             before = [e.tier_stats() for e in engines]  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
-            first, text, cached = 0.0, "", 0
-            stream: Any = await client.completions.create(
-                model=mesh.model, prompt=prompts[c, v], max_tokens=args.max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True},
-            )  # fmt: skip
-            async for chunk in stream:
-                for choice in chunk.choices or ():
-                    if choice.text:
-                        first = first or time.perf_counter() - t0
-                        text += choice.text
-                if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-                    cached = int(chunk.usage.prompt_tokens_details.cached_tokens or 0)
+            first, text, cached = await stream_completion(client, mesh.model, prompts[c, v], args.max_tokens)
             restored: dict[KvTier, int] = {}
             for b, e in zip(before, engines, strict=True):
                 a = e.tier_stats()  # type: ignore[attr-defined]
@@ -233,6 +220,29 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
             results.append(Result(c, v, first, [text], len(prompts[c, v]), cached, restored))
         wall = time.perf_counter() - t_start
     return {"results": results, "wall_s": wall, "usage": [], "stats": []}
+
+
+def fa_flag(args: argparse.Namespace) -> str:
+    """The engines' attention flag: flash attention's CPU kernel changes with the batch shape, plain attention does not
+    across prompt splits (docs/engines/llamacpp.md, "Exactness")."""
+    return "--flash-attn" if args.flash_attn else "--no-flash-attn"
+
+
+async def stream_completion(client: Any, model: str, prompt: list[int], max_tokens: int) -> tuple[float, str, int]:
+    """One greedy streamed OpenAI completion of token ids: (TTFT s, text, cached prompt tokens from usage)."""
+    t0 = time.perf_counter()
+    first, text, cached = 0.0, "", 0
+    stream: Any = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    async for chunk in stream:
+        for choice in chunk.choices or ():
+            if choice.text:
+                first = first or time.perf_counter() - t0
+                text += choice.text
+        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+            cached = int(chunk.usage.prompt_tokens_details.cached_tokens or 0)
+    return first, text, cached
 
 
 def pct(values: list[float], p: float) -> float:
@@ -283,7 +293,7 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
     saves = sum(s.saves for s in on["stats"] if s)
     save_ms = sum(s.save_seconds for s in on["stats"] if s) * 1000
     saved_mb = sum(s.saved_bytes for s in on["stats"] if s) / 1e6
-    mesh_flag = " --mesh" if args.mesh else ""
+    mesh_flag = (" --mesh" if args.mesh else "") + ("" if args.flash_attn else " --no-flash-attn")
     lines = [
         HEADING,
         "",
@@ -292,7 +302,8 @@ def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: lis
         f"Workload: {args.contexts} contexts of ~{args.context_tokens} tokens (passages of docs/*.md, as of the run), "
         f"{args.visits} visits each (a different question",
         f"each time), {args.repeat} repeat(s) with their own shuffles: {sn['n_ret']} returning requests per configuration.",
-        f"2 workers (in-process engines, 1 thread each), `--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx}`: each worker's",
+        "2 workers (in-process engines, 1 thread each), "
+        f"`--n-seq-max {args.n_seq_max} --n-ctx {args.n_ctx} {fa_flag(args)}`: each worker's",
         f"slots hold {args.n_seq_max} of its {args.contexts // 2} contexts. Context i goes to worker i mod 2; each worker serves",
         f"its requests one at a time, both at once; greedy, max_tokens {args.max_tokens}. Tiers on: `--kv-host-bytes "
         f"{args.host_bytes}` (~{args.host_bytes / 2**20:.0f} MiB)",
@@ -419,18 +430,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return runs
 
 
+def add_engine_args(parser: argparse.ArgumentParser, *, host_bytes: int, disk_bytes: int, repeat: int) -> None:
+    """The flags both llama.cpp tier benchmarks share: the workers' engines, their tiers, repeats, output."""
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (greedy)")
+    parser.add_argument("--n-seq-max", type=int, default=2, help="slots per worker (the device cache)")
+    parser.add_argument("--n-ctx", type=int, default=1024, help="context per slot")
+    parser.add_argument("--host-bytes", type=int, default=host_bytes, help="host tier budget per worker (bytes)")
+    parser.add_argument("--disk-bytes", type=int, default=disk_bytes, help="disk tier budget per worker (bytes)")
+    parser.add_argument("--repeat", type=int, default=repeat, help="repeats of the workload (fresh engines each)")
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True, help="the engines' flash attention")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, default=12, help="contexts in the working set (half per worker)")
     parser.add_argument("--context-tokens", type=int, default=400, help="tokens per context passage")
     parser.add_argument("--visits", type=int, default=3, help="visits per context (the first is cold)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
-    parser.add_argument("--n-seq-max", type=int, default=2, help="slots per worker (the device cache)")
-    parser.add_argument("--n-ctx", type=int, default=1024, help="context per slot")
-    parser.add_argument("--host-bytes", type=int, default=32 << 20, help="host tier budget per worker (bytes)")
-    parser.add_argument("--disk-bytes", type=int, default=512 << 20, help="disk tier budget per worker (bytes)")
-    parser.add_argument("--repeat", type=int, default=2, help="repeats of the workload, each with its own shuffles")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    add_engine_args(parser, host_bytes=32 << 20, disk_bytes=512 << 20, repeat=2)
     parser.add_argument("--mesh", action="store_true", help="also replay through meshllm run (KV router), host tier only")
     parser.add_argument("--mesh-host-bytes", type=int, default=256 << 20, help="host tier budget per worker in --mesh")
     args = parser.parse_args(argv)

@@ -238,7 +238,8 @@ class Mesh(AsyncCloseable):
         simulate = await _simulated_model_flags(cfg)
         # Construct every engine first: a bad engine flag stops everything before anything starts.
         built: list[tuple[LLMEngine, Any]] = [
-            await engine_cls.from_args(cfg.worker_argv(role, simulate=simulate)) for role in roles
+            await engine_cls.from_args(engine_cls.instance_args(cfg.worker_argv(role, simulate=simulate), i, len(roles)))
+            for i, role in enumerate(roles)
         ]
         for engine, wcfg in built:
             self.workers.append(

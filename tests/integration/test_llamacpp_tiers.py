@@ -6,6 +6,8 @@ what the tiers do is visible with a few short prompts.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import stored_blocks
 from meshllm.testing.conformance import RecordingSink
+from meshllm.testing.processes import MeshllmProcess
 from meshllm.worker.client import WorkerClient
 
 require_model()
@@ -163,3 +166,27 @@ async def test_a_worker_killed_and_restarted_on_its_disk_directory_serves_the_pr
     finally:
         await proc.stop()
         await channels.aclose()
+
+
+async def test_meshllm_run_gives_each_of_its_workers_its_own_disk_directory(tmp_path: Path) -> None:
+    """Locks: `meshllm run --workers 2` with one --kv-disk-dir starts both workers (before, the second stopped at
+    the first one's lock), each holding the lock of its own `<dir>/worker-<i>`."""
+    proc = MeshllmProcess(
+        "run", "--engine", "llamacpp", "--workers", "2", "--http-port", "0", "--router-port", "0",
+        "--", *ENGINE, "--kv-disk-dir", str(tmp_path), "--kv-disk-bytes", "64M",
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        while not (lines and lines[-1].startswith("try:")):
+            lines.append(await proc.line(180))
+        assert sum(line.startswith("worker ") for line in lines) == 2
+        for i in range(2):
+            fd = os.open(tmp_path / f"worker-{i}" / ".lock", os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+        assert not (tmp_path / ".lock").exists()
+    finally:
+        await proc.stop()

@@ -33,6 +33,7 @@ from meshllm.bench.trace import (
     sample_sessions,
     token_arrivals,
     trace_stats,
+    unbounded_hits,
 )
 
 ROWS: list[dict[str, Any]] = [
@@ -150,6 +151,7 @@ def test_reuse_ceiling_counts_the_prefix_blocks_seen_before(tmp_path: Path) -> N
     prompt = sum(len(r.prompt_token_ids) for r in reqs)
     assert stats.prompt_tokens == prompt and stats.requests == 4 and stats.unique_hash_ids == 8
     assert stats.reuse_ceiling == pytest.approx((32 + 16) / prompt)
+    assert unbounded_hits(reqs) == [0, 32, 16, 0]
     lengths = sorted(len(r.prompt_token_ids) for r in reqs)
     left = sorted(len(r.prompt_token_ids) - hit for r, hit in zip(reqs, (0, 32, 16, 0), strict=True))
     assert stats.p50_prefill_floor == pytest.approx(((left[1] + left[2]) / 2) / ((lengths[1] + lengths[2]) / 2))

@@ -168,3 +168,21 @@ def test_a_bad_byte_size_stops_the_parser_with_one_line(gguf: Path, value: str, 
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "MESHLLM_KV_HOST_BYTES" in err[-1]
+
+
+def test_per_worker_disk_dir_narrows_the_disk_tier_directory_from_a_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Locks: each worker of `meshllm run` gets `<dir>/worker-<i>` (the flag's last value wins in argparse); without a
+    disk tier the flags are unchanged; a single worker keeps the directory as given."""
+    from meshllm.engine.llamacpp.config import per_worker_disk_dir
+    from meshllm.engine.llamacpp.engine import LlamaCppEngine
+
+    argv = ["--n-ctx", "512", "--kv-disk-dir", "/var/kv", "--kv-disk-bytes", "1G"]
+    assert per_worker_disk_dir(argv, 1) == [*argv, "--kv-disk-dir", "/var/kv/worker-1"]
+    assert per_worker_disk_dir(["--kv-disk-dir=/x"], 0)[-1] == "/x/worker-0"
+    assert per_worker_disk_dir(["--n-ctx", "512"], 3) == ["--n-ctx", "512"]
+    assert LlamaCppEngine.instance_args(argv, 0, 1) == argv
+    assert LlamaCppEngine.instance_args(argv, 0, 2)[-1] == "/var/kv/worker-0"
+    monkeypatch.setenv("MESHLLM_KV_DISK_DIR", "/env/kv")
+    assert per_worker_disk_dir([], 2) == ["--kv-disk-dir", "/env/kv/worker-2"]

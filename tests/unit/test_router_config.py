@@ -43,6 +43,8 @@ def test_static_mode_needs_no_planes() -> None:
         (["--router-temperature", "-1"], "--router-temperature"),
         (["--router-ttl", "0"], "--router-ttl"),
         (["--disagg-max-local-hit", "1.5"], "--disagg-max-local-hit"),
+        (["--kv-pull-gbps", "-1"], "--kv-pull-gbps"),
+        (["--kv-pull-gbps", "nan"], "--kv-pull-gbps"),
         (["--migration-limit", "-2"], "--migration-limit"),
     ],
 )

@@ -49,6 +49,7 @@ __all__ = [
     "sample_sessions",
     "token_arrivals",
     "trace_stats",
+    "unbounded_hits",
 ]
 
 _SIXTEEN_U32 = struct.Struct("<16I")
@@ -240,9 +241,24 @@ def trace_stats(requests: Sequence[TraceRequest]) -> TraceStats:
     for an engine whose KV block size divides `tokens_per_block`, and an upper
     bound otherwise (an engine caches only whole blocks of its own size).
     """
+    hits = unbounded_hits(requests)
+    left = [len(r.prompt_token_ids) - h for r, h in zip(requests, hits, strict=True)]
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    return TraceStats(
+        requests=len(requests),
+        span_s=requests[-1].arrival_s if requests else 0.0,
+        prompt_tokens=prompt,
+        output_tokens=sum(r.max_tokens for r in requests),
+        unique_hash_ids=len({h for r in requests for h in r.hash_ids}),
+        reuse_ceiling=sum(hits) / prompt if prompt else 0.0,
+        p50_prefill_floor=_median(left) / _median([len(r.prompt_token_ids) for r in requests]) if prompt else 1.0,
+    )
+
+
+def unbounded_hits(requests: Sequence[TraceRequest]) -> list[int]:
+    """Per request, the prompt tokens an unbounded prefix cache would serve (see `trace_stats`)."""
     seen: dict[int, int] = {}  # hash id -> most of its run any earlier prompt held
-    reusable = 0
-    left: list[int] = []  # per request: prompt tokens an unbounded cache leaves to compute
+    out = []
     for r in requests:
         hit = 0
         for hid, n in zip(r.hash_ids, r.block_lengths, strict=True):
@@ -250,20 +266,10 @@ def trace_stats(requests: Sequence[TraceRequest]) -> TraceStats:
             hit += min(n, got)
             if got < n:
                 break
-        reusable += hit
-        left.append(len(r.prompt_token_ids) - hit)
+        out.append(hit)
         for hid, n in zip(r.hash_ids, r.block_lengths, strict=True):
             seen[hid] = max(seen.get(hid, 0), n)
-    prompt = sum(len(r.prompt_token_ids) for r in requests)
-    return TraceStats(
-        requests=len(requests),
-        span_s=requests[-1].arrival_s if requests else 0.0,
-        prompt_tokens=prompt,
-        output_tokens=sum(r.max_tokens for r in requests),
-        unique_hash_ids=len(seen),
-        reuse_ceiling=reusable / prompt if prompt else 0.0,
-        p50_prefill_floor=_median(left) / _median([len(r.prompt_token_ids) for r in requests]) if prompt else 1.0,
-    )
+    return out
 
 
 def _median(values: list[int]) -> float:

@@ -238,8 +238,9 @@ class KvTransfer:
 
 
 #: `(address, kv_handle, layout)` → the pieces of the KV held by the worker at
-#: `address` (its `Worker.PullKv`). The worker gives it to its engine, so an
-#: engine pulls from a peer without knowing the worker's client or transport.
+#: `address` (its `Worker.PullKv`): a finished prefill leg's handle, or a prefix
+#: handle (`disagg.kv_source.kv_handle`). The worker gives it to its engine, so
+#: an engine pulls from a peer without knowing the worker's client or transport.
 KvPull = Callable[[str, bytes, str], AsyncIterator[KvTransfer]]
 
 
@@ -300,6 +301,13 @@ class LLMEngine(abc.ABC):
        role) computes the prompt and ends with one terminal chunk carrying the
        first token(s) and `disagg` (a kv handle); "generation_only" (decode
        role) obtains that KV and continues after `disagg.first_token_ids`.
+       A "context_only" leg may carry `disagg.kv_source`: a peer at
+       `kv_source.address` holds the prompt's first `kv_source.blocks` blocks;
+       the engine may pull them with `kv_pull(address, kv_source.kv_handle,
+       layout)`, load them, compute the rest and report them as
+       `cached_tokens` — and on any failure of the pull (NotFound, Unavailable,
+       FailedPrecondition, ...) computes the prompt instead, never failing the
+       request (or it ignores the hint).
     4. `abort(context)` — optional, called once when a request is cancelled,
        for out-of-band release of engine resources (default: no-op).
     5. `drain()` — optional, pre-shutdown work while the planes are still up,
@@ -328,6 +336,17 @@ class LLMEngine(abc.ABC):
     async def from_args(cls, argv: Sequence[str]) -> tuple[Self, WorkerConfig]:
         """Parse flags; construct the engine (do not start it)."""
 
+    @classmethod
+    def instance_args(cls, argv: Sequence[str], index: int, count: int) -> list[str]:
+        """The engine flags of worker `index` (0-based) of `count` that one process builds from the same flags.
+
+        `meshllm run` passes every worker the flags after `--`. An engine whose flags
+        name a resource one worker must own (a directory it locks) returns flags that
+        give each worker its own, stable across restarts for the same `index`. The
+        default returns `argv` unchanged.
+        """
+        return list(argv)
+
     @abc.abstractmethod
     async def start(self, worker_id: str) -> EngineConfig:
         """Load the model; afterwards `generate` is safe to call concurrently."""
@@ -353,7 +372,14 @@ class LLMEngine(abc.ABC):
         raise Unimplemented(f"{type(self).__name__} cannot clear KV blocks")
 
     def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
-        """Serve the KV held under `kv_handle` once, in ~1 MiB pieces (optional)."""
+        """Serve the KV held under `kv_handle`, in ~1 MiB pieces (optional).
+
+        Two handle forms: the engine's own handle of a finished prefill leg
+        (served once), and a prefix handle (`meshllm.protocol.kv.prefix_handle`:
+        a block size and block hashes) naming prompt blocks the engine keeps in
+        any tier; raise `NotFound` when it no longer holds them all, and
+        `FailedPrecondition` when `layout` (the puller's) differs from its own.
+        """
         from meshllm.errors import Unimplemented
 
         raise Unimplemented(f"{type(self).__name__} does not transfer KV over gRPC")

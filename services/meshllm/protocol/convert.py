@@ -85,6 +85,14 @@ def disagg_to_proto(d: DisaggInfo) -> pb.DisaggParams:
     )
     if "request_type" in d:
         m.request_type = _RTYPE_TO_PB[d["request_type"]]  # type: ignore[assignment]
+    src = d.get("kv_source")
+    if src:
+        m.kv_source.CopyFrom(
+            pb.KvSource(
+                worker_id=src.get("worker_id", ""), address=src.get("address", ""), kv_handle=src.get("kv_handle", b""),
+                blocks=src.get("blocks", 0), block_size=src.get("block_size", 0), tier=src.get("tier", 0),  # type: ignore[arg-type]
+            )
+        )  # fmt: skip
     return m
 
 
@@ -111,6 +119,12 @@ def disagg_from_proto(m: pb.DisaggParams) -> DisaggInfo:
         d["cached_tokens"] = m.cached_tokens
     if m.kv_bytes:
         d["kv_bytes"] = m.kv_bytes
+    if m.HasField("kv_source"):
+        s = m.kv_source
+        d["kv_source"] = {
+            "worker_id": s.worker_id, "address": s.address, "kv_handle": s.kv_handle, "blocks": s.blocks,
+            "block_size": s.block_size, "tier": int(s.tier),
+        }  # fmt: skip
     return d
 
 

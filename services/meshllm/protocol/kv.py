@@ -18,7 +18,16 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["SEED", "block_hashes", "chain_hash", "stored_blocks", "tokens_hash"]
+__all__ = [
+    "PREFIX_MAGIC",
+    "SEED",
+    "block_hashes",
+    "chain_hash",
+    "parse_prefix_handle",
+    "prefix_handle",
+    "stored_blocks",
+    "tokens_hash",
+]
 
 SEED = 1337
 _PAIR = struct.Struct("<QQ")
@@ -67,3 +76,32 @@ def stored_blocks(tokens: Sequence[int], block_size: int, *, parent_hash: int | 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     """The chained block hash of every full block of `tokens`, in order."""
     return [bh for bh, _ in stored_blocks(tokens, block_size)]
+
+
+#: First bytes of a prefix handle (`prefix_handle`).
+PREFIX_MAGIC = b"MLKVPFX1"
+_U32 = struct.Struct("<I")
+
+
+def prefix_handle(block_size: int, hashes: Sequence[int]) -> bytes:
+    """A `Worker.PullKv` handle naming a prompt prefix by its block hashes (`DisaggParams.kv_source`).
+
+    Layout: `PREFIX_MAGIC`, `block_size` as little-endian u32, then each
+    block hash as little-endian u64, first block first. Unlike the
+    engine-defined handle of a finished prefill leg, any engine can resolve
+    it against the blocks it keeps in any tier.
+    """
+    if block_size <= 0 or not hashes:
+        raise ValueError("a prefix handle needs a positive block size and at least one block hash")
+    return PREFIX_MAGIC + _U32.pack(block_size) + struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def parse_prefix_handle(handle: bytes) -> tuple[int, list[int]] | None:
+    """`(block_size, block_hashes)` of a prefix handle; None for any other handle (or a malformed one)."""
+    head = len(PREFIX_MAGIC) + _U32.size
+    if not handle.startswith(PREFIX_MAGIC) or len(handle) <= head or (len(handle) - head) % 8:
+        return None
+    (block_size,) = _U32.unpack_from(handle, len(PREFIX_MAGIC))
+    if block_size <= 0:
+        return None
+    return block_size, list(struct.unpack_from(f"<{(len(handle) - head) // 8}Q", handle, head))

@@ -22,6 +22,7 @@ __all__ = [
     "ErrorInfo",
     "FinishReason",
     "GuidedSettings",
+    "KvSourceInfo",
     "LogprobItem",
     "OutputSettings",
     "RequestType",
@@ -84,6 +85,17 @@ class RouteHints(TypedDict, total=False):
     allowed_worker_ids: list[str]
 
 
+class KvSourceInfo(TypedDict, total=False):
+    """A prompt prefix a peer worker holds (`DisaggParams.kv_source`): pull it with `kv_handle` from `address`."""
+
+    worker_id: str
+    address: str
+    kv_handle: bytes  # a prefix handle (meshllm.protocol.kv.prefix_handle)
+    blocks: int
+    block_size: int
+    tier: int  # meshllm.v1.KvTier: the farthest tier the peer holds part of it in
+
+
 class DisaggInfo(TypedDict, total=False):
     """Sent to a prefill leg (request_type only) and answered by it (the rest)."""
 
@@ -96,6 +108,7 @@ class DisaggInfo(TypedDict, total=False):
     opaque_state: bytes
     cached_tokens: int
     kv_bytes: int
+    kv_source: KvSourceInfo  # context_only legs: a peer's prefix to pull instead of computing
 
 
 class TokenRequest(TypedDict, total=False):

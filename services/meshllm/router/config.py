@@ -77,6 +77,8 @@ class RouterConfig:
     migration_limit: int = 3
     disagg_min_prompt_tokens: int = 0
     disagg_max_local_hit: float = 0.9
+    # Assumed network bandwidth of a peer KV pull, GB/s (router/kv_pull.py); 0 = never pull from a peer.
+    kv_pull_gbps: float = 0.0
     static_endpoint: StaticEndpoint | None = None
     static_workers: tuple[str, ...] = ()
     model_name: str | None = None
@@ -118,6 +120,8 @@ class RouterConfig:
             raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {self.disagg_min_prompt_tokens}")
         if not 0.0 <= self.disagg_max_local_hit <= 1.0:
             raise ConfigError(f"--disagg-max-local-hit must be a fraction in [0, 1], got {self.disagg_max_local_hit}")
+        if not math.isfinite(self.kv_pull_gbps) or self.kv_pull_gbps < 0:
+            raise ConfigError(f"--kv-pull-gbps must be a finite number >= 0 (GB/s; 0 = no peer pulls), got {self.kv_pull_gbps}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port} is out of range 0..65535")
         if not self.component or not all(c.isalnum() or c in "-_" for c in self.component):
@@ -164,6 +168,7 @@ class RouterConfig:
             migration_limit=ns.migration_limit,
             disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
             disagg_max_local_hit=ns.disagg_max_local_hit,
+            kv_pull_gbps=ns.kv_pull_gbps,
             static_endpoint=endpoint,
             static_workers=workers,
             model_name=ns.model_name,
@@ -219,6 +224,13 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
         type=float,
         default=0.9,
         help="skip remote prefill when the decode worker caches (device or lower tiers) at least this fraction of the prompt",
+    )
+    g.add_argument(
+        "--kv-pull-gbps",
+        type=float,
+        default=0.0,
+        help="assumed GB/s of a peer KV pull: a prefill leg pulls a prompt prefix another worker holds (device or "
+        "lower tier) when restore + transfer beats recomputing it (0 = never)",
     )
     g.add_argument("--static-endpoint", default="", help="static mode: namespace.component.endpoint of the workers")
     g.add_argument("--static-workers", default="", help="static mode: comma-separated worker host:port list")

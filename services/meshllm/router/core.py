@@ -37,6 +37,7 @@ from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.feed import EventFeed
 from meshllm.router.kv_index import KvIndex, SlotKey
+from meshllm.router.kv_pull import PeerPrefix, PullDecision, decide_pull
 from meshllm.router.load import LoadTracker, SlotLoad
 from meshllm.router.metrics import RouterMetrics
 from meshllm.router.policy import REUSED_EVICT_COST, Candidate, make_policy, score
@@ -70,6 +71,7 @@ class Decision:
     capacity_weight: float = 0.0
     wait_weight: float = 0.0
     block_ms: float = 0.0  # the model's measured prefill time per block (0 = unknown)
+    pull: PullDecision | None = None  # prefill pool: the peer prefix pull considered (kv_pull.py)
 
     def to_proto(self) -> router_pb2.RouteDecision:
         c = self.chosen
@@ -96,6 +98,7 @@ class Decision:
                 )
                 for k in self.candidates
             ],
+            kv_pull=self.pull.to_proto() if self.pull is not None else None,
         )  # fmt: skip
 
 
@@ -221,7 +224,11 @@ class RouterCore(AsyncCloseable):
             plan = self.plan(model, tokens, hints, set())
             return (plan.prefill or plan.main).to_proto()
         bs = self.block_size(model)
-        return self.decide(model, role, tokens, block_hashes(tokens, bs), bs, hints, set()).to_proto()
+        hashes = block_hashes(tokens, bs)
+        decision = self.decide(model, role, tokens, hashes, bs, hints, set())
+        if role == PREFILL:
+            decision.pull = self._peer_pull(model, decision, hashes, set())
+        return decision.to_proto()
 
     def list_workers(self, model: str | None = None) -> router_pb2.ListWorkersResponse:
         """Every known worker with its load and indexed blocks."""
@@ -296,7 +303,38 @@ class RouterCore(AsyncCloseable):
         prefill = None
         if main_role == DECODE and pools[PREFILL] and self._remote_prefill(main, len(tokens), max_tokens):
             prefill = self.decide(model, PREFILL, tokens, hashes, bs, hints, excluded)
+            prefill.pull = self._peer_pull(model, prefill, hashes, excluded)
         return Plan(main, prefill, hashes)
+
+    def _peer_pull(self, model: str, prefill: Decision, hashes: list[int], excluded: set[str]) -> PullDecision | None:
+        """The peer prefix pull for the chosen prefill worker (router/kv_pull.py; kv mode, --kv-pull-gbps > 0)."""
+        gbps = self.config.kv_pull_gbps
+        if gbps <= 0 or self.mode is not RouterMode.KV or not hashes:
+            return None
+        chosen = prefill.chosen
+        peers = [
+            (w, r) for role in (AGGREGATED, PREFILL, DECODE) for w in self.pool.workers(model, role)
+            if w.id != chosen.worker_id and w.id not in excluded for r in range(w.dp_size)
+        ]  # fmt: skip
+        if not peers:
+            return None
+        slots = [(w.id, r) for w, r in peers]
+        device = self.index.overlaps(hashes, slots)
+        tiers = self.index.tier_overlaps(hashes, slots, device)
+        held = []
+        for w, r in peers:
+            key = (w.id, r)
+            ov, lower = device.get(key, 0), {}
+            if (t := tiers.get(key)) is not None:
+                ov, lower = ov + t.device, t.lower
+            if ov + sum(lower.values()) <= chosen.served_blocks:
+                continue
+            rep = self.load.get(key).reported
+            advertised = list(rep.tiers) if rep is not None else []
+            block_bytes = max((int(u.block_bytes) for u in advertised), default=0)
+            restore = tuple(restore_costs(lower, advertised, prefill.block_ms)) if lower else ()
+            held.append(PeerPrefix(w.id, w.address, ov, lower, restore, block_bytes))
+        return decide_pull(held, local_blocks=chosen.served_blocks, block_ms=prefill.block_ms, bytes_per_s=gbps * 1e9)
 
     def _remote_prefill(self, decode: Decision, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Conditional disaggregation: is a remote prefill worth it for this decode choice?"""

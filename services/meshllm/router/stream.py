@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshError
 from meshllm.plane.transport import CallInfo
+from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
 from meshllm.router.migration import MigrationState, migrating
@@ -83,6 +84,18 @@ async def _disaggregated(
     assert plan.prefill is not None
     prefill_req = req.copy()
     prefill_req["disagg"] = {"request_type": "context_only"}
+    pull = plan.prefill.pull
+    if pull is not None and pull.chosen:
+        n = pull.peer.blocks
+        prefill_req["disagg"]["kv_source"] = {
+            "worker_id": pull.peer.worker_id, "address": pull.peer.address, "blocks": n, "block_size": plan.prefill.block_size,
+            "kv_handle": prefix_handle(plan.prefill.block_size, plan.hashes[:n]), "tier": pull.peer.tier,
+        }  # fmt: skip
+        core.metrics.recent.event(
+            "kv_pull", f"request {req['request_id']}: prefill on {plan.prefill.chosen.worker_id} pulls {n} blocks from "
+            f"{pull.peer.worker_id} ({pull.pull_ms:.1f} ms vs {pull.recompute_ms:.1f} ms recompute)",
+            worker_id=pull.peer.worker_id,
+        )  # fmt: skip
     first: list[int] = []
     terminal: TokenChunk = {}
     async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill")) as leg:
@@ -133,11 +146,17 @@ async def _leg(
     key = cand.key
     leg_id = f"{req['request_id']}/{kind}"
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
+    source = req.get("disagg", {}).get("kv_source")
+    if source:  # the pulled prefix is not computed there
+        prefill_tokens = min(
+            prefill_tokens, max(0, len(req["token_ids"]) - source.get("blocks", 0) * source.get("block_size", 0))
+        )
     blocks = max(1, decision.prompt_blocks - cand.overlap_blocks) + (0 if kind == "prefill" else 1)
     now = time.monotonic()
     # Nothing to wait for there: its time to first token is prefill (a leg that restores blocks from a
     # lower tier also spends restore time, which would bias the prefill slope: not fitted).
-    idle = core.load.get(key).in_flight == 0 and not cand.lower_blocks
+    # A leg pulling a peer's prefix (disagg.kv_source) spends transfer time likewise: not fitted either.
+    idle = core.load.get(key).in_flight == 0 and not cand.lower_blocks and "kv_source" not in req.get("disagg", {})
     core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=time.time())
     core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
     entry = None

@@ -78,7 +78,7 @@ class TierOverlap(_message.Message):
     def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., restore_ms_per_block: _Optional[float] = ..., restore_ratio: _Optional[float] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block", "reused_evict_cost")
+    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block", "kv_pull", "reused_evict_cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class RouteDecision(_message.Message):
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     WAIT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_FIELD_NUMBER: _ClassVar[int]
     REUSED_EVICT_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
@@ -104,8 +105,39 @@ class RouteDecision(_message.Message):
     capacity_weight: float
     wait_weight: float
     prefill_ms_per_block: float
+    kv_pull: KvPullDecision
     reused_evict_cost: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., reused_evict_cost: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., kv_pull: _Optional[_Union[KvPullDecision, _Mapping]] = ..., reused_evict_cost: _Optional[float] = ...) -> None: ...
+
+class KvPullDecision(_message.Message):
+    __slots__ = ("worker_id", "address", "blocks", "device_blocks", "lower_tiers", "local_blocks", "restore_ms", "transfer_ms", "recompute_ms", "pull_ms", "chosen", "reason", "block_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOWER_TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    blocks: int
+    device_blocks: int
+    lower_tiers: _containers.RepeatedCompositeFieldContainer[TierOverlap]
+    local_blocks: int
+    restore_ms: float
+    transfer_ms: float
+    recompute_ms: float
+    pull_ms: float
+    chosen: bool
+    reason: str
+    block_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., lower_tiers: _Optional[_Iterable[_Union[TierOverlap, _Mapping]]] = ..., local_blocks: _Optional[int] = ..., restore_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., recompute_ms: _Optional[float] = ..., pull_ms: _Optional[float] = ..., chosen: _Optional[bool] = ..., reason: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)

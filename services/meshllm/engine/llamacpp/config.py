@@ -15,12 +15,14 @@ import argparse
 import importlib.util
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.config import ConfigError, EnvArgumentParser, parse_byte_size
+from meshllm.engine.base import worker_arg_parser
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path", "per_worker_disk_dir"]
 
 DEFAULT_BLOCK_SIZE = 16
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,3 +179,18 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
     t.add_argument(
         "--kv-disk-bytes", type=parse_byte_size, default=0, help="disk tier budget, e.g. 4G (needed with --kv-disk-dir)"
     )
+
+
+def per_worker_disk_dir(argv: Sequence[str], index: int) -> list[str]:
+    """`argv` with the disk tier directory, if any (flag or `MESHLLM_KV_DISK_DIR`), narrowed to `<dir>/worker-<index>`.
+
+    Several workers of one process (`meshllm run --workers N`) get the same engine
+    flags, but a disk tier directory is locked by one worker; each gets its own
+    subdirectory, the same one on every restart, so its saved prefixes survive.
+    """
+    parser = worker_arg_parser("llamacpp")
+    add_llamacpp_args(parser)
+    ns, _ = parser.parse_known_args(list(argv))
+    if not ns.kv_disk_dir:
+        return list(argv)
+    return [*argv, "--kv-disk-dir", str(Path(ns.kv_disk_dir) / f"worker-{index}")]

@@ -50,7 +50,7 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
-from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args
+from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, per_worker_disk_dir
 from meshllm.engine.llamacpp.files import write_model_files
 from meshllm.engine.llamacpp.runner import Runner
 from meshllm.engine.llamacpp.sampling import SamplingSpec
@@ -60,7 +60,8 @@ from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.tiers import TierStats
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
-from meshllm.protocol.types import DisaggInfo, LogprobItem, TokenChunk, TokenRequest
+from meshllm.protocol.kv import parse_prefix_handle, stored_blocks
+from meshllm.protocol.types import DisaggInfo, KvSourceInfo, LogprobItem, TokenChunk, TokenRequest
 
 __all__ = ["LlamaCppEngine"]
 
@@ -130,6 +131,9 @@ class LlamaCppEngine(LLMEngine):
         self._nonce = secrets.randbits(64)
         #: Prefill results waiting for their decode leg (served once by `pull_kv`).
         self.holds = KvHolds(self._nonce, config.kv_hold_timeout_s)
+        #: Prompt tokens pulled from peers' tier prefixes (`disagg.kv_source`), and pulls that fell back to computing.
+        self.pulled_tokens = 0
+        self.pull_failures = 0
         self._runner: Runner | None = None
         self._info: Any = None
         self._live: dict[Context, tuple[Sequence, _Stream]] = {}
@@ -146,6 +150,11 @@ class LlamaCppEngine(LLMEngine):
         if importlib.util.find_spec("llama_cpp") is None:
             raise ConfigError(INSTALL_HINT)
         return cls(LlamaCppConfig.from_namespace(ns)), WorkerConfig.from_namespace(ns, engine="llamacpp")
+
+    @classmethod
+    def instance_args(cls, argv: Seq[str], index: int, count: int) -> list[str]:
+        """Each of several workers built from the same flags gets `--kv-disk-dir D/worker-<index>` (one lock each)."""
+        return per_worker_disk_dir(argv, index) if count > 1 else list(argv)
 
     async def start(self, worker_id: str) -> EngineConfig:
         if self._closing is not None:
@@ -257,6 +266,12 @@ class LlamaCppEngine(LLMEngine):
         if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
             yield terminal("length", seq.usage())
             return
+        source = (request.get("disagg") or {}).get("kv_source")
+        if seq.context_only and source and self.kv_pull is not None and seq.prompt_logprobs is None:
+            seq.pulled_prefix = await self._prefix_or_cancel(source, prompt, context)
+            if context.is_stopped():
+                yield terminal("cancelled", seq.usage())
+                return
         if seq.remote_kv:
             data = await self._pull_or_cancel(request.get("disagg") or {}, prompt, context)
             if data is None:
@@ -392,6 +407,21 @@ class LlamaCppEngine(LLMEngine):
         }
 
     async def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        """A finished prefill leg's held KV (once), or a prefix handle's state from the lower tiers (host, disk).
+
+        A prefix handle (`meshllm.protocol.kv.prefix_handle`) is served from a
+        saved tier blob whose first blocks are exactly the handle's; the state
+        may cover more tokens (the puller trims it). NOT_FOUND when no tier
+        holds such a blob (device-only prefixes are not exported).
+        """
+        prefix = parse_prefix_handle(kv_handle)
+        if prefix is not None:
+            if layout:
+                check_layout(layout, self.layout, who="the pulling worker")
+            state, n_tokens = await self._tier_prefix(*prefix)
+            for piece in pieces(state, layout=self.layout, n_tokens=n_tokens):
+                yield piece
+            return
         handle = KvHandle.decode(kv_handle)
         if layout:
             check_layout(layout, self.layout, who="the pulling worker")
@@ -400,6 +430,71 @@ class LlamaCppEngine(LLMEngine):
             raise NotFound("the kv handle is unknown, expired or already pulled")
         for piece in pieces(data, layout=self.layout, n_tokens=handle.n_tokens):
             yield piece
+
+    async def _tier_prefix(self, block_size: int, hashes: list[int]) -> tuple[bytes, int]:
+        """The state of a tier blob starting with exactly `hashes` and the tokens they cover (engine thread lookup)."""
+        if block_size != self.config.block_size:
+            raise FailedPrecondition(f"prefix handle has block size {block_size}, this worker uses {self.config.block_size}")
+        runner = self._require_runner()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bytes | None] = loop.create_future()
+
+        def settle(state: bytes | None) -> None:
+            if not done.done():
+                done.set_result(state)
+
+        def lookup(sched: Scheduler) -> None:
+            found = sched.tiers.prefix(hashes) if sched.tiers is not None else None
+            loop.call_soon_threadsafe(settle, found[1] if found is not None else None)
+
+        runner.submit(lookup)
+        while not done.done():  # a command submitted as the engine thread stops is never run
+            await asyncio.wait({done}, timeout=1.0)
+            if not done.done() and not runner.alive:
+                raise EngineShutdown(runner.failure or "the llamacpp engine stopped")
+        state = done.result()
+        if state is None:
+            raise NotFound(f"no lower tier here holds the prefix of {len(hashes)} blocks any more")
+        return state, len(hashes) * block_size
+
+    async def _prefix_or_cancel(self, source: KvSourceInfo, prompt: list[int], context: Context) -> tuple[bytes, int] | None:
+        """A peer's prefix of `prompt` (`disagg.kv_source`), or None: the request stopped, or the pull failed
+        (logged; the prompt is then computed)."""
+        pull = asyncio.ensure_future(self._pull_prefix(source, prompt))
+        stopped = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait({pull, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not pull.done():
+                pull.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pull
+        if pull.cancelled():
+            return None
+        exc = pull.exception()
+        if exc is None:
+            return pull.result()
+        self.pull_failures += 1
+        log.warning(
+            "pulling %s prefix blocks from %s failed (%s: %s); computing them",
+            source.get("blocks", 0), source.get("address", "?"), type(exc).__name__, exc,
+        )  # fmt: skip
+        return None
+
+    async def _pull_prefix(self, source: KvSourceInfo, prompt: list[int]) -> tuple[bytes, int]:
+        assert self.kv_pull is not None
+        address, handle = source.get("address", ""), source.get("kv_handle", b"")
+        parsed = parse_prefix_handle(handle)
+        if not address or parsed is None:
+            raise InvalidArgument("disagg.kv_source needs an address and a prefix handle", param="disagg.kv_source")
+        bs, hashes = parsed
+        if bs != self.config.block_size or [bh for bh, _ in stored_blocks(prompt, bs)][: len(hashes)] != hashes:
+            raise FailedPrecondition("disagg.kv_source names blocks that are not this prompt's")
+        data = await pull_remote(self.kv_pull, address, handle, layout=self.layout, n_tokens=len(hashes) * bs)
+        n = min(len(hashes) * bs, (len(prompt) - 1) // bs * bs)  # the prompt's last token is always computed
+        self.pulled_tokens += n
+        return data, n
 
     async def _pull_or_cancel(self, disagg: DisaggInfo, prompt: list[int], context: Context) -> bytes | None:
         """The prompt's KV from the prefill worker; None if the request was stopped meanwhile."""

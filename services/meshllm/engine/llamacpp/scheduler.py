@@ -186,9 +186,16 @@ class Scheduler:
             if placement is None:
                 break
             self.waiting.popleft()
-            hit = self._tier_hit(seq.tokens, placement) if reusable else None
+            pulled, seq.pulled_prefix = seq.pulled_prefix, None
+            if pulled is not None and not (reusable and pulled[1] > placement.reuse + self.min_copy_gain):
+                pulled = None  # the slots hold as much already (or the prompt needs logits everywhere)
+            hit = self._tier_hit(seq.tokens, placement) if reusable and pulled is None else None
+            if hit is not None and pulled is not None and hit.n_tokens >= pulled[1]:
+                pulled = None
             try:
-                if hit is not None:
+                if pulled is not None:
+                    self._load_prefix(seq, pulled[0], pulled[1], "pulled")
+                elif hit is not None:
                     self._restore(seq, hit)
                 else:
                     self._place(seq, placement.target, placement.reuse, placement.source, prompt)
@@ -264,31 +271,37 @@ class Scheduler:
         state = self.tiers.fetch(hit)
         self.tiers.touch(hit.blob.key)  # before the victim's spill, which may need room in the same tier
         fetched = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if state is None or not self._load_prefix(seq, state, hit.n_tokens, f"{hit.tier.name.lower()} tier"):
+            if state is not None:
+                self.tiers.discard(hit)
+            return
+        self.tiers.restored(hit, state, fetched + time.perf_counter() - t1)
+
+    def _load_prefix(self, seq: Sequence, state: bytes | None, n: int, what: str) -> bool:
+        """Load a prefix state into the LRU free slot and keep its first `n` tokens (False: computed from scratch)."""
         slot = self.slots.victim()
         assert slot is not None  # placement found a free slot
         self._spill(slot, 0)
         self.slots.claim(slot)
         seq.slot = slot.index
         self.slots.truncate(slot, 0)
-        be, n = self.backend, hit.n_tokens
+        be = self.backend
         seq.n_past = seq.num_cached = 0
         be.seq_rm(slot.index, -1, -1)
         if state is None:
-            return
-        t1 = time.perf_counter()
+            return False
         loaded = be.state_set(slot.index, state)
         if loaded <= 0 or be.pos_max(slot.index) < n - 1:
             log.warning(
-                "a %s tier prefix of %d tokens did not load (%d of %d bytes read); computing it instead",
-                hit.tier.name.lower(), n, loaded, len(state),
-            )  # fmt: skip
+                "a %s prefix of %d tokens did not load (%d of %d bytes read); computing it instead", what, n, loaded, len(state)
+            )
             be.seq_rm(slot.index, -1, -1)
-            self.tiers.discard(hit)
-            return
+            return False
         be.seq_rm(slot.index, n, -1)
-        self.tiers.restored(hit, state, fetched + time.perf_counter() - t1)
         self.slots.extend(slot, seq.tokens[:n])
         seq.n_past = seq.num_cached = n
+        return True
 
     def _plan(self) -> list[tuple[Sequence, list[BatchEntry], int | None]]:
         """One batch: decodes first, then prompt chunks FCFS, within `n_batch` tokens."""

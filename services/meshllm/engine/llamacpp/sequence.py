@@ -83,6 +83,9 @@ class Sequence:
     context_only: bool = False
     kv_state: bytes | None = None  # a decode leg's pulled KV, loaded (and dropped) at admission
     remote_kv: bool = False  # a decode leg: its prompt's KV came from a prefill worker
+    # A prefill leg's prefix pulled from a peer's tier (`disagg.kv_source`): its state and the prompt tokens it
+    # covers; loaded at admission instead of computing them (dropped there; a failed load computes them).
+    pulled_prefix: tuple[bytes, int] | None = None
     prefill_cached_tokens: int = 0  # a decode leg's prefill reuse, reported in its usage
     stream: StreamSink | None = None
     # engine-thread state

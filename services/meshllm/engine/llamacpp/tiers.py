@@ -342,6 +342,26 @@ class TierStore:
             self.disk.remove(blob)
             return None
 
+    def prefix(self, hashes: list[int]) -> tuple[Hit, bytes] | None:
+        """A blob whose first blocks are exactly `hashes` (a peer's prefix handle) and its state; None when no tier has one.
+
+        Host first (faster); the state covers the whole blob, which may run past
+        the prefix: the puller trims it to `len(hashes)` blocks as a restore does.
+        """
+        if not hashes:
+            return None
+        n = len(hashes)
+        for t in self.tiers:
+            blob = t.holder(hashes[-1])
+            if blob is None or [bh for bh, _ in blob.blocks[:n]] != hashes:
+                continue
+            hit = Hit(t.kind, blob, n, n * self.block_size)
+            state = self.fetch(hit)
+            if state is not None:
+                self.touch(blob.key)
+                return hit, state
+        return None
+
     def restored(self, hit: Hit, state: bytes, seconds: float) -> None:
         """A hit was loaded into a slot in `seconds`: count it and promote the blob."""
         s, k = self.stats, hit.tier

@@ -121,6 +121,53 @@ class BlockManager:
         """Evictable hashes, next victim first."""
         return list(self._cached)
 
+    def holder(self, block_hash: int) -> KvTier | None:
+        """The nearest tier holding `block_hash` (DEVICE, HOST, DISK), None when no tier does."""
+        if block_hash in self._by_hash:
+            return KvTier.DEVICE
+        return next((t.tier for t in self.tiers if block_hash in t), None)
+
+    def insert_pulled(self, prefix: Sequence_[tuple[int, int]]) -> bool:
+        """Cache a prefix pulled from a peer as unreferenced device blocks (most recently used), reported stored.
+
+        `prefix` is a chain of `(block_hash, tokens_hash)` from the first
+        block. Blocks already on the device stay as they are. False (nothing
+        changed) when the blocks it lacks do not fit beside the watermark.
+        """
+        missing = [i for i, (bh, _) in enumerate(prefix) if bh not in self._by_hash]
+        if not missing:
+            return True
+        # The prefix's own cached blocks become most recent first, so that the takes below cannot evict them.
+        present = [bh for bh, _ in prefix if bh in self._cached]
+        if len(missing) > self.num_free - len(present) - self.watermark_blocks or not self.prefix_caching:
+            return False
+        for bh in present:
+            self._cached.move_to_end(bh)
+        evicted: list[TierBlock] = []
+        run: list[tuple[int, int]] = []
+        parent: int | None = None
+        for i, (bh, th) in enumerate(prefix):
+            if bh in self._by_hash:
+                if run:
+                    self.sink.blocks_stored(run, parent)
+                    run = []
+                continue
+            bid = self._take(evicted)
+            block = self.blocks[bid]
+            block.block_hash, block.tokens_hash = bh, th
+            block.parent_hash = prefix[i - 1][0] if i else None
+            block.ref_count = 0
+            self.num_used -= 1
+            self._by_hash[bh] = bid
+            self._cached[bh] = bid
+            if not run:
+                parent = block.parent_hash
+            run.append((bh, th))
+        if run:
+            self.sink.blocks_stored(run, parent)
+        self._evicted(evicted)
+        return True
+
     def tier_usage(self) -> tuple[TierUsage, ...]:
         """What each lower tier holds, for `LoadMetrics.tiers`."""
         return tuple(t.usage() for t in self.tiers)

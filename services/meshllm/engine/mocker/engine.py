@@ -10,8 +10,12 @@ consumer was busy leave as one chunk.
 Roles. A "context_only" request computes its prompt, samples the first token
 and ends with one terminal chunk whose `disagg.kv_handle` names the prompt's
 blocks; those blocks stay referenced until `--kv-hold-timeout` passes (the
-mocker has no `pull_kv`, so nobody fetches them), the request is cancelled,
-or a decode leg on this same engine presents the handle. A
+mocker's `pull_kv` serves prefix handles only, so nobody fetches them), the
+request is cancelled, or a decode leg on this same engine presents the handle.
+A "context_only" request with `disagg.kv_source` first pulls that peer's
+prefix (`_pull_prefix`: the transfer's simulated time, then the blocks are
+cached on the device) so that its admission finds them; a failed pull
+computes the prompt. A
 "generation_only" request allocates the prompt's blocks as if transferred
 (reported with BlocksStored like computed ones), waits the simulated
 transfer of the tokens it does not already cache, then continues after
@@ -41,6 +45,7 @@ from meshllm.engine.base import (
     Context,
     EngineConfig,
     KvTier,
+    KvTransfer,
     LLMEngine,
     LoadMetrics,
     WorkerConfig,
@@ -54,9 +59,18 @@ from meshllm.engine.mocker.scheduler import CacheStats, Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 from meshllm.engine.mocker.tiers import LowerTier
 from meshllm.engine.mocker.timing import StepPacer, restore_seconds, step_ms, transfer_seconds
-from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
-from meshllm.protocol.kv import block_hashes
-from meshllm.protocol.types import DisaggInfo, TokenChunk, TokenRequest, TokenUsage
+from meshllm.errors import (
+    ContextLengthExceeded,
+    EngineShutdown,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    Unimplemented,
+    Unknown,
+)
+from meshllm.protocol.kv import PREFIX_MAGIC, block_hashes, parse_prefix_handle
+from meshllm.protocol.types import DisaggInfo, KvSourceInfo, TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
 
@@ -122,6 +136,9 @@ class MockerEngine(LLMEngine):
         self._load_key: tuple[int, ...] | None = None
         self._load_at = -LOAD_INTERVAL_S
         self._load_timer: asyncio.TimerHandle | None = None
+        #: Prompt tokens pulled from peers' prefixes (`disagg.kv_source`), and pulls that fell back to computing.
+        self.pulled_tokens = 0
+        self.pull_failures = 0
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -198,6 +215,11 @@ class MockerEngine(LLMEngine):
         if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
             yield terminal("length", self._usage(seq))
             return
+        source = (request.get("disagg") or {}).get("kv_source")
+        if seq.context_only and source and self.kv_pull is not None:
+            if not await self._pull_prefix(seq, source, context):
+                yield terminal("cancelled", self._usage(seq))
+                return
         loop = asyncio.get_running_loop()
         self._by_ctx[context] = seq
         self.scheduler.add(seq)
@@ -290,6 +312,96 @@ class MockerEngine(LLMEngine):
             )
         if handle.engine_nonce == self._nonce and handle.hold_id in self._holds:
             self._release_hold(handle.hold_id)  # the decode leg runs here: its prefix is now plain cache
+
+    # ------------------------------------------------------------ peer prefix pulls
+    async def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        """Serve a prefix handle (`meshllm.protocol.kv.prefix_handle`) from any tier of this mocker.
+
+        NOT_FOUND when some block of it is in no tier any more; the blocks'
+        lower-tier restore time (per tier, `--speedup-ratio` applied) passes
+        before the one piece, whose data is the blocks' hashes (the mocker has
+        no KV to send: the puller checks them and simulates the transfer).
+        Prefill legs' own handles are not served (decode legs simulate them).
+        """
+        parsed = parse_prefix_handle(kv_handle)
+        if parsed is None:
+            raise Unimplemented("the mocker serves prefix handles only (its decode legs simulate the prefill KV transfer)")
+        block_size, hashes = parsed
+        if layout and layout != KV_LAYOUT:
+            raise FailedPrecondition(f"KV layout mismatch: the puller has {layout!r}, this mocker {KV_LAYOUT!r}")
+        if block_size != self.config.block_size:
+            raise FailedPrecondition(f"prefix handle has block size {block_size}, this mocker uses {self.config.block_size}")
+        per_tier: dict[KvTier, int] = {}
+        for i, bh in enumerate(hashes):
+            tier = self.blocks.holder(bh)
+            if tier is None:
+                raise NotFound(f"prefix block {i} ({bh:016x}) is no longer held here")
+            per_tier[tier] = per_tier.get(tier, 0) + 1
+        cfg = self.config
+        delay = sum(
+            restore_seconds(per_tier.get(t.tier, 0), t.block_bytes, t.restore_bytes_per_s, cfg.speedup_ratio)
+            for t in self.blocks.tiers
+        )
+        if delay > 0:
+            await asyncio.sleep(delay)
+        data = kv_handle[len(PREFIX_MAGIC) + 4 :]
+        yield KvTransfer(data, len(data), KV_LAYOUT, len(hashes) * block_size)
+
+    async def _pull_prefix(self, seq: Sequence, source: KvSourceInfo, context: Context) -> bool:
+        """Pull `source`'s prefix from the peer into the device cache, or leave the prompt to be computed.
+
+        False only when the request was cancelled meanwhile. Any failure of
+        the pull (peer gone, blocks evicted there, layout or block mismatch,
+        no room here) is logged and the prompt is computed as usual.
+        """
+        pull = asyncio.ensure_future(self._fetch_prefix(seq, source))
+        stop = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait((pull, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not pull.done():
+                pull.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pull
+        if context.is_stopped():
+            return False
+        exc = pull.exception()
+        if exc is not None:
+            self.pull_failures += 1
+            log.warning(
+                "request %s: pulling %s prefix blocks from %s failed (%s: %s); computing them",
+                seq.request_id, source.get("blocks", 0), source.get("address", "?"), type(exc).__name__, exc,
+            )  # fmt: skip
+        return True
+
+    async def _fetch_prefix(self, seq: Sequence, source: KvSourceInfo) -> None:
+        cfg = self.config
+        assert self.kv_pull is not None
+        address, handle = source.get("address", ""), source.get("kv_handle", b"")
+        parsed = parse_prefix_handle(handle)
+        if not address or parsed is None:
+            raise InvalidArgument("disagg.kv_source needs an address and a prefix handle", param="disagg.kv_source")
+        block_size, hashes = parsed
+        prefix = seq.block_hashes[: len(hashes)] if seq.hashing else []
+        if block_size != cfg.block_size or [bh for bh, _ in prefix] != hashes:
+            raise FailedPrecondition("disagg.kv_source names blocks that are not this prompt's")
+        data = bytearray()
+        n_tokens = 0
+        async for piece in self.kv_pull(address, handle, KV_LAYOUT):
+            if not data and piece.layout and piece.layout != KV_LAYOUT:
+                raise FailedPrecondition(f"peer KV layout {piece.layout!r} is not {KV_LAYOUT!r}")
+            n_tokens = n_tokens or piece.n_tokens
+            data += piece.data
+        if bytes(data) != handle[len(PREFIX_MAGIC) + 4 :] or n_tokens != len(hashes) * block_size:
+            raise FailedPrecondition("the peer served other blocks than the prefix asked for")
+        delay = transfer_seconds(n_tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not self.blocks.insert_pulled(prefix):
+            raise Overloaded(f"no room for {len(prefix)} pulled blocks")
+        self.pulled_tokens += n_tokens
+        self._wake.set()
 
     def _usage(self, seq: Sequence) -> TokenUsage:
         return {
