@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import enum
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from meshllm.config import (
     DEFAULT_STREAM_INTERVAL_MS,
@@ -37,6 +38,8 @@ from meshllm.protocol.types import (
     TokenRequest,
     TokenUsage,
 )
+
+T = TypeVar("T")
 
 __all__ = [
     "Context",
@@ -225,6 +228,25 @@ class Context:
     def stop(self) -> None:
         """Mark the request stopped (framework use; idempotent)."""
         self._event.set()
+
+    async def unless_stopped(self, work: Awaitable[T]) -> asyncio.Future[T] | None:
+        """Run `work` until it finishes or the request stops, whichever comes first.
+
+        Returns the finished future (read its `result()` or `exception()`), or None
+        when the request stopped first or `work` was cancelled (it is then
+        cancelled and awaited, so nothing keeps running).
+        """
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._event.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return None if task.cancelled() or self.is_stopped() else task
 
 
 @dataclass(frozen=True, slots=True)

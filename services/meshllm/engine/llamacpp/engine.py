@@ -460,17 +460,8 @@ class LlamaCppEngine(LLMEngine):
     async def _prefix_or_cancel(self, source: KvSourceInfo, prompt: list[int], context: Context) -> tuple[bytes, int] | None:
         """A peer's prefix of `prompt` (`disagg.kv_source`), or None: the request stopped, or the pull failed
         (logged; the prompt is then computed)."""
-        pull = asyncio.ensure_future(self._pull_prefix(source, prompt))
-        stopped = asyncio.ensure_future(context.stopped())
-        try:
-            await asyncio.wait({pull, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not pull.done():
-                pull.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pull
-        if pull.cancelled():
+        pull = await context.unless_stopped(self._pull_prefix(source, prompt))
+        if pull is None:
             return None
         exc = pull.exception()
         if exc is None:
@@ -498,17 +489,8 @@ class LlamaCppEngine(LLMEngine):
 
     async def _pull_or_cancel(self, disagg: DisaggInfo, prompt: list[int], context: Context) -> bytes | None:
         """The prompt's KV from the prefill worker; None if the request was stopped meanwhile."""
-        pull = asyncio.ensure_future(self._pull(disagg, prompt))
-        stopped = asyncio.ensure_future(context.stopped())
-        try:
-            await asyncio.wait({pull, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not pull.done():
-                pull.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pull
-        return None if pull.cancelled() else pull.result()
+        pull = await context.unless_stopped(self._pull(disagg, prompt))
+        return None if pull is None else pull.result()
 
     async def _pull(self, disagg: DisaggInfo, prompt: list[int]) -> bytes:
         raw = disagg.get("kv_handle") or b""

@@ -354,17 +354,8 @@ class MockerEngine(LLMEngine):
         the pull (peer gone, blocks evicted there, layout or block mismatch,
         no room here) is logged and the prompt is computed as usual.
         """
-        pull = asyncio.ensure_future(self._fetch_prefix(seq, source))
-        stop = asyncio.ensure_future(context.stopped())
-        try:
-            await asyncio.wait((pull, stop), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not pull.done():
-                pull.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pull
-        if context.is_stopped():
+        pull = await context.unless_stopped(self._fetch_prefix(seq, source))
+        if pull is None:
             return False
         exc = pull.exception()
         if exc is not None:
