@@ -546,7 +546,7 @@ def skew(group: list[Row], factor: float = 1.5) -> str:
 
 FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, what the request
 would do to its cache (the pressure of adding the request's new blocks to a fuller cache and the reused
-blocks it would have to evict) and the wait behind a busy worker's running requests (1.5 of its measured
+blocks it would have to evict, 1.5 prefill blocks each) and the wait behind a busy worker's running requests (1.5 of its measured
 steps, in prefill blocks; docs/routing.md); `approximate` does the same from what it routed (no
 events). Round-robin, random and least-loaded ignore the cache. `docs-seq` and `docs-http` send their
 requests one after another, so no request queues behind another.
