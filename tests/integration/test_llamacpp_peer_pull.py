@@ -14,7 +14,7 @@ NOT_FOUND and B computes the prompt instead.
 from __future__ import annotations
 
 import pytest
-from test_llamacpp_support import greedy, question, require_model, run
+from test_llamacpp_support import ONE_SLOT, greedy, one_slot_engine, question, require_model, run
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import DisaggregationMode, WorkerConfig
@@ -22,7 +22,6 @@ from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.errors import NotFound
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
-from meshllm.testing.conformance import RecordingSink
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker, peer_kv_pull
 
@@ -30,13 +29,11 @@ require_model()
 pytestmark = pytest.mark.slow
 
 BS = 16
-ENGINE = ("--n-ctx", "512", "--n-seq-max", "1")
+ENGINE = ONE_SLOT
 
 
 async def engine(*argv: str) -> LlamaCppEngine:
-    eng, _ = await LlamaCppEngine.from_args([*ENGINE, *argv])
-    eng.sink = RecordingSink()
-    await eng.start("test")
+    eng: LlamaCppEngine = await one_slot_engine(*argv)
     return eng
 
 

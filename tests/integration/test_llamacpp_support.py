@@ -16,6 +16,7 @@ import pytest
 from meshllm.engine.base import Context, LLMEngine
 from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.protocol.types import TokenChunk, TokenRequest
+from meshllm.testing.conformance import RecordingSink
 from meshllm.testing.processes import MeshllmProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +79,17 @@ async def start_worker(role: str, *engine_args: str) -> tuple[MeshllmProcess, st
         "worker", "--engine", "llamacpp", "--static", "--role", role, "--port", "0", "--grace-period", "0", *engine_args
     )
     return p, await p.address(120)
+
+
+#: One slot, so every new prompt evicts the previous one: what the KV tiers do shows with a few short prompts.
+ONE_SLOT = ("--n-ctx", "512", "--n-seq-max", "1")
+
+
+async def one_slot_engine(*argv: str) -> Any:
+    """A started `LlamaCppEngine` with `ONE_SLOT` plus `argv`, reporting into a `RecordingSink`."""
+    from meshllm.engine.llamacpp.engine import LlamaCppEngine
+
+    eng, _ = await LlamaCppEngine.from_args([*ONE_SLOT, *argv])
+    eng.sink = RecordingSink()
+    await eng.start("test")
+    return eng

@@ -12,7 +12,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_llamacpp_support import MODEL, collect, greedy, question, require_model, run, start_worker, tokens_of
+from test_llamacpp_support import (
+    MODEL,
+    ONE_SLOT,
+    collect,
+    greedy,
+    one_slot_engine,
+    question,
+    require_model,
+    run,
+    start_worker,
+    tokens_of,
+)
 
 from meshllm.engine.base import KvTier
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
@@ -28,13 +39,11 @@ pytestmark = pytest.mark.slow
 
 BS = 16
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: layers x KV heads x head dim x (K, V) x f16
-ENGINE = ("--n-ctx", "512", "--n-seq-max", "1")
+ENGINE = ONE_SLOT
 
 
 async def engine(*argv: str) -> LlamaCppEngine:
-    eng, _ = await LlamaCppEngine.from_args([*ENGINE, *argv])
-    eng.sink = RecordingSink()
-    await eng.start("test")
+    eng: LlamaCppEngine = await one_slot_engine(*argv)
     return eng
 
 

@@ -18,11 +18,14 @@ from collections.abc import Sequence
 
 import xxhash
 
+from meshllm.protocol.types import KvSourceInfo
+
 __all__ = [
     "PREFIX_MAGIC",
     "SEED",
     "block_hashes",
     "chain_hash",
+    "kv_source_prefix",
     "parse_prefix_handle",
     "prefix_handle",
     "stored_blocks",
@@ -105,3 +108,14 @@ def parse_prefix_handle(handle: bytes) -> tuple[int, list[int]] | None:
     if block_size <= 0:
         return None
     return block_size, list(struct.unpack_from(f"<{(len(handle) - head) // 8}Q", handle, head))
+
+
+def kv_source_prefix(source: KvSourceInfo) -> tuple[str, bytes, int, list[int]]:
+    """`(address, handle, block_size, block_hashes)` of a `disagg.kv_source`; InvalidArgument when it names none."""
+    from meshllm.errors import InvalidArgument
+
+    address, handle = source.get("address", ""), source.get("kv_handle", b"")
+    parsed = parse_prefix_handle(handle)
+    if not address or parsed is None:
+        raise InvalidArgument("disagg.kv_source needs an address and a prefix handle", param="disagg.kv_source")
+    return address, handle, parsed[0], parsed[1]

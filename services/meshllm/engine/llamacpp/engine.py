@@ -34,10 +34,10 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 from meshllm.config import ConfigError
 from meshllm.engine.base import (
@@ -60,11 +60,12 @@ from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.tiers import TierStats
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
-from meshllm.protocol.kv import parse_prefix_handle, stored_blocks
+from meshllm.protocol.kv import kv_source_prefix, parse_prefix_handle, stored_blocks
 from meshllm.protocol.types import DisaggInfo, KvSourceInfo, LogprobItem, TokenChunk, TokenRequest
 
 __all__ = ["LlamaCppEngine"]
 
+R = TypeVar("R")
 log = logging.getLogger("meshllm.engine.llamacpp")
 
 CANCEL_ACK_S = 1.0
@@ -365,33 +366,38 @@ class LlamaCppEngine(LLMEngine):
             raise InvalidArgument(f"token ids must be in [0, {self._info.n_vocab})", param="token_ids")
         if len(prompt) > self.config.n_ctx:
             raise ContextLengthExceeded(f"the input has {len(prompt)} tokens; at most {self.config.n_ctx} can be embedded")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[list[float]] = loop.create_future()
+        vector = await self._on_engine_thread(runner, lambda sched: sched.backend.embed(prompt))
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "cached_tokens": 0}
+        chunk = terminal("stop", usage)  # type: ignore[arg-type]
+        chunk["embedding"] = vector
+        return chunk
 
-        def settle(result: list[float] | None, error: Exception | None) -> None:
+    @staticmethod
+    async def _on_engine_thread(runner: Runner, fn: Callable[[Scheduler], R]) -> R:
+        """`fn(scheduler)` run on the engine thread between steps; its result, or its MeshError re-raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[R] = loop.create_future()
+
+        def settle(result: Any, error: MeshError | None) -> None:
             if done.done():
                 return
             if error is not None:
                 done.set_exception(error)
             else:
-                done.set_result(result or [])
+                done.set_result(result)
 
-        def embed(sched: Scheduler) -> None:
+        def command(sched: Scheduler) -> None:
             try:
-                loop.call_soon_threadsafe(settle, sched.backend.embed(prompt), None)
+                loop.call_soon_threadsafe(settle, fn(sched), None)
             except MeshError as exc:
                 loop.call_soon_threadsafe(settle, None, exc)
 
-        runner.submit(embed)
+        runner.submit(command)
         while not done.done():  # a command submitted as the engine thread stops is never run
             await asyncio.wait({done}, timeout=1.0)
             if not done.done() and not runner.alive:
                 raise EngineShutdown(runner.failure or "the llamacpp engine stopped")
-        vector = done.result()
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "cached_tokens": 0}
-        chunk = terminal("stop", usage)  # type: ignore[arg-type]
-        chunk["embedding"] = vector
-        return chunk
+        return done.result()
 
     # ------------------------------------------------------------ disaggregation
     def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggInfo:
@@ -435,24 +441,12 @@ class LlamaCppEngine(LLMEngine):
         """The state of a tier blob starting with exactly `hashes` and the tokens they cover (engine thread lookup)."""
         if block_size != self.config.block_size:
             raise FailedPrecondition(f"prefix handle has block size {block_size}, this worker uses {self.config.block_size}")
-        runner = self._require_runner()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bytes | None] = loop.create_future()
 
-        def settle(state: bytes | None) -> None:
-            if not done.done():
-                done.set_result(state)
-
-        def lookup(sched: Scheduler) -> None:
+        def lookup(sched: Scheduler) -> bytes | None:
             found = sched.tiers.prefix(hashes) if sched.tiers is not None else None
-            loop.call_soon_threadsafe(settle, found[1] if found is not None else None)
+            return found[1] if found is not None else None
 
-        runner.submit(lookup)
-        while not done.done():  # a command submitted as the engine thread stops is never run
-            await asyncio.wait({done}, timeout=1.0)
-            if not done.done() and not runner.alive:
-                raise EngineShutdown(runner.failure or "the llamacpp engine stopped")
-        state = done.result()
+        state = await self._on_engine_thread(self._require_runner(), lookup)
         if state is None:
             raise NotFound(f"no lower tier here holds the prefix of {len(hashes)} blocks any more")
         return state, len(hashes) * block_size
@@ -475,11 +469,7 @@ class LlamaCppEngine(LLMEngine):
 
     async def _pull_prefix(self, source: KvSourceInfo, prompt: list[int]) -> tuple[bytes, int]:
         assert self.kv_pull is not None
-        address, handle = source.get("address", ""), source.get("kv_handle", b"")
-        parsed = parse_prefix_handle(handle)
-        if not address or parsed is None:
-            raise InvalidArgument("disagg.kv_source needs an address and a prefix handle", param="disagg.kv_source")
-        bs, hashes = parsed
+        address, handle, bs, hashes = kv_source_prefix(source)
         if bs != self.config.block_size or [bh for bh, _ in stored_blocks(prompt, bs)][: len(hashes)] != hashes:
             raise FailedPrecondition("disagg.kv_source names blocks that are not this prompt's")
         data = await pull_remote(self.kv_pull, address, handle, layout=self.layout, n_tokens=len(hashes) * bs)

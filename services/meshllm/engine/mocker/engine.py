@@ -69,7 +69,7 @@ from meshllm.errors import (
     Unimplemented,
     Unknown,
 )
-from meshllm.protocol.kv import PREFIX_MAGIC, block_hashes, parse_prefix_handle
+from meshllm.protocol.kv import PREFIX_MAGIC, block_hashes, kv_source_prefix, parse_prefix_handle
 from meshllm.protocol.types import DisaggInfo, KvSourceInfo, TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
@@ -369,11 +369,7 @@ class MockerEngine(LLMEngine):
     async def _fetch_prefix(self, seq: Sequence, source: KvSourceInfo) -> None:
         cfg = self.config
         assert self.kv_pull is not None
-        address, handle = source.get("address", ""), source.get("kv_handle", b"")
-        parsed = parse_prefix_handle(handle)
-        if not address or parsed is None:
-            raise InvalidArgument("disagg.kv_source needs an address and a prefix handle", param="disagg.kv_source")
-        block_size, hashes = parsed
+        address, handle, block_size, hashes = kv_source_prefix(source)
         prefix = seq.block_hashes[: len(hashes)] if seq.hashing else []
         if block_size != cfg.block_size or [bh for bh, _ in prefix] != hashes:
             raise FailedPrecondition("disagg.kv_source names blocks that are not this prompt's")
