@@ -21,14 +21,12 @@ prompt from its own host tier prefills it locally (no remote prefill).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from test_router_support import PLANE, collect, mesh, mocker, request, wait_for
 
-from meshllm.engine.base import EngineConfig, EngineSink, KvTier, LoadMetrics, TierUsage
+from meshllm.engine.base import EngineConfig, KvTier, LoadMetrics, TierUsage
 from meshllm.engine.mocker import MockerEngine
 from meshllm.protocol.kv import stored_blocks
 from meshllm.router.client import RouterClient
@@ -36,29 +34,11 @@ from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
 from meshllm.router.main import RouterServer
 from meshllm.router.timing import DEFAULT_RESTORE_RATIO
+from meshllm.testing.conformance.kit import TierSink
 from meshllm.v1 import discovery_pb2, events_pb2
 
 HOST, DISK = events_pb2.KV_TIER_HOST, events_pb2.KV_TIER_DISK
 BLOCK_BYTES = 1_000_000
-
-
-class TierSink:
-    """Passes everything to the worker's sink; load samples also carry the tiers' usage."""
-
-    def __init__(self, inner: EngineSink, tiers: Sequence[TierUsage]) -> None:
-        self.inner, self.tiers = inner, tuple(tiers)
-
-    def blocks_stored(self, *args: Any, **kw: Any) -> None:
-        self.inner.blocks_stored(*args, **kw)
-
-    def blocks_removed(self, *args: Any, **kw: Any) -> None:
-        self.inner.blocks_removed(*args, **kw)
-
-    def all_cleared(self, dp_rank: int = 0) -> None:
-        self.inner.all_cleared(dp_rank)
-
-    def load(self, metrics: LoadMetrics) -> None:
-        self.inner.load(dataclasses.replace(metrics, tiers=self.tiers))
 
 
 def tiered(restore_bytes_per_s: float, **kw: Any) -> MockerEngine:

@@ -10,14 +10,11 @@ RPC returns) names the tier, the blocks and the advertised restore time;
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import pytest
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import EngineConfig, EngineSink, KvTier, LoadMetrics, TierUsage, WorkerConfig
+from meshllm.engine.base import EngineConfig, KvTier, LoadMetrics, TierUsage, WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.events import open_events
@@ -25,6 +22,7 @@ from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
+from meshllm.testing.conformance.kit import TierSink
 from meshllm.testing.servers import EtcdServer, NatsServer
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import events_pb2
@@ -32,31 +30,14 @@ from meshllm.worker.runtime import Worker
 
 pytestmark = pytest.mark.integration
 
-
-class TierSink:
-    """The worker's sink; load samples also carry a host tier's usage (1 MB blocks at 2 GB/s)."""
-
-    def __init__(self, inner: EngineSink) -> None:
-        self.inner = inner
-        self.tiers = (TierUsage(KvTier.HOST, 0, 0, 1 << 30, block_bytes=1_000_000, restore_bytes_per_s=2e9),)
-
-    def blocks_stored(self, *args: Any, **kw: Any) -> None:
-        self.inner.blocks_stored(*args, **kw)
-
-    def blocks_removed(self, *args: Any, **kw: Any) -> None:
-        self.inner.blocks_removed(*args, **kw)
-
-    def all_cleared(self, dp_rank: int = 0) -> None:
-        self.inner.all_cleared(dp_rank)
-
-    def load(self, metrics: LoadMetrics) -> None:
-        self.inner.load(dataclasses.replace(metrics, tiers=self.tiers))
+# the workers' host tier: 1 MB blocks restored at 2 GB/s
+HOST_TIER = (TierUsage(KvTier.HOST, 0, 0, 1 << 30, block_bytes=1_000_000, restore_bytes_per_s=2e9),)
 
 
 class TieredMocker(MockerEngine):
     async def start(self, worker_id: str) -> EngineConfig:
         cfg = await super().start(worker_id)
-        self.sink = TierSink(self.sink)
+        self.sink = TierSink(self.sink, HOST_TIER)
         self.sink.load(LoadMetrics(0, cfg.total_kv_blocks, 0, 0))
         return cfg
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.engine.base import Context, KvTier, LLMEngine, LoadMetrics, WorkerConfig
+from meshllm.engine.base import Context, EngineSink, KvTier, LLMEngine, LoadMetrics, TierUsage, WorkerConfig
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
 EngineFactory = Callable[[], Awaitable[LLMEngine]]
@@ -89,6 +90,25 @@ class ConformanceOptions:
     # filler the kit sends to evict it, in multiples of the device cache (`EngineConfig.total_kv_blocks`).
     tier_prompt_blocks: int = 4
     tier_fill_factor: float = 4.0
+
+
+class TierSink:
+    """Passes everything to `inner`; every load sample also carries `tiers` (a test's lower-tier usage)."""
+
+    def __init__(self, inner: EngineSink, tiers: Sequence[TierUsage]) -> None:
+        self.inner, self.tiers = inner, tuple(tiers)
+
+    def blocks_stored(self, *args: Any, **kw: Any) -> None:
+        self.inner.blocks_stored(*args, **kw)
+
+    def blocks_removed(self, *args: Any, **kw: Any) -> None:
+        self.inner.blocks_removed(*args, **kw)
+
+    def all_cleared(self, dp_rank: int = 0) -> None:
+        self.inner.all_cleared(dp_rank)
+
+    def load(self, metrics: LoadMetrics) -> None:
+        self.inner.load(dataclasses.replace(metrics, tiers=self.tiers))
 
 
 @dataclass
