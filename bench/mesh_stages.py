@@ -33,6 +33,7 @@ from mesh_report import build_info
 from mesh_systems import LABELS, MODEL_DIR, SystemSpec, start_system
 from runinfo import LoadMonitor, load_sentence, today
 
+from meshllm.bench.report import percentile
 from meshllm.frontend.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh TTFT by stage"
@@ -83,8 +84,8 @@ def stage_table(requests: Sequence[dict[str, float]]) -> list[dict[str, Any]]:
     present = [s for s, _ in STAGES if requests and all(s in r for r in requests)]
     rows = []
     for a, b in itertools.pairwise(present):
-        gaps = sorted((r[b] - r[a]) * 1000.0 for r in requests)
-        rows.append({"from": a, "to": b, "p50": statistics.median(gaps), "p90": _pct(gaps, 90), "n": len(gaps)})
+        gaps = [(r[b] - r[a]) * 1000.0 for r in requests]
+        rows.append({"from": a, "to": b, "p50": percentile(gaps, 50), "p90": percentile(gaps, 90), "n": len(gaps)})
     return rows
 
 
@@ -98,11 +99,6 @@ def server_part(requests: Sequence[dict[str, float]]) -> tuple[float, float]:
     return statistics.median(whole), statistics.median(w - e for w, e in zip(whole, engine, strict=True))
 
 
-def _pct(sorted_values: Sequence[float], p: float) -> float:
-    i = min(len(sorted_values) - 1, max(0, round(p / 100.0 * (len(sorted_values) - 1))))
-    return sorted_values[i]
-
-
 @dataclass
 class SystemStages:
     kind: str
@@ -111,7 +107,6 @@ class SystemStages:
     server_ms: float  # HTTP request → first SSE event, p50
     own_ms: float  # the same minus the engine's prefill, p50
     requests: int
-    marks_per_request: float = 0.0
 
 
 @dataclass
@@ -145,8 +140,7 @@ async def measure(kind: str, args: argparse.Namespace, load: Load, seed: int) ->
     requests = per_request(lines)
     if not requests:
         raise RuntimeError("no stage marks: bench/stage_probe/sitecustomize.py did not load in the services")
-    return SystemStages(kind, row["ttft_p50_ms"], stage_table(requests), *server_part(requests), len(requests),
-                        len(lines) / len(requests))  # fmt: skip
+    return SystemStages(kind, row["ttft_p50_ms"], stage_table(requests), *server_part(requests), len(requests))
 
 
 def section(res: Results) -> str:
