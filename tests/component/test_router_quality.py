@@ -4,7 +4,11 @@ Locks: with 4 mocker workers whose caches hold about 3 of the 8 prefixes,
 8 groups × 32 requests sharing a 1,024-token prefix in random order, the
 `kv` policy's prefix hit rate (cached prompt tokens / prompt tokens, from
 usage) is ≥ 85 % and ≥ 3× round-robin's; `approximate` (no events) beats
-round-robin too. Timing is simulated at --speedup-ratio 50.
+round-robin too. Timing is simulated at --speedup-ratio 10 (1.2 requests per
+simulated second): at 50, a simulated step (0.3 ms) is shorter than the
+processes' own CPU time per step, so the step and prefill times the router
+measures for its wait term are mostly noise, and `kv` scored 84–94 % over
+five runs; at 10 it scored 95 % in each of three.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ def bench() -> ModuleType:
 @pytest.mark.slow
 async def test_kv_routing_hits_the_prefix_cache_at_least_85_percent_and_3x_round_robin() -> None:
     routing = bench()
-    setup = routing.Setup(num_gpu_blocks=160, speedup_ratio=50.0)
-    workload = routing.Workload(rate=60.0)
+    setup = routing.Setup(num_gpu_blocks=160, speedup_ratio=10.0)
+    workload = routing.Workload(rate=12.0)
     kv = await routing.run_mode("kv", setup, workload)
     rr = await routing.run_mode("round-robin", setup, workload)
     assert kv.prompt_tokens == rr.prompt_tokens == 256 * (1024 + 16)
