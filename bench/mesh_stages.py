@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,11 +93,12 @@ def stage_table(requests: Sequence[dict[str, float]]) -> list[dict[str, Any]]:
 def server_part(requests: Sequence[dict[str, float]]) -> tuple[float, float]:
     """Medians over requests, ms: HTTP request → first SSE event sent; the same minus the engine's start → first token."""
     need = ("frontend.http_request", "frontend.first_event_sent", "engine.start", "engine.first_token")
-    whole = [(r[need[1]] - r[need[0]]) * 1000.0 for r in requests if all(k in r for k in need)]
-    engine = [(r[need[3]] - r[need[2]]) * 1000.0 for r in requests if all(k in r for k in need)]
-    if not whole:
+    spans = [
+        (r[need[1]] - r[need[0]], r[need[3]] - r[need[2]]) for r in requests if all(k in r for k in need)
+    ]  # (whole, engine) in seconds
+    if not spans:
         return float("nan"), float("nan")
-    return statistics.median(whole), statistics.median(w - e for w, e in zip(whole, engine, strict=True))
+    return statistics.median(w for w, _ in spans) * 1000.0, statistics.median(w - e for w, e in spans) * 1000.0
 
 
 @dataclass
@@ -120,23 +122,33 @@ class Results:
     info: dict[str, str] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _probe_env(folder: str) -> Iterator[None]:
+    """Processes started inside load bench/stage_probe/ and mark into `folder`; the environment is restored after."""
+    saved = {k: os.environ.get(k) for k in (ENV, "PYTHONPATH")}
+    os.environ[ENV] = folder
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_DIR), saved["PYTHONPATH"]) if p)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 async def measure(kind: str, args: argparse.Namespace, load: Load, seed: int) -> SystemStages:
+    spec = SystemSpec(speedup=1.0, workers=args.workers, model_path=args.model_path)
     with tempfile.TemporaryDirectory(prefix="meshllm-stages-") as folder:
-        saved = {k: os.environ.get(k) for k in (ENV, "PYTHONPATH")}
-        os.environ[ENV] = folder
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_DIR), saved["PYTHONPATH"]) if p)
-        try:
-            async with start_system(kind, SystemSpec(speedup=1.0, workers=args.workers, model_path=args.model_path)) as running:
-                for k, v in saved.items():  # the load generator runs without the probe
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-                await drive(running.url, running.model, load, 1, args.warmup, seed + WARMUP_SEED)
-                log = Path(folder) / "stages.log"
-                skip = len(log.read_text().splitlines()) if log.exists() else 0
-                row = await drive(running.url, running.model, load, 1, args.requests, seed)
-                lines = log.read_text().splitlines()[skip:] if log.exists() else []
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        async with contextlib.AsyncExitStack() as stack:
+            with _probe_env(folder):  # the services get the probe; the load generator does not
+                running = await stack.enter_async_context(start_system(kind, spec))
+            await drive(running.url, running.model, load, 1, args.warmup, seed + WARMUP_SEED)
+            log = Path(folder) / "stages.log"
+            skip = len(log.read_text().splitlines()) if log.exists() else 0
+            row = await drive(running.url, running.model, load, 1, args.requests, seed)
+            lines = log.read_text().splitlines()[skip:] if log.exists() else []
     requests = per_request(lines)
     if not requests:
         raise RuntimeError("no stage marks: bench/stage_probe/sitecustomize.py did not load in the services")

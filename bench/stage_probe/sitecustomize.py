@@ -51,7 +51,7 @@ def install(folder: str) -> int:
             firsts[key] = owner
             mark(stage)
 
-    def around(stage_in: str, stage_out: str | None) -> Callable[[Any], Any]:
+    def around(stage_in: str, stage_out: str) -> Callable[[Any], Any]:
         def wrap(fn: Any) -> Any:
             @functools.wraps(fn)
             async def inner(*a: Any, **k: Any) -> Any:
@@ -59,8 +59,7 @@ def install(folder: str) -> int:
                 try:
                     return await fn(*a, **k)
                 finally:
-                    if stage_out:
-                        mark(stage_out)
+                    mark(stage_out)
 
             return inner
 
