@@ -80,6 +80,9 @@ class MeshError(Exception):
     """Base of every meshllm error. `message` is safe to show to a user."""
 
     code: ClassVar[str] = "MeshError"
+    # True when rebuilt from a bare gRPC status that no meshllm server sent (no error trailer):
+    # the connection failed, the peer did not answer. Set by `meshllm.plane.transport.mesh_error`.
+    from_transport: bool = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         message = shorten(message, MAX_MESSAGE_CHARS)

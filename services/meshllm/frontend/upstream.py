@@ -50,7 +50,9 @@ DEFAULT_MIGRATION_LIMIT = 3  # a model whose card is not known yet: the router's
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.05, 0.5  # between rounds while no replica answers (a connection wakes it sooner)
 GONE: tuple[type[MeshError], ...] = (CannotConnect, Disconnected, EngineShutdown, StreamIncomplete)
 # What a broken connection can surface as (gRPC's bare UNAVAILABLE / UNKNOWN "Internal error from Core"):
-# from a replica that is no longer reachable, these mean the replica is gone, not that it refused.
+# without a meshllm error trailer, or from a replica that is no longer reachable, these mean the
+# replica is gone, not that it refused. (A reset connection can fail a call while the channel
+# still reports itself connected.)
 TRANSPORT: tuple[type[MeshError], ...] = (Unavailable, StreamIncomplete, Unknown)
 
 
@@ -174,7 +176,7 @@ class RouterReplicas:
 
 def _gone(exc: MeshError, target: Replica) -> bool:
     """Whether `exc` says the replica cannot be reached (down, restarting, draining) rather than that it refused."""
-    return isinstance(exc, GONE) or (isinstance(exc, TRANSPORT) and not target.reachable())
+    return isinstance(exc, GONE) or (isinstance(exc, TRANSPORT) and (exc.from_transport or not target.reachable()))
 
 
 async def _any_reachable(replicas: Sequence[Replica], timeout_s: float) -> None:

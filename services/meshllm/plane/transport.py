@@ -113,12 +113,19 @@ async def abort_with(context: grpc.aio.ServicerContext, err: MeshError) -> None:
 
 
 def mesh_error(exc: grpc.aio.AioRpcError) -> MeshError:
-    """The MeshError a failed call stands for (same class as the server raised)."""
+    """The MeshError a failed call stands for (same class as the server raised).
+
+    Without the meshllm error trailer the status came from gRPC itself (a reset
+    connection, a peer that went away), not from a meshllm server: the error is
+    marked `from_transport`.
+    """
     code = None
     for key, value in exc.trailing_metadata() or ():
         if key == ERROR_TRAILER:
             code = value if isinstance(value, str) else value.decode()
-    return error_from_status(exc.code(), exc.details() or exc.code().name, code)
+    err = error_from_status(exc.code(), exc.details() or exc.code().name, code)
+    err.from_transport = code is None
+    return err
 
 
 async def translate_errors(call: Awaitable[T]) -> T:
