@@ -33,12 +33,18 @@ def mocker(**kw: Any) -> MockerEngine:
     return MockerEngine(MockerConfig(**base))
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll `predicate` until it holds; AssertionError after `timeout_s` (a deadline, not a sleep)."""
+async def wait_for(
+    predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition", state: Callable[[], object] | None = None
+) -> None:
+    """Poll `predicate` until it holds; AssertionError after `timeout_s` (a deadline, not a sleep).
+
+    `state`, when given, describes what was seen instead; its value goes into the error.
+    """
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            seen = f"; saw {state()}" if state is not None else ""
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{seen}")
         await asyncio.sleep(0.01)
 
 

@@ -172,6 +172,14 @@ async def test_route_over_grpc_shows_the_tier_of_every_overlap() -> None:
                     core.index.worker_blocks("a") >= 10 and core.index.lower_blocks("a", DISK) == 35 and tiers_known(core, "a")
                 ),
                 what="a's device, host and disk blocks and its tiers",
+                state=lambda: {
+                    "device": core.index.worker_blocks("a"),
+                    "host": core.index.lower_blocks("a", HOST),
+                    "disk": core.index.lower_blocks("a", DISK),
+                    "load": core.load.get(("a", 0)).reported,
+                    "index_event": core.index.last_event_id("a"),
+                    "worker_event": a.sink.inner.last_event_id,  # type: ignore[attr-defined]
+                },
             )
             d = await client.route("mocker", document)
             by_id = {c.worker_id: c for c in d.candidates}
