@@ -25,6 +25,9 @@ Scenarios (each at a tight and a roomy cache size, on fresh workers per mode):
   first private hash id is equal, kept or dropped together, so conversations
   stay whole), hash ids of fewer tokens, arrivals sped up, lengths capped —
   the scaling is printed with the figures. Open loop (trace arrivals).
+- `mooncake-busy` (ISSUE 12): the same sample at `--busy-trace-speedup`
+  (350× by default, 2.3× `mooncake`'s arrival rate): a loaded cluster, where
+  the prefill that a policy's misses add queues behind other prompts.
 - `docs-http` (ISSUE 12): the shared-preamble documents as chat requests
   through the OpenAI HTTP API of a fresh `meshllm run` per row, with the
   built-in byte tokenizer and ChatML template (bench/routing_http.py); sent
@@ -72,7 +75,7 @@ from meshllm.worker.runtime import Worker
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PLANE = PlaneConfig(discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 MODES = ("kv", "approximate", "round-robin", "random", "least-loaded")
-SCENARIOS = ("distinct", "docs-seq", "docs-c8", "mooncake", "docs-http")
+SCENARIOS = ("distinct", "docs-seq", "docs-c8", "mooncake", "mooncake-busy", "docs-http")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
@@ -314,7 +317,9 @@ def prefill_time_floor(picked: list[TraceRequest]) -> float:
     return statistics.median(left) / statistics.median(full) if picked else 1.0
 
 
-def mooncake_scenario(quick: bool, setup: Setup, speedup: float, window: float | None) -> Scenario:
+def mooncake_scenario(
+    quick: bool, setup: Setup, speedup: float, window: float | None, name: str = "mooncake", why: str = ""
+) -> Scenario:
     from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
 
     window = 600.0 if quick else window
@@ -327,9 +332,9 @@ def mooncake_scenario(quick: bool, setup: Setup, speedup: float, window: float |
     working_set = stats.unique_hash_ids * scale.tokens_per_block // setup.block_size
     tight, roomy = max(working_set // 16, 300), max(working_set // 4, 300)
     return Scenario(
-        name="mooncake",
+        name=name,
         describe=(
-            f"conversation trace, {scale.describe()}; {keep:.0%} of its sessions (seeded); "
+            f"conversation trace, {why}{scale.describe()}; {keep:.0%} of its sessions (seeded); "
             f"{stats.describe()}; in the mocker's timing model (a step costs 16.5 ms plus 0.015 ms per new token) the "
             f"median prefill time with unbounded caches is {floor:.2f}× the median without reuse, so at zero load no "
             f"routing policy brings TTFT p50 below about that against a cache-less baseline; working set {working_set:,} blocks"
@@ -383,6 +388,7 @@ async def run_matrix(
     trace_speedup: float,
     trace_window: float | None,
     repeats: int,
+    busy_trace_speedup: float = 350.0,
 ) -> list[Row]:
     """Every scenario × cache size, `repeats` rounds of every mode (interleaved, so they share the machine's noise)."""
     builders = {
@@ -390,6 +396,14 @@ async def run_matrix(
         "docs-seq": lambda: docs_scenario("docs-seq", 48 if quick else 96, 1),
         "docs-c8": lambda: docs_scenario("docs-c8", 48 if quick else 96, 8),
         "mooncake": lambda: mooncake_scenario(quick, setup, trace_speedup, trace_window),
+        "mooncake-busy": lambda: mooncake_scenario(
+            quick,
+            setup,
+            busy_trace_speedup,
+            trace_window,
+            "mooncake-busy",
+            f"the `mooncake` sample at {busy_trace_speedup / trace_speedup:.2g}× its arrival rate (a loaded cluster), ",
+        ),
         "docs-http": lambda: docs_http_scenario(48 if quick else 96, setup),
     }
     rows = []
@@ -419,9 +433,15 @@ async def _run_row(row: Row, setup: Setup) -> Result:
     if sc.http is not None:
         r = Result(row.mode)
         await run_http_mode(
-            row.mode, sc.http, r, workers=setup.workers, block_size=setup.block_size, num_gpu_blocks=row.blocks,
-            speedup_ratio=setup.speedup_ratio, context_length=sc.context_length,
-        )  # fmt: skip
+            row.mode,
+            sc.http,
+            r,
+            workers=setup.workers,
+            block_size=setup.block_size,
+            num_gpu_blocks=row.blocks,
+            speedup_ratio=setup.speedup_ratio,
+            context_length=sc.context_length,
+        )
         return r
     return await run_requests(
         row.mode, replace(setup, num_gpu_blocks=row.blocks), sc.requests, sc.concurrency, context_length=sc.context_length
@@ -494,6 +514,10 @@ def _lower(a: float, b: float) -> str:
     return "kv" if a < b else "round-robin" if a > b else "tie"
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b > 0 else "–"
+
+
 def headlines(group: list[Row], repeats: int) -> list[str]:
     """Per cache size: `kv` against round-robin, hit rate and TTFT at p50, p90 and p99 (medians over the repeats)."""
     out = []
@@ -504,12 +528,12 @@ def headlines(group: list[Row], repeats: int) -> list[str]:
             continue
         ttft = ", ".join(
             f"p{round(q * 100)} {kv.median(_p(q)):,.1f} vs {rr.median(_p(q)):,.1f} ms "
-            f"({_lower(kv.median(_p(q)), rr.median(_p(q)))})"
+            f"({_lower(kv.median(_p(q)), rr.median(_p(q)))}; kv {_ratio(kv.median(_p(q)), rr.median(_p(q)))})"
             for q in (0.5, 0.9, 0.99)
         )
         out.append(
             f"- {cache} cache, `kv` vs round-robin (median of {repeats}): hit rate {kv.median(_hit):.1%} vs "
-            f"{rr.median(_hit):.1%}; TTFT {ttft}; the lower one in brackets."
+            f"{rr.median(_hit):.1%}; TTFT {ttft}; the lower one in brackets, with `kv`'s as a multiple of round-robin's."
         )
     return out + ([""] if out else [])
 
@@ -569,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=3.0, help="distinct: arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-speedup", type=float, default=150.0, help="mooncake: arrivals this many times faster")
+    parser.add_argument("--busy-trace-speedup", type=float, default=350.0, help="mooncake-busy: arrivals this many times faster")
     parser.add_argument(
         "--trace-window", type=float, default=0.0, help="mooncake: the first this many trace seconds (0 = the whole trace)"
     )
@@ -581,7 +606,17 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(rate=args.rate, seed=args.seed)
     scenarios, modes = ["docs-http"] if args.http else args.scenarios.split(","), args.modes.split(",")
     rows = asyncio.run(
-        run_matrix(scenarios, modes, setup, workload, args.quick, args.trace_speedup, args.trace_window or None, args.repeats)
+        run_matrix(
+            scenarios,
+            modes,
+            setup,
+            workload,
+            args.quick,
+            args.trace_speedup,
+            args.trace_window or None,
+            args.repeats,
+            args.busy_trace_speedup,
+        )
     )
     head, parts = render(rows, setup, args.repeats)
     old = re.search(r"^## Routing\n.*?(?=^## |\Z)", DOC.read_text(), re.S | re.M) if DOC.exists() else None
