@@ -6,10 +6,15 @@ with the one cached on worker a goes to a worker with room (in `kv` and in
 the capacity terms a wins on its preamble); of two equally cheap, nearly full
 workers, the one whose eviction victims were never reused takes a new
 prefix, and the other's reused blocks are reported as `evicted_hot_blocks`,
-each charged `reused_evict_cost` (1.5) prefill blocks.
+each charged `reused_evict_cost` (1.5) prefill blocks; a worker whose
+running requests leave no room for a request's blocks is marked `no_room`
+and loses to one with room even where its cost is lower.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import pytest
 from test_router_support import collect, mesh, mocker, request, wait_for
@@ -76,3 +81,50 @@ async def test_a_new_prefix_evicts_never_reused_blocks_rather_than_reused_ones()
         assert d.reused_evict_cost == 1.5 and a.evict_ratio == 1.0
         prefill = (a.prefill_tokens + a.queued_prefill_tokens) / d.block_size
         assert a.cost == pytest.approx(prefill + a.decode_blocks + a.pressure + 1.5 * 12 + a.wait_blocks)
+
+
+async def test_a_worker_whose_running_requests_leave_no_room_loses_to_one_with_room() -> None:
+    async with mesh() as m:
+        # a: a small cache that holds the document; b: a large one, busier in blocks.
+        # Slow steps (speedup 0.25): the long requests outlast the test.
+        await m.worker(mocker(num_gpu_blocks=64, speedup_ratio=0.25, context_length=1024), instance_id="a")
+        await m.worker(mocker(num_gpu_blocks=512, speedup_ratio=0.25, context_length=2048), instance_id="b")
+        core = await m.router()
+        document = list(range(1000, 1000 + 16 * 12))
+        await warm(core, "a", document, "warm")
+        await wait_for(lambda: core.index.worker_blocks("a") >= 12, what="a's KV events")
+
+        async def run(rid: str, worker: str, blocks: int, first: int) -> None:
+            prompt = list(range(first, first + 16 * blocks))
+            await collect(core.generate(request(rid, prompt, max_tokens=100, routing={"backend_instance_id": worker})))
+
+        long = [
+            asyncio.create_task(run("on-a", "a", 44, 12_000)),  # 44 of a's 64 blocks in use (51 at its end)
+            asyncio.create_task(run("on-b", "b", 100, 20_000)),  # 100 of b's 512
+        ]
+        try:
+            await wait_for(
+                lambda: core.load.get(("a", 0)).active_blocks >= 44 and core.load.get(("b", 0)).active_blocks >= 100,
+                what="both long requests running",
+            )
+            prompt = document + list(range(7000, 7000 + 16 * 8))  # 12 cached blocks on a + 8 new: 20 blocks
+            d = await core.route("mocker", prompt)
+            by_id = {c.worker_id: c for c in d.candidates}
+            a, b = by_id["a"], by_id["b"]
+            assert a.overlap_blocks == 12 and a.no_room and not b.no_room
+            assert a.cost < b.cost  # the cost alone would stack it onto a, to wait for the long request
+            assert d.worker_id == "b"
+            # without the capacity terms nothing is marked and the cheaper worker wins
+            plain = await m.router(capacity_weight=0.0)
+            await wait_for(
+                lambda: plain.load.get(("a", 0)).active_blocks >= 44 and plain.load.get(("b", 0)).active_blocks >= 100,
+                what="the second router's view of both long requests",
+            )
+            d = await plain.route("mocker", prompt)
+            assert d.worker_id == "a" and not any(c.no_room for c in d.candidates)
+        finally:
+            for t in long:
+                t.cancel()
+            for t in long:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t

@@ -199,3 +199,25 @@ def test_a_busy_holder_keeps_its_request_when_moving_it_would_evict_enough_reuse
     room(b, new=65, resident=130, total=160, hot=20)  # fewer reused victims: the wait is worth avoiding
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
     assert b.cost == pytest.approx(65 + 65 + pressure + 30) and pick([a, b], "m").worker_id == "b"
+
+
+@pytest.mark.parametrize("mode", [RouterMode.KV, RouterMode.APPROXIMATE])
+def test_a_candidate_without_room_loses_to_any_with_room_and_wins_only_when_none_has(mode: RouterMode) -> None:
+    cs = cands(("a", 12, 128, 52), ("b", 0, 320, 120), ("c", 0, 320, 130))
+    score(cs, block_size=16, overlap_weight=1.0)
+    policy = make_policy(mode, temperature=0, rng=random.Random(0))
+    assert policy.pick(cs, "m").worker_id == "a"  # the cheapest
+    cs[0].no_room = True
+    assert policy.pick(cs, "m").worker_id == "b"  # the cheapest with room
+    for c in cs:
+        c.no_room = True
+    assert policy.pick(cs, "m").worker_id == "a"  # nobody has room: the cost decides
+
+
+def test_softmax_sampling_never_picks_a_candidate_without_room_while_one_has_room() -> None:
+    cs = cands(("a", 4, 0, 0), ("b", 0, 64, 10), ("c", 0, 64, 10))
+    score(cs, block_size=16, overlap_weight=1.0)
+    cs[0].no_room = True
+    policy = KvPolicy("kv", temperature=10.0, rng=random.Random(1))
+    picks = collections.Counter(policy.pick(cs, "m").worker_id for _ in range(300))
+    assert picks["a"] == 0 and picks["b"] > 100 and picks["c"] > 100

@@ -87,7 +87,7 @@ class Decision:
                     queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, total_blocks=k.total_blocks,
                     resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
                     pressure=k.pressure, step_ms=k.step_ms, wait_blocks=k.wait_blocks,
-                    restore_blocks=k.restore_blocks, evict_ratio=k.evict_ratio,
+                    restore_blocks=k.restore_blocks, evict_ratio=k.evict_ratio, no_room=k.no_room,
                     lower_tiers=[
                         router_pb2.TierOverlap(
                             tier=r.tier, blocks=k.lower_blocks.get(r.tier, 0),  # type: ignore[arg-type]
@@ -384,6 +384,7 @@ class RouterCore(AsyncCloseable):
         cache = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
         prompt = set(hashes)
         block_ms = self.times.block_ms(model, bs)
+        cfg = self.config
         cands = []
         for w, r in keys:
             key = (w.id, r)
@@ -401,6 +402,8 @@ class RouterCore(AsyncCloseable):
             new = max(0, len(hashes) - ov)  # restored blocks take device room as computed ones do
             room = cache.capacity(key, prompt, new, pending=-(-load.queued_prefill_tokens // bs))
             step_ms = self.times.step_ms(key)
+            total = room.total if cfg.capacity_weight > 0 else 0
+            no_room = total > 0 and load.active_blocks + request_blocks - pending.get(key, 0) > total
             # Decode load once this request runs there: its blocks the worker does not cache are added.
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
@@ -408,10 +411,9 @@ class RouterCore(AsyncCloseable):
                 queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=room.resident,
                 total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
                 evict_ratio=evict_ratio(advertised, block_ms),
-                step_ms=step_ms, wait_blocks=wait_blocks(load.in_flight, step_ms, block_ms),
+                step_ms=step_ms, wait_blocks=wait_blocks(load.in_flight, step_ms, block_ms), no_room=no_room,
                 lower_blocks=lower, restore=restore_costs(lower, advertised, block_ms) if lower else [],
             ))  # fmt: skip
-        cfg = self.config
         score(
             cands, block_size=bs, overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight,
             wait_weight=cfg.wait_weight,
@@ -430,13 +432,14 @@ class RouterCore(AsyncCloseable):
         return int(w.card.runtime_limits.total_kv_blocks) if w.card is not None else 0
 
     def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> tuple[dict[SlotKey, int], dict[SlotKey, int]]:
-        """Cached leading blocks per candidate, and how many of them in-flight requests on it share."""
+        """Cached leading blocks per candidate, and how many leading blocks in-flight requests on it share
+        (in `kv` mode the shared ones count as cached: they are being computed there)."""
         pending: dict[SlotKey, int] = {}
         if not hashes:
             return {}, pending
         if self.mode is RouterMode.APPROXIMATE:
             self.approx.expire(time.monotonic())
-            return self.approx.overlaps(hashes, keys), pending
+            return self.approx.overlaps(hashes, keys), self.inflight.overlaps(hashes, keys)
         seen = self.index.overlaps(hashes, keys)
         if self.mode is RouterMode.KV:
             pending = self.inflight.overlaps(hashes, keys)

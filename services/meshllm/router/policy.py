@@ -72,9 +72,20 @@ never as a price on evicting reused prefixes; llm-d adds weighted scores of
 prefix match, queue and cache utilisation, where utilisation is a fraction
 that does not depend on how many blocks this request would add or evict.
 
-- `kv` / `approximate`: lowest cost. Temperature 0 → argmin, ties broken by
-  fewer decode blocks, then fewer requests in flight, then fewer resident
-  blocks (the emptiest cache), then worker id and dp rank (deterministic).
+- `no_room`: the request's blocks do not fit beside those of the requests
+  running on the worker (its active blocks + the prompt's blocks − the
+  prefix blocks it shares with them > total_blocks). The engine would keep
+  it waiting until a running request finishes — a wait of whole requests,
+  not steps, that no term above prices (with tight caches and 8 concurrent
+  callers, stacking a third request on a prefix holder put `kv`'s TTFT p99
+  at 2.4× round-robin's). `kv` and `approximate` pick among the candidates
+  with room while there is one; `no_room` is never set when capacity_weight
+  is 0 or the capacity is unknown.
+
+- `kv` / `approximate`: lowest cost among the candidates with room (all of
+  them if none has). Temperature 0 → argmin, ties broken by fewer decode
+  blocks, then fewer requests in flight, then fewer resident blocks (the
+  emptiest cache), then worker id and dp rank (deterministic).
   Temperature T > 0 → sample with probability ∝ exp(−x / T) where x is the
   cost normalised to [0, 1] over the candidates (T = 0.1 strongly prefers
   the cheapest, T = 10 is nearly uniform). The two modes differ only in
@@ -138,6 +149,7 @@ class Candidate:
     step_ms: float = 0.0  # its measured step time (0 = not measured yet)
     wait_blocks: float = 0.0  # expected wait behind its running requests, in prefill blocks
     pressure: float = 0.0  # new_blocks × cached_blocks / total_blocks (filled in by `score`)
+    no_room: bool = False  # its running requests leave no room for this one's blocks (it would wait for one to end)
     cost: float = 0.0
 
     @property
@@ -203,6 +215,9 @@ class KvPolicy(Policy):
         self.rng = rng
 
     def pick(self, candidates: Sequence[Candidate], pool: str) -> Candidate:
+        roomy = [c for c in candidates if not c.no_room]
+        if roomy:
+            candidates = roomy
         if self.temperature <= 0 or len(candidates) == 1:
             return min(candidates, key=_tie_key)
         ordered = sorted(candidates, key=_tie_key)

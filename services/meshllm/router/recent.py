@@ -78,6 +78,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
                 ],
                 "restore_blocks": round(c.restore_blocks, 3),
                 "evict_ratio": round(c.evict_ratio, 4),
+                "no_room": c.no_room,
                 "cost": round(c.cost, 3),
                 "chosen": c is d.chosen,
             }

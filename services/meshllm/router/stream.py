@@ -164,6 +164,7 @@ async def _leg(
         entry = core.inflight.add(key, hashes, entry_id=leg_id)
         core.index.touch(key, hashes[: cand.overlap_blocks], reused=True)  # the eviction order the router knows
     elif core.mode is RouterMode.APPROXIMATE:
+        entry = core.inflight.add(key, hashes, entry_id=leg_id)  # what running requests share (no_room)
         core.approx.add(key, hashes, now=now)
     core.metrics.decided(decision.policy, role_name(decision.role), cand.overlap_blocks)
     core.metrics.recent.routed(req["request_id"], req["model"], kind, decision)
@@ -198,4 +199,5 @@ async def _leg(
         core.sync.completed(leg_id, key)
         if entry is not None:
             core.inflight.remove(entry)
-            core.index.touch(key, hashes, reused=False)  # released now: the engine's most recently used
+            if core.mode is RouterMode.KV:
+                core.index.touch(key, hashes, reused=False)  # released now: the engine's most recently used

@@ -24,7 +24,7 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., routing: _Optional[_Union[_generate_pb2.RoutingHints, _Mapping]] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure", "step_ms", "wait_blocks", "lower_tiers", "restore_blocks", "evict_ratio")
+    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure", "step_ms", "wait_blocks", "lower_tiers", "restore_blocks", "evict_ratio", "no_room")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class CandidateScore(_message.Message):
     LOWER_TIERS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     overlap_blocks: int
@@ -63,7 +64,8 @@ class CandidateScore(_message.Message):
     lower_tiers: _containers.RepeatedCompositeFieldContainer[TierOverlap]
     restore_blocks: float
     evict_ratio: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ..., step_ms: _Optional[float] = ..., wait_blocks: _Optional[float] = ..., lower_tiers: _Optional[_Iterable[_Union[TierOverlap, _Mapping]]] = ..., restore_blocks: _Optional[float] = ..., evict_ratio: _Optional[float] = ...) -> None: ...
+    no_room: bool
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ..., step_ms: _Optional[float] = ..., wait_blocks: _Optional[float] = ..., lower_tiers: _Optional[_Iterable[_Union[TierOverlap, _Mapping]]] = ..., restore_blocks: _Optional[float] = ..., evict_ratio: _Optional[float] = ..., no_room: _Optional[bool] = ...) -> None: ...
 
 class TierOverlap(_message.Message):
     __slots__ = ("tier", "blocks", "restore_ms_per_block", "restore_ratio")
