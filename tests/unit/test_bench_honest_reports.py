@@ -174,8 +174,9 @@ def test_routing_headline_sets_kv_beside_round_robin_at_p50_p90_and_p99() -> Non
     part = parts["docs-c8"]
     headline = next(line for line in part.splitlines() if line.startswith("- roomy cache"))
     assert "median of 3" in headline
-    assert "p50 11.0 vs 22.0 ms (kv)" in headline
-    assert "p90 99.0 vs 55.0 ms (round-robin)" in headline and "p99 99.0 vs 55.0 ms (round-robin)" in headline
+    assert "p50 11.0 vs 22.0 ms (kv; kv 0.50×)" in headline
+    assert "p90 99.0 vs 55.0 ms (round-robin; kv 1.80×)" in headline
+    assert "p99 99.0 vs 55.0 ms (round-robin; kv 1.80×)" in headline
     assert percentile_lines_complete(head + part) == []
     # measured, not asserted: how far p90 moved between repeats, and the skewed spread of the first run
     assert "moved by up to 20%" in part
