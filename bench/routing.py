@@ -494,8 +494,8 @@ def scenario_part(group: list[Row], repeats: int) -> str:
     for row in group:
         rr = _rr(group, row.cache)
         hit, p90 = row.median(_hit), row.median(_p(0.9))
-        hit_ratio = f"{hit / rr.median(_hit):.1f}×" if rr is not None and rr.median(_hit) else "–"
-        p90_ratio = f"{p90 / rr.median(_p(0.9)):.2f}×" if rr is not None and rr.median(_p(0.9)) else "–"
+        hit_ratio = _ratio(hit, rr.median(_hit), digits=1) if rr is not None else "–"
+        p90_ratio = _ratio(p90, rr.median(_p(0.9))) if rr is not None else "–"
         spread = "/".join(str(v) for _, v in sorted(row.results[0].per_worker.items())) or "–"
         lines.append(
             f"| {row.cache} | {row.mode} | {hit:.1%} | {hit_ratio} | {row.median(_p(0.5)):,.1f} | {p90:,.1f} "
@@ -514,8 +514,8 @@ def _lower(a: float, b: float) -> str:
     return "kv" if a < b else "round-robin" if a > b else "tie"
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}×" if b > 0 else "–"
+def _ratio(a: float, b: float, digits: int = 2) -> str:
+    return f"{a / b:.{digits}f}×" if b > 0 else "–"
 
 
 def headlines(group: list[Row], repeats: int) -> list[str]:
