@@ -432,8 +432,11 @@ class RouterCore(AsyncCloseable):
         return int(w.card.runtime_limits.total_kv_blocks) if w.card is not None else 0
 
     def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> tuple[dict[SlotKey, int], dict[SlotKey, int]]:
-        """Cached leading blocks per candidate, and how many leading blocks in-flight requests on it share
-        (in `kv` mode the shared ones count as cached: they are being computed there)."""
+        """Cached leading blocks per candidate, and how many leading blocks in-flight requests on it share.
+
+        In `kv` mode the shared ones count as cached (they are being computed there); in both
+        modes they are work this request shares, not backlog, and take no room of their own.
+        """
         pending: dict[SlotKey, int] = {}
         if not hashes:
             return {}, pending
