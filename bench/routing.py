@@ -433,15 +433,9 @@ async def _run_row(row: Row, setup: Setup) -> Result:
     if sc.http is not None:
         r = Result(row.mode)
         await run_http_mode(
-            row.mode,
-            sc.http,
-            r,
-            workers=setup.workers,
-            block_size=setup.block_size,
-            num_gpu_blocks=row.blocks,
-            speedup_ratio=setup.speedup_ratio,
-            context_length=sc.context_length,
-        )
+            row.mode, sc.http, r, workers=setup.workers, block_size=setup.block_size, num_gpu_blocks=row.blocks,
+            speedup_ratio=setup.speedup_ratio, context_length=sc.context_length,
+        )  # fmt: skip
         return r
     return await run_requests(
         row.mode, replace(setup, num_gpu_blocks=row.blocks), sc.requests, sc.concurrency, context_length=sc.context_length
