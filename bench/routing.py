@@ -70,6 +70,7 @@ from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.core import RouterCore
+from meshllm.router.policy import REUSED_EVICT_COST
 from meshllm.worker.runtime import Worker
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -562,12 +563,13 @@ def skew(group: list[Row], factor: float = 1.5) -> str:
     return f"Uneven spread (a worker got ≥ {factor:g}× an even share in the first run): " + "; ".join(found) + "."
 
 
-FOOT = """`kv` prices each candidate by the prefill it would compute, its decode load, what the request
-would do to its cache (the pressure of adding the request's new blocks to a fuller cache and the reused
-blocks it would have to evict, 1.5 prefill blocks each) and the wait behind a busy worker's running requests (1.5 of its measured
-steps, in prefill blocks; docs/routing.md); `approximate` does the same from what it routed (no
-events). Round-robin, random and least-loaded ignore the cache. `docs-seq` and `docs-http` send their
-requests one after another, so no request queues behind another.
+FOOT = f"""`kv` prices each candidate by the prefill it would compute, its decode load (the blocks that become active
+there: those its running requests do not share), what the request would do to its cache (the pressure of adding
+the request's new blocks to a fuller cache and the reused blocks it would have to evict, {REUSED_EVICT_COST:g} prefill
+blocks each) and the wait behind a busy worker's running requests (1.5 of its measured steps, plus the fixed time of
+a prefill step while one of them has no first token yet, in prefill blocks; docs/routing.md); `approximate` does the
+same from what it routed (no events). Round-robin, random and least-loaded ignore the cache. `docs-seq` and
+`docs-http` send their requests one after another, so no request queues behind another.
 """
 
 

@@ -6,7 +6,7 @@ with the one cached on worker a goes to a worker with room (in `kv` and in
 the capacity terms a wins on its preamble); of two equally cheap, nearly full
 workers, the one whose eviction victims were never reused takes a new
 prefix, and the other's reused blocks are reported as `evicted_hot_blocks`,
-each charged `reused_evict_cost` (1.5) prefill blocks; a worker whose
+each charged `reused_evict_cost` (2.5) prefill blocks; a worker whose
 running requests leave no room for a request's blocks is marked `no_room`
 and loses to one with room even where its cost is lower.
 """
@@ -76,11 +76,11 @@ async def test_a_new_prefix_evicts_never_reused_blocks_rather_than_reused_ones()
         assert by_id["a"].evicted_hot_blocks == 12 and by_id["b"].evicted_hot_blocks == 0
         assert by_id["a"].pressure < by_id["b"].pressure
         assert d.worker_id == "b"
-        # Route explains the price of each reused victim: 1.5 prefill blocks (× the tier's evict ratio, 1 here)
+        # Route explains the price of each reused victim: 2.5 prefill blocks (× the tier's evict ratio, 1 here)
         a = by_id["a"]
-        assert d.reused_evict_cost == 1.5 and a.evict_ratio == 1.0
+        assert d.reused_evict_cost == 2.5 and a.evict_ratio == 1.0
         prefill = (a.prefill_tokens + a.queued_prefill_tokens) / d.block_size
-        assert a.cost == pytest.approx(prefill + a.decode_blocks + a.pressure + 1.5 * 12 + a.wait_blocks)
+        assert a.cost == pytest.approx(prefill + a.decode_blocks + a.pressure + 2.5 * 12 + a.wait_blocks)
 
 
 async def test_a_worker_whose_running_requests_leave_no_room_loses_to_one_with_room() -> None:

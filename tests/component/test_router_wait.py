@@ -73,3 +73,63 @@ async def test_a_cache_hit_waits_only_when_the_wait_costs_less_than_recomputing_
         await wait_for(lambda: core.load.get(("a", 0)).in_flight == 0, what="a idle")
         d = await core.route("mocker", prompt)
         assert d.worker_id == "a" and {c.worker_id: c for c in d.candidates}["a"].wait_blocks == 0
+
+
+async def test_decode_load_saves_only_blocks_running_requests_share_and_a_prefill_in_progress_adds_its_fixed_time() -> None:
+    async with mesh() as m:
+        for wid in ("a", "b"):
+            await m.worker(mocker(speedup_ratio=1.0, context_length=16384), instance_id=wid)
+        core = await m.router()
+        for i, n in enumerate((16, 2048, 16, 2048)):
+            await pinned(core, "ab"[i % 2], unique(i + 1, n), f"learn{i}")
+        doc = unique(5, 12 * 16)
+        await pinned(core, "a", doc, "warm")
+        hashes = block_hashes(doc, 16)
+        await wait_for(lambda: core.index.overlaps(hashes, [("a", 0)]).get(("a", 0), 0) == 12, what="a's KV events")
+
+        def reported_idle(key: tuple[str, int]) -> bool:
+            rep = core.load.get(key).reported  # a snapshot taken after the last request ended
+            return rep is not None and rep.active_blocks == 0 and rep.running == 0
+
+        await wait_for(lambda: reported_idle(("a", 0)) and reported_idle(("b", 0)), what="idle snapshots")
+        prompt = doc + unique(6, 16)  # 13 blocks, the first 12 cached on a
+        d = await core.route("mocker", prompt)
+        a, b = (next(c for c in d.candidates if c.worker_id == w) for w in "ab")
+        assert a.overlap_blocks == 12 and a.in_flight == b.in_flight == 0
+        # Cached but idle blocks save prefill only: running the request there makes them active again.
+        assert a.decode_blocks == b.decode_blocks == 13
+        assert a.prefill_tokens == 16 and d.worker_id == "a"
+
+        started, first = asyncio.Event(), asyncio.Event()
+
+        async def long() -> None:  # the document + 12,000 tokens of its own: its prefill step takes ~0.26 s
+            req = request("long", doc + unique(8, 12_000), max_tokens=300, routing={"backend_instance_id": "a"})
+            started.set()
+            async for chunk in core.generate(req):
+                if chunk.get("token_ids"):
+                    first.set()
+
+        task = asyncio.create_task(long())
+        try:
+            await started.wait()
+            await wait_for(lambda: core.load.get(("a", 0)).prefilling == 1, what="the long request charged")
+            d = await core.route("mocker", prompt)
+            active = {w: core.load.get((w, 0)).active_blocks for w in "ab"}  # route ran without yielding: the same view
+            a, b = (next(c for c in d.candidates if c.worker_id == w) for w in "ab")
+            assert not first.is_set() and a.in_flight == 1 and a.prefilling == 1, str(a)
+            assert a.decode_blocks == active["a"] + 13 - 12  # the 12 document blocks are shared with the running request
+            assert b.decode_blocks == active["b"] + 13
+            assert d.prefill_fixed_ms > 0 and d.prefill_ms_per_block > 0 and a.step_ms > 0
+            step_part = BUSY_STEPS * a.step_ms / d.prefill_ms_per_block
+            assert a.wait_blocks == pytest.approx(step_part + d.prefill_fixed_ms / d.prefill_ms_per_block)
+
+            await asyncio.wait_for(first.wait(), 10)
+            await wait_for(lambda: core.load.get(("a", 0)).prefilling == 0, what="the long request's first token")
+            d = await core.route("mocker", prompt)
+            a = next(c for c in d.candidates if c.worker_id == "a")
+            assert a.in_flight == 1 and a.prefilling == 0  # decoding: only the steps are waited for
+            assert a.wait_blocks == pytest.approx(BUSY_STEPS * a.step_ms / d.prefill_ms_per_block)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -12,22 +12,22 @@ def test_route_charges_blocks_and_prefill_tokens_until_released() -> None:
     t.route("r", "q1", ("a", 0), prefill_tokens=100, blocks=8, now=0)
     t.route("r", "q2", ("a", 0), prefill_tokens=50, blocks=4, now=0)
     load = t.get(("a", 0))
-    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight) == (12, 150, 2)
+    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight, load.prefilling) == (12, 150, 2, 2)
     t.prefill_done("r", "q1")
     t.prefill_done("r", "q1")  # idempotent
-    assert t.get(("a", 0)).queued_prefill_tokens == 50
+    assert (t.get(("a", 0)).queued_prefill_tokens, t.get(("a", 0)).prefilling) == (50, 1)
     t.complete("r", "q1")
     t.complete("r", "q2")
     t.complete("r", "q2")  # idempotent
     load = t.get(("a", 0))
-    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight) == (0, 0, 0)
+    assert (load.active_blocks, load.queued_prefill_tokens, load.in_flight, load.prefilling) == (0, 0, 0, 0)
 
 
 def test_a_cancelled_request_releases_its_prefill_tokens_too() -> None:
     t = LoadTracker()
     t.route("r", "q", ("a", 0), prefill_tokens=100, blocks=8, now=0)
     t.complete("r", "q")
-    assert t.get(("a", 0)).queued_prefill_tokens == 0
+    assert t.get(("a", 0)).queued_prefill_tokens == 0 and t.get(("a", 0)).prefilling == 0
 
 
 def test_a_load_snapshot_becomes_the_base_and_later_charges_adjust_it() -> None:

@@ -185,20 +185,20 @@ def test_a_cache_hit_on_a_busy_worker_loses_when_the_wait_costs_more_than_recomp
 def test_a_busy_holder_keeps_its_request_when_moving_it_would_evict_enough_reused_blocks() -> None:
     # a caches 64 of the prompt's 65 blocks but runs another request (a wait of 150 blocks); b is idle,
     # holds nothing of the prompt and must evict 35 blocks to take its 65, some of them reused.
-    assert REUSED_EVICT_COST == 1.5  # the recompute, plus half a block for what storing it again evicts
+    assert REUSED_EVICT_COST == 2.5  # the recompute, plus 1.5 for the evictions storing it again sets off
     pick = make_policy(RouterMode.KV, temperature=0, rng=random.Random(0)).pick
     a, b = cands(("a", 64, 16, 66), ("b", 0, 65 * 16, 65))
     a.wait_blocks = 150.0
     room(a, new=1, resident=130, total=160)
-    room(b, new=65, resident=130, total=160, hot=30)
+    room(b, new=65, resident=130, total=160, hot=20)
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
     pressure = 65 * 130 / 160
     assert a.cost == pytest.approx(1 + 66 + 130 / 160 + 150)  # 217.8
-    assert b.cost == pytest.approx(65 + 65 + pressure + 1.5 * 30)  # 227.8: 30 reused victims at 1.5 each
-    assert pick([a, b], "m").worker_id == "a"  # at 1 block each (212.8) the request would have moved
-    room(b, new=65, resident=130, total=160, hot=20)  # fewer reused victims: the wait is worth avoiding
+    assert b.cost == pytest.approx(65 + 65 + pressure + 2.5 * 20)  # 232.8: 20 reused victims at 2.5 each
+    assert pick([a, b], "m").worker_id == "a"  # at 1.5 blocks each (212.8) the request would have moved
+    room(b, new=65, resident=130, total=160, hot=10)  # fewer reused victims: the wait is worth avoiding
     score([a, b], block_size=16, overlap_weight=1.0, capacity_weight=1.0, wait_weight=1.0)
-    assert b.cost == pytest.approx(65 + 65 + pressure + 30) and pick([a, b], "m").worker_id == "b"
+    assert b.cost == pytest.approx(65 + 65 + pressure + 25) and pick([a, b], "m").worker_id == "b"
 
 
 @pytest.mark.parametrize("mode", [RouterMode.KV, RouterMode.APPROXIMATE])

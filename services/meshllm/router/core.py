@@ -71,6 +71,7 @@ class Decision:
     capacity_weight: float = 0.0
     wait_weight: float = 0.0
     block_ms: float = 0.0  # the model's measured prefill time per block (0 = unknown)
+    fixed_ms: float = 0.0  # the model's measured fixed time of a prefill step (0 = unknown)
     pull: PullDecision | None = None  # prefill pool: the peer prefix pull considered (kv_pull.py)
 
     def to_proto(self) -> router_pb2.RouteDecision:
@@ -80,11 +81,13 @@ class Decision:
             policy=self.policy, prompt_blocks=self.prompt_blocks, block_size=self.block_size,
             overlap_weight=self.overlap_weight, capacity_weight=self.capacity_weight,
             wait_weight=self.wait_weight, prefill_ms_per_block=self.block_ms, reused_evict_cost=REUSED_EVICT_COST,
+            prefill_fixed_ms=self.fixed_ms,
             candidates=[
                 router_pb2.CandidateScore(
                     worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,
                     prefill_tokens=k.prefill_tokens, decode_blocks=k.decode_blocks, cost=k.cost, address=k.address,
-                    queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, total_blocks=k.total_blocks,
+                    queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, prefilling=k.prefilling,
+                    total_blocks=k.total_blocks,
                     resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
                     pressure=k.pressure, step_ms=k.step_ms, wait_blocks=k.wait_blocks,
                     restore_blocks=k.restore_blocks, evict_ratio=k.evict_ratio, no_room=k.no_room,
@@ -384,6 +387,7 @@ class RouterCore(AsyncCloseable):
         cache = self.approx if self.mode is RouterMode.APPROXIMATE else self.index
         prompt = set(hashes)
         block_ms = self.times.block_ms(model, bs)
+        fixed_ms = self.times.fixed_ms(model)
         cfg = self.config
         cands = []
         for w, r in keys:
@@ -402,16 +406,19 @@ class RouterCore(AsyncCloseable):
             new = max(0, len(hashes) - ov)  # restored blocks take device room as computed ones do
             room = cache.capacity(key, prompt, new, pending=-(-load.queued_prefill_tokens // bs))
             step_ms = self.times.step_ms(key)
+            # Decode load once this request runs there: the engine shares blocks only between running
+            # sequences, so every prompt block but those its in-flight requests share becomes active
+            # (a block cached there but idle is made active again, not saved).
+            decode = load.active_blocks + request_blocks - pending.get(key, 0)
             total = room.total if cfg.capacity_weight > 0 else 0
-            no_room = total > 0 and load.active_blocks + request_blocks - pending.get(key, 0) > total
-            # Decode load once this request runs there: its blocks the worker does not cache are added.
+            no_room = total > 0 and decode > total
+            wait = wait_blocks(load.in_flight, step_ms, block_ms, prefilling=load.prefilling, fixed_ms=fixed_ms)
             cands.append(Candidate(
                 worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
-                prefill_tokens=max(0, len(tokens) - served * bs), decode_blocks=load.active_blocks + request_blocks - ov,
-                queued_prefill_tokens=queued, in_flight=load.in_flight, cached_blocks=room.resident,
-                total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
-                evict_ratio=evict_ratio(advertised, block_ms),
-                step_ms=step_ms, wait_blocks=wait_blocks(load.in_flight, step_ms, block_ms), no_room=no_room,
+                prefill_tokens=max(0, len(tokens) - served * bs), decode_blocks=decode,
+                queued_prefill_tokens=queued, in_flight=load.in_flight, prefilling=load.prefilling,
+                cached_blocks=room.resident, total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
+                evict_ratio=evict_ratio(advertised, block_ms), step_ms=step_ms, wait_blocks=wait, no_room=no_room,
                 lower_blocks=lower, restore=restore_costs(lower, advertised, block_ms) if lower else [],
             ))  # fmt: skip
         score(
@@ -421,7 +428,7 @@ class RouterCore(AsyncCloseable):
         chosen = self.policy.pick(cands, f"{model}/{role}")
         return Decision(
             chosen, cands, role, self.policy.name, bs, len(hashes), cfg.overlap_weight, cfg.capacity_weight,
-            cfg.wait_weight, block_ms,
+            cfg.wait_weight, block_ms, fixed_ms,
         )  # fmt: skip
 
     @staticmethod

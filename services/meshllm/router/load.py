@@ -58,6 +58,7 @@ class SlotLoad:
     charged_blocks: int = 0  # sum over in-flight charges
     queued_prefill_tokens: int = 0  # sum over charges not yet prefilled
     in_flight: int = 0
+    prefilling: int = 0  # in-flight charges not yet prefilled (no first token yet)
     reported: events_pb2.LoadSnapshot | None = None
     delta_blocks: int = 0  # charged − released since `reported` arrived
     stale: bool = False  # every request in the snapshot's view has ended since
@@ -101,6 +102,7 @@ class LoadTracker:
         load.delta_blocks += blocks
         load.queued_prefill_tokens += prefill_tokens
         load.in_flight += 1
+        load.prefilling += 1
 
     def prefill_done(self, origin: str, request_id: str) -> None:
         """The request's prompt is computed: release its queued prefill tokens."""
@@ -110,6 +112,7 @@ class LoadTracker:
         c.prefill_done = True
         load = self.slot(c.key)
         load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
+        load.prefilling = max(0, load.prefilling - 1)
 
     def complete(self, origin: str, request_id: str) -> None:
         """The request ended: release everything it was charged."""
@@ -122,6 +125,7 @@ class LoadTracker:
             return
         if not c.prefill_done:
             load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
+            load.prefilling = max(0, load.prefilling - 1)
         load.charged_blocks = max(0, load.charged_blocks - c.blocks)
         load.delta_blocks -= c.blocks
         load.in_flight = max(0, load.in_flight - 1)

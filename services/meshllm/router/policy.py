@@ -6,9 +6,10 @@ policy, so `Router.Route` can always explain a decision:
     prefill_blocks = (prompt tokens it must compute + its queued prefill tokens) / block size
     restore_blocks = Σ over lower tiers: blocks restored from the tier × its restore ratio
     pressure       = new_blocks × resident_blocks / total_blocks
-    wait_blocks    = 1.5 × step_ms / block_ms   if requests are in flight on it, else 0
+    wait_blocks    = (1.5 × step_ms [+ fixed_ms if one of them is prefilling]) / block_ms
+                     if requests are in flight on it, else 0
     cost           = overlap_weight × (prefill_blocks + restore_blocks) + decode_blocks
-                     + capacity_weight × (pressure + 1.5 × evict_ratio × evicted_hot_blocks)
+                     + capacity_weight × (pressure + 2.5 × evict_ratio × evicted_hot_blocks)
                      + wait_weight × wait_blocks
 
 - `new_blocks`: prompt blocks the worker would add to its cache (those it
@@ -27,14 +28,15 @@ policy, so `Router.Route` can always explain a decision:
   does), those reused since they were stored — each would have to be
   computed again when its prefix comes back (one prefill block), and
   storing it again evicts a block of that cache in turn, often one of the
-  other reused prefixes it holds: `REUSED_EVICT_COST` = 1.5 prefill blocks
-  each. Blocks never reused (unique suffixes, one-off prompts) go for free.
-  The half block is what keeps a request whose prefix worker is busy from
-  copying the prefix onto a cache full of other reused prefixes for a small
-  saving in wait (with distinct prefixes and tight caches, at 1 such copies
-  split groups across workers that then evict each other: 84.6 % hit rate;
-  at 1.5: 88.7 %, TTFT p90 still at round-robin's; at 2 the waits it keeps
-  push the p90 over round-robin's — docs/routing.md).
+  other reused prefixes it holds, whose return evicts another:
+  `REUSED_EVICT_COST` = 2.5 prefill blocks each, the recompute plus 1.5
+  for that chain. Blocks never reused (unique suffixes, one-off prompts)
+  go for free. The price is measured, not derived: it is what keeps a
+  request whose prefix worker is busy from copying the prefix onto a cache
+  full of other reused prefixes for a small saving in wait (with distinct
+  prefixes and tight caches, one run each, hit rate 81.2 % at 1.5, 86.3 %
+  at 2, 90.5 % at 2.5 with TTFT p90 35.5 ms against round-robin's 35.9,
+  93.9 % at 3 with p90 36.4 ms, over it — docs/routing.md).
 - `restore_blocks`: the prompt prefix a worker can serve is its device
   blocks (`overlap_blocks`, free) followed by blocks it keeps in a lower
   tier (host memory, disk: `lower_blocks`, restored into the device cache
@@ -50,13 +52,22 @@ policy, so `Router.Route` can always explain a decision:
 - `evict_ratio`: an evicted reused block costs a recompute (1) on a worker
   without lower tiers; on one that keeps evicted blocks in a lower tier it
   comes back at that tier's restore ratio (the nearest tier's, capped at 1).
-- `decode_blocks` (active KV blocks once the request runs there) and the
-  queued prefill tokens are load: a busy worker loses even when it holds the
-  prefix, as soon as its backlog outweighs the blocks it would save.
+- `decode_blocks` (active KV blocks once the request runs there: its
+  active blocks plus the prompt's, less the prefix blocks it shares with the
+  requests running there — a block the cache holds but no running request
+  uses becomes active again, it is not saved) and the queued prefill tokens
+  are load: a busy worker loses even when it holds the prefix, as soon as
+  its backlog outweighs the blocks it would save. (Until 2026-11-25 every
+  cached prompt block was subtracted, so a hit counted twice, as prefill
+  and as decode load, and `kv` stacked requests on a busy prefix holder
+  where an idle worker would have answered sooner.)
 - `wait_blocks`: the time a request waits on a worker that is running
   others, in the unit of the prefill terms (`meshllm.router.timing`): the
   rest of the step in progress plus the step it shares with the running
-  sequences (1.5 steps), over the time of one prefill block. `step_ms` is
+  sequences (1.5 steps), and when one of those requests has no first token
+  yet, the fixed time of the prefill step it is in (`fixed_ms`, the
+  intercept of the router's prefill fit: no per-token term counts it), over
+  the time of one prefill block. `step_ms` is
   the worker's step time and `block_ms` the model's prefill time per block,
   both measured by the router from the streams it proxies; 0 while either is
   unknown. A cache hit saves `overlap` blocks of prefill; it is worth
@@ -121,9 +132,9 @@ __all__ = [
 ]
 
 # Prefill blocks one evicted reused block costs (before `evict_ratio`): its recompute when its prefix
-# returns (1), plus half a block for what storing the recomputed block evicts in turn on a cache
-# full of reused prefixes (see the module docstring).
-REUSED_EVICT_COST = 1.5
+# returns (1), plus 1.5 for the chain of evictions storing it again sets off on a cache full of reused
+# prefixes (measured; see the module docstring).
+REUSED_EVICT_COST = 2.5
 
 
 @dataclass(slots=True)
@@ -138,6 +149,7 @@ class Candidate:
     decode_blocks: int = 0  # KV blocks active on it
     queued_prefill_tokens: int = 0  # prompt tokens routed to it and not yet computed
     in_flight: int = 0
+    prefilling: int = 0  # of in_flight, those without a first token yet (their prefill is queued or running)
     cached_blocks: int = 0  # resident blocks: cached, plus routed and not yet computed
     total_blocks: int = 0  # capacity; 0 = unknown (no capacity terms)
     new_blocks: int = 0  # prompt blocks it would add to its cache

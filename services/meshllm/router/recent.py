@@ -50,6 +50,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
         "capacity_weight": d.capacity_weight,
         "wait_weight": d.wait_weight,
         "prefill_ms_per_block": round(d.block_ms, 4),
+        "prefill_fixed_ms": round(d.fixed_ms, 3),
         "reused_evict_cost": REUSED_EVICT_COST,
         "candidates": [
             {
@@ -60,6 +61,7 @@ def decision_dict(d: Decision) -> dict[str, Any]:
                 "queued_prefill_tokens": c.queued_prefill_tokens,
                 "decode_blocks": c.decode_blocks,
                 "in_flight": c.in_flight,
+                "prefilling": c.prefilling,
                 "resident_blocks": c.cached_blocks,
                 "total_blocks": c.total_blocks,
                 "new_blocks": c.new_blocks,

@@ -16,13 +16,23 @@ router runs (no engine cooperation, any engine):
   (nothing in flight there: nothing to wait for, so their time to first
   token is prefill plus a constant overhead). An exponentially weighted
   least-squares fit; unknown until enough samples of different lengths
-  were seen (a constant prompt length gives no slope).
+  were seen (a constant prompt length gives no slope). Its intercept is the
+  **fixed time of a prefill step** (the engine's per-step cost plus the
+  leg's constant overhead; the mocker's model: 16.5 ms a step).
 
-`wait_blocks(step, per_block)`: a request sent to a worker that is running
-others waits for the step in progress (half a step on average) and then
-shares its first step with the running sequences (one more step's time on
-top of its own prefill): 1.5 steps, divided by the time of one prefill block.
-0 when either figure is unknown or nothing is in flight there.
+`wait_blocks(...)`: a request sent to a worker that is running others
+waits for the step in progress (half a step on average) and then shares its
+first step with the running sequences (one more step's time on top of its
+own prefill): 1.5 steps. While one of them is still waiting for its first
+token, the step in progress is (or the next one will be) that request's
+prefill, and a request arriving after it started waits for all of it: its
+fixed part too — the intercept of the prefill fit (`fixed_ms`: a step's
+fixed cost plus the constant overhead of a leg), which the prefill terms,
+priced per token, never count. The wait is divided by the time of one
+prefill block; 0 when the prefill time per block is unknown or nothing is
+in flight there (each part is 0 while its own figure is unknown). With 8
+callers over 4 workers and roomy caches, leaving the fixed part out put
+`kv`'s TTFT p90 over round-robin's (docs/routing.md).
 
 `restore_cost(tier, usage, block_ms)`: what bringing one block back from a
 lower KV tier (host memory, disk) costs, in the same unit. The worker
@@ -99,6 +109,14 @@ class PrefillFit:
         slope = (self.xy / self.w - (self.x / self.w) * (self.y / self.w)) / var
         return slope if slope > 0 else 0.0
 
+    @property
+    def fixed_ms(self) -> float:
+        """The fitted intercept: time to first token of a prompt with nothing to compute; 0 while unknown."""
+        slope = self.ms_per_token
+        if slope <= 0:
+            return 0.0
+        return max(0.0, self.y / self.w - slope * self.x / self.w)
+
 
 class WorkerTimes:
     """Step time per (worker, dp rank) and prefill time per token per model (see the module docstring)."""
@@ -128,16 +146,29 @@ class WorkerTimes:
         fit = self._prefill.get(model)
         return fit.ms_per_token * block_size if fit is not None else 0.0
 
+    def fixed_ms(self, model: str) -> float:
+        """Time to first token of `model` beside the prompt's prefill (the fit's intercept; 0 = not known yet)."""
+        fit = self._prefill.get(model)
+        return fit.fixed_ms if fit is not None else 0.0
+
     def remove_worker(self, worker_id: str) -> None:
         for key in [k for k in self._step_ms if k[0] == worker_id]:
             del self._step_ms[key]
 
 
-def wait_blocks(in_flight: int, step_ms: float, block_ms: float) -> float:
-    """The expected wait on a worker running `in_flight` requests, in prefill blocks (0 when unknown or idle)."""
-    if in_flight <= 0 or step_ms <= 0 or block_ms <= 0:
+def wait_blocks(in_flight: int, step_ms: float, block_ms: float, *, prefilling: int = 0, fixed_ms: float = 0.0) -> float:
+    """The expected wait on a worker running `in_flight` requests, in prefill blocks (see the module docstring).
+
+    `BUSY_STEPS` of its steps (0 while `step_ms` is unknown), plus a prefill
+    step's fixed time `fixed_ms` when `prefilling` of them have no first
+    token yet; 0 when it is idle or `block_ms` is unknown.
+    """
+    if in_flight <= 0 or block_ms <= 0:
         return 0.0
-    return BUSY_STEPS * step_ms / block_ms
+    ms = BUSY_STEPS * step_ms if step_ms > 0 else 0.0
+    if prefilling > 0 and fixed_ms > 0:
+        ms += fixed_ms
+    return ms / block_ms
 
 
 @dataclass(frozen=True, slots=True)

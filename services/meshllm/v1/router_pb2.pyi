@@ -24,7 +24,7 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., routing: _Optional[_Union[_generate_pb2.RoutingHints, _Mapping]] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure", "step_ms", "wait_blocks", "lower_tiers", "restore_blocks", "evict_ratio", "no_room")
+    __slots__ = ("worker_id", "dp_rank", "overlap_blocks", "prefill_tokens", "decode_blocks", "cost", "address", "queued_prefill_tokens", "in_flight", "total_blocks", "resident_blocks", "new_blocks", "evicted_hot_blocks", "pressure", "step_ms", "wait_blocks", "lower_tiers", "restore_blocks", "evict_ratio", "no_room", "prefilling")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class CandidateScore(_message.Message):
     RESTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICT_RATIO_FIELD_NUMBER: _ClassVar[int]
     NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     overlap_blocks: int
@@ -65,7 +66,8 @@ class CandidateScore(_message.Message):
     restore_blocks: float
     evict_ratio: float
     no_room: bool
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ..., step_ms: _Optional[float] = ..., wait_blocks: _Optional[float] = ..., lower_tiers: _Optional[_Iterable[_Union[TierOverlap, _Mapping]]] = ..., restore_blocks: _Optional[float] = ..., evict_ratio: _Optional[float] = ..., no_room: _Optional[bool] = ...) -> None: ...
+    prefilling: int
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., overlap_blocks: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_blocks: _Optional[int] = ..., cost: _Optional[float] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., total_blocks: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., new_blocks: _Optional[int] = ..., evicted_hot_blocks: _Optional[int] = ..., pressure: _Optional[float] = ..., step_ms: _Optional[float] = ..., wait_blocks: _Optional[float] = ..., lower_tiers: _Optional[_Iterable[_Union[TierOverlap, _Mapping]]] = ..., restore_blocks: _Optional[float] = ..., evict_ratio: _Optional[float] = ..., no_room: _Optional[bool] = ..., prefilling: _Optional[int] = ...) -> None: ...
 
 class TierOverlap(_message.Message):
     __slots__ = ("tier", "blocks", "restore_ms_per_block", "restore_ratio")
@@ -80,7 +82,7 @@ class TierOverlap(_message.Message):
     def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., restore_ms_per_block: _Optional[float] = ..., restore_ratio: _Optional[float] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block", "kv_pull", "reused_evict_cost")
+    __slots__ = ("worker_id", "dp_rank", "address", "role", "policy", "candidates", "prompt_blocks", "block_size", "overlap_weight", "capacity_weight", "wait_weight", "prefill_ms_per_block", "kv_pull", "reused_evict_cost", "prefill_fixed_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class RouteDecision(_message.Message):
     PREFILL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_FIELD_NUMBER: _ClassVar[int]
     REUSED_EVICT_COST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     dp_rank: int
     address: str
@@ -109,7 +112,8 @@ class RouteDecision(_message.Message):
     prefill_ms_per_block: float
     kv_pull: KvPullDecision
     reused_evict_cost: float
-    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., kv_pull: _Optional[_Union[KvPullDecision, _Mapping]] = ..., reused_evict_cost: _Optional[float] = ...) -> None: ...
+    prefill_fixed_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., policy: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., overlap_weight: _Optional[float] = ..., capacity_weight: _Optional[float] = ..., wait_weight: _Optional[float] = ..., prefill_ms_per_block: _Optional[float] = ..., kv_pull: _Optional[_Union[KvPullDecision, _Mapping]] = ..., reused_evict_cost: _Optional[float] = ..., prefill_fixed_ms: _Optional[float] = ...) -> None: ...
 
 class KvPullDecision(_message.Message):
     __slots__ = ("worker_id", "address", "blocks", "device_blocks", "lower_tiers", "local_blocks", "restore_ms", "transfer_ms", "recompute_ms", "pull_ms", "chosen", "reason", "block_bytes")

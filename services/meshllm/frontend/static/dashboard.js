@@ -102,7 +102,8 @@ function renderCharts(state) {
 // ------------------------------------------------------------ decisions and events
 const TERMS = [
   ["overlap_blocks", "overlap"], ["prefill_tokens", "prefill tok"], ["queued_prefill_tokens", "queued tok"],
-  ["decode_blocks", "decode blk"], ["in_flight", "in flight"], ["resident_blocks", "resident"], ["total_blocks", "total"],
+  ["decode_blocks", "decode blk"], ["in_flight", "in flight"], ["prefilling", "prefilling"],
+  ["resident_blocks", "resident"], ["total_blocks", "total"],
   ["new_blocks", "new"], ["evicted_hot_blocks", "evicted hot"], ["pressure", "pressure"],
   ["lower_tiers", "lower tiers"], ["restore_blocks", "restore"], ["wait_blocks", "wait"], ["cost", "cost"],
 ];
