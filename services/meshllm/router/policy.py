@@ -69,8 +69,8 @@ policy, so `Router.Route` can always explain a decision:
   intercept of the router's prefill fit: no per-token term counts it), over
   the time of one prefill block. `step_ms` is
   the worker's step time and `block_ms` the model's prefill time per block,
-  both measured by the router from the streams it proxies; 0 while either is
-  unknown. A cache hit saves `overlap` blocks of prefill; it is worth
+  both measured by the router from the streams it proxies; 0 while `block_ms`
+  is unknown (each part 0 while its own time is). A cache hit saves `overlap` blocks of prefill; it is worth
   waiting for only when that saving exceeds the wait (plus what the other
   worker would pay in cache capacity).
 
