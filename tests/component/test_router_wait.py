@@ -4,7 +4,11 @@ Locks: the router measures a worker's step time and the model's prefill time
 per block from the streams it proxies; a prompt whose prefix worker a
 caches goes to idle worker b while a is running another request and the
 wait there (1.5 steps) costs more than the prefill the hit saves — without
-the wait term a would win — and goes back to a once a is idle.
+the wait term a would win — and goes back to a once a is idle. Decode
+load counts a cached prompt block as saved only while a running request
+shares it (idle cached blocks become active again), and while a request on
+a worker has no first token yet the wait there adds the fixed time of a
+prefill step (the prefill fit's intercept, `prefill_fixed_ms`).
 """
 
 from __future__ import annotations
