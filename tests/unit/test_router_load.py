@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from meshllm.router.load import LoadTracker
 from meshllm.router.sync import ReplicaSync
 from meshllm.v1 import events_pb2
@@ -104,3 +106,23 @@ def test_a_replica_applies_another_replicas_events_and_ignores_none() -> None:
     assert t.get(("a", 0)).active_blocks == 0
     sync.apply("r2", kind(request_id="x", kind=kind.KIND_UNSPECIFIED, worker_id="a"))
     assert t.charges() == 0
+
+
+def test_a_replica_charges_a_routed_event_at_its_origins_time_not_at_its_arrival() -> None:
+    """Locks: replica agreement across a batch's delay — both replicas compare the same charge time with a snapshot's."""
+    kind = events_pb2.RouterSyncEvent
+    at_ms = int((time.time() - 0.010) * 1000)  # routed 10 ms ago: the batch arrives now
+    origin, other = LoadTracker(), LoadTracker()
+    origin.route("r1", "q", ("a", 0), prefill_tokens=0, blocks=7, now=at_ms / 1000.0)
+    sync = ReplicaSync.__new__(ReplicaSync)
+    sync.load = other
+    sync.apply("r1", kind(request_id="q", kind=kind.KIND_ROUTED, worker_id="a", blocks=7, routed_at_ms=at_ms))
+    # Taken 23 ms after the charge: with ADMISSION_S (20 ms) the snapshot already counts the request.
+    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=30, total_blocks=100, timestamp_ms=at_ms + 23)
+    for tracker in (origin, other):
+        tracker.apply_snapshot(snap, now=at_ms / 1000.0 + 0.024)
+    assert origin.get(("a", 0)).active_blocks == other.get(("a", 0)).active_blocks == 30
+
+    # A time from a clock an hour off counts as the arrival time: the charge is not an hour old.
+    sync.apply("r1", kind(request_id="skewed", kind=kind.KIND_ROUTED, worker_id="b", blocks=5, routed_at_ms=at_ms - 3_600_000))
+    assert other.expire(time.time(), max_age_s=60.0) == 0 and other.get(("b", 0)).active_blocks == 5

@@ -157,8 +157,9 @@ async def _leg(
     # lower tier also spends restore time, which would bias the prefill slope: not fitted).
     # A leg pulling a peer's prefix (disagg.kv_source) spends transfer time likewise: not fitted either.
     idle = core.load.get(key).in_flight == 0 and not cand.lower_blocks and "kv_source" not in req.get("disagg", {})
-    core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=time.time())
-    core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
+    at_ms = int(time.time() * 1000)  # the charge's time, as the other replicas will see it (RouterSyncEvent)
+    core.load.route(core.id, leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, now=at_ms / 1000.0)
+    core.sync.routed(leg_id, key, prefill_tokens=prefill_tokens, blocks=blocks, at_ms=at_ms)
     entry = None
     if core.mode is RouterMode.KV:
         entry = core.inflight.add(key, hashes, entry_id=leg_id)

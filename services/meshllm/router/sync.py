@@ -12,6 +12,12 @@ event after a quiet period goes at once, later ones wait for the next batch,
 at most one every `FLUSH_INTERVAL_S`. A request makes three events (routed,
 prefill done, completed); one message per event cost a busy frontend about a
 tenth of its CPU in publishing and in parsing its own events back.
+
+A routed event carries the time its replica charged the request
+(`routed_at_ms`), and every replica charges it at that time, not when the
+batch arrived: whether a worker's LoadSnapshot already counts a request is
+decided by comparing the two times (`LoadTracker.apply_snapshot`), and a
+batch's few milliseconds of delay made replicas decide it differently.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from meshllm.plane.batching import FlushPacer
 from meshllm.plane.events import EventBus, Subscription
 from meshllm.protocol.names import router_subject
 from meshllm.router.kv_index import SlotKey
-from meshllm.router.load import LoadTracker
+from meshllm.router.load import CLOCK_SLACK_S, MAX_SNAPSHOT_AGE_S, LoadTracker
 from meshllm.v1 import events_pb2
 
 __all__ = ["ReplicaSync"]
@@ -68,8 +74,9 @@ class ReplicaSync(AsyncCloseable):
         self._task = asyncio.create_task(self._loop(self._sub), name="router-replica-sync")
 
     # ------------------------------------------------------------ publish
-    def routed(self, request_id: str, key: SlotKey, *, prefill_tokens: int, blocks: int) -> None:
-        self._publish(Kind.KIND_ROUTED, request_id, key, prefill_tokens=prefill_tokens, blocks=blocks)
+    def routed(self, request_id: str, key: SlotKey, *, prefill_tokens: int, blocks: int, at_ms: int = 0) -> None:
+        """Publish a charge; `at_ms` is the wall-clock ms the load tracker charged it at (0: the receivers' clock)."""
+        self._publish(Kind.KIND_ROUTED, request_id, key, prefill_tokens=prefill_tokens, blocks=blocks, at_ms=at_ms)
 
     def prefill_done(self, request_id: str, key: SlotKey) -> None:
         self._publish(Kind.KIND_PREFILL_DONE, request_id, key)
@@ -77,7 +84,9 @@ class ReplicaSync(AsyncCloseable):
     def completed(self, request_id: str, key: SlotKey) -> None:
         self._publish(Kind.KIND_COMPLETED, request_id, key)
 
-    def _publish(self, kind: int, request_id: str, key: SlotKey, *, prefill_tokens: int = 0, blocks: int = 0) -> None:
+    def _publish(
+        self, kind: int, request_id: str, key: SlotKey, *, prefill_tokens: int = 0, blocks: int = 0, at_ms: int = 0
+    ) -> None:
         if self.closed:
             return
         batch = self._pending
@@ -90,6 +99,7 @@ class ReplicaSync(AsyncCloseable):
             dp_rank=key[1],
             prefill_tokens=prefill_tokens,
             blocks=blocks,
+            routed_at_ms=at_ms,
         )
         self._pacer.request()
 
@@ -112,9 +122,13 @@ class ReplicaSync(AsyncCloseable):
     def apply(self, router_id: str, ev: events_pb2.RouterSyncEvent) -> None:
         """Apply an event of replica `router_id` to the load tracker."""
         if ev.kind == Kind.KIND_ROUTED:
+            now = time.time()
+            at = ev.routed_at_ms / 1000.0
+            if not now - MAX_SNAPSHOT_AGE_S <= at <= now + CLOCK_SLACK_S:  # not said, or the clocks are apart
+                at = now
             self.load.route(
                 router_id, ev.request_id, (ev.worker_id, ev.dp_rank),
-                prefill_tokens=ev.prefill_tokens, blocks=ev.blocks, now=time.time(),
+                prefill_tokens=ev.prefill_tokens, blocks=ev.blocks, now=at,
             )  # fmt: skip
         elif ev.kind == Kind.KIND_PREFILL_DONE:
             self.load.prefill_done(router_id, ev.request_id)
