@@ -68,8 +68,13 @@ def doc(first: int, blocks: int) -> list[int]:
 
 
 def tiers_known(core: RouterCore, worker: str) -> bool:
+    return seen_tiers(core, worker) == 2
+
+
+def seen_tiers(core: RouterCore, worker: str) -> int | None:
+    """Tiers in the worker's latest load report at the router (None: no report yet)."""
     rep = core.load.get((worker, 0)).reported
-    return rep is not None and len(rep.tiers) == 2
+    return None if rep is None else len(rep.tiers)
 
 
 async def test_a_prefix_kept_on_disk_before_the_router_started_draws_its_document() -> None:
@@ -138,6 +143,7 @@ async def test_a_tier_restoring_slower_than_computing_is_not_worth_it() -> None:
         await wait_for(
             lambda: all(core.index.lower_blocks(w, HOST) == 20 and tiers_known(core, w) for w in ("slow", "fast")),
             what="both tiered workers' host events and load",
+            state=lambda: {w: (core.index.lower_blocks(w, HOST), seen_tiers(core, w)) for w in ("slow", "fast")},
         )
         d = await core.route("mocker", document)
         by_id = {c.worker_id: c for c in d.candidates}
