@@ -80,7 +80,7 @@ class SegmentCache:
         """The ids `fast.encode(text, add_special_tokens=False)` gives, from cached pieces where it can."""
         parts = self._split(text) if self._split is not None else [text]
         # parts alternate: text piece, added token, text piece, ...; pieces may be empty.
-        found: list[array[int] | None] = [None] * len(parts)
+        found: list[Sequence[int] | None] = [None] * len(parts)
         missing: dict[str, None] = {}
         with self._lock:
             pieces = self._pieces
@@ -94,33 +94,29 @@ class SegmentCache:
                 else:
                     pieces.move_to_end(piece)
                     found[i] = ids
+                    self.reused_tokens += len(ids)
         fresh = self._encode_new(list(missing)) if missing else {}
         out: list[int] = []
-        added, reused = self._added, 0
+        added = self._added
         for i, part in enumerate(parts):
             if i % 2:
                 out.append(added[part])
             elif part:
-                ids = found[i]
-                if ids is None:
-                    ids = fresh[part]
-                else:
-                    reused += len(ids)
-                out.extend(ids)
-        with self._lock:
-            self.reused_tokens += reused
+                cached = found[i]
+                out.extend(fresh[part] if cached is None else cached)
         return out
 
-    def _encode_new(self, pieces: Sequence[str]) -> dict[str, array[int]]:
+    def _encode_new(self, pieces: Sequence[str]) -> dict[str, list[int]]:
+        """Encode `pieces` in one call and keep them; returns their ids as the library's lists (no second conversion)."""
         encodings = self._fast.encode_batch_fast(list(pieces), add_special_tokens=False)
-        fresh = {piece: array("I", enc.ids) for piece, enc in zip(pieces, encodings, strict=True)}
+        fresh: dict[str, list[int]] = {piece: enc.ids for piece, enc in zip(pieces, encodings, strict=True)}
         limit = self.budget_tokens // 8
         with self._lock:
             for piece, ids in fresh.items():
                 self.encoded_tokens += len(ids)
                 if len(ids) > limit or piece in self._pieces:
                     continue
-                self._pieces[piece] = ids
+                self._pieces[piece] = array("I", ids)
                 self._held += len(ids)
             while self._held > self.budget_tokens:
                 _, old = self._pieces.popitem(last=False)
