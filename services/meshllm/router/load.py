@@ -32,12 +32,18 @@ from dataclasses import dataclass
 from meshllm.router.kv_index import SlotKey
 from meshllm.v1 import events_pb2
 
-__all__ = ["Charge", "LoadTracker", "SlotLoad"]
+__all__ = ["Charge", "LoadTracker", "SlotLoad", "plausible_time"]
 
 STALE_CHARGE_S = 600.0  # a charge nobody released after this long is dropped (a lost COMPLETED event)
 ADMISSION_S = 0.02  # a request routed this long before a snapshot was taken is assumed reflected in it
 MAX_SNAPSHOT_AGE_S = 1.0  # timestamps outside [arrival - this, arrival + CLOCK_SLACK_S] mean skewed clocks
 CLOCK_SLACK_S = 0.05
+
+
+def plausible_time(timestamp_ms: int, now: float) -> float:
+    """Another process's wall-clock ms as seconds; `now` when 0 (not said) or outside what clock skew explains."""
+    at = timestamp_ms / 1000.0
+    return at if timestamp_ms and now - MAX_SNAPSHOT_AGE_S <= at <= now + CLOCK_SLACK_S else now
 
 
 @dataclass(slots=True)
@@ -145,10 +151,7 @@ class LoadTracker:
         key = (snap.worker_id, snap.dp_rank)
         load = self.slot(key)
         load.reported = snap
-        taken = snap.timestamp_ms / 1000.0 if snap.timestamp_ms else now
-        if not now - MAX_SNAPSHOT_AGE_S <= taken <= now + CLOCK_SLACK_S:
-            taken = now
-        cutoff = taken - ADMISSION_S
+        cutoff = plausible_time(snap.timestamp_ms, now) - ADMISSION_S
         charges = self._charges
         load.delta_blocks = sum(c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if c.at > cutoff)
         load.stale = False

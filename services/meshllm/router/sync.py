@@ -31,7 +31,7 @@ from meshllm.plane.batching import FlushPacer
 from meshllm.plane.events import EventBus, Subscription
 from meshllm.protocol.names import router_subject
 from meshllm.router.kv_index import SlotKey
-from meshllm.router.load import CLOCK_SLACK_S, MAX_SNAPSHOT_AGE_S, LoadTracker
+from meshllm.router.load import LoadTracker, plausible_time
 from meshllm.v1 import events_pb2
 
 __all__ = ["ReplicaSync"]
@@ -122,10 +122,7 @@ class ReplicaSync(AsyncCloseable):
     def apply(self, router_id: str, ev: events_pb2.RouterSyncEvent) -> None:
         """Apply an event of replica `router_id` to the load tracker."""
         if ev.kind == Kind.KIND_ROUTED:
-            now = time.time()
-            at = ev.routed_at_ms / 1000.0
-            if not now - MAX_SNAPSHOT_AGE_S <= at <= now + CLOCK_SLACK_S:  # not said, or the clocks are apart
-                at = now
+            at = plausible_time(ev.routed_at_ms, time.time())
             self.load.route(
                 router_id, ev.request_id, (ev.worker_id, ev.dp_rank),
                 prefill_tokens=ev.prefill_tokens, blocks=ev.blocks, now=at,
