@@ -5,7 +5,9 @@ each event the next per-worker event id, collects the events of one loop
 iteration into one `KvEventBatch` per dp rank, publishes it, keeps a bounded
 ring of recent events, and maintains the full block set of every tier that
 answers `Worker.GetKvSnapshot`. Load samples are published at most every 100 ms (the
-latest sample wins).
+latest sample wins), and the latest again after `LOAD_REFRESH_S` without one: an
+idle engine reports no change, so a router that starts or restarts after its
+last sample would otherwise never learn its load, capacity or tiers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from meshllm.v1 import events_pb2, worker_pb2
 __all__ = ["WorkerSink"]
 
 LOAD_INTERVAL_S = 0.1
+LOAD_REFRESH_S = 1.0  # the latest load sample is published again after this long without one
 # KV events made within this long of the last batch wait and go in the next
 # one: a fast engine's steps cost one NATS message (and one parse at every
 # router) per interval, not one per step. The first events after a quiet
@@ -66,6 +69,8 @@ class WorkerSink:
         self._latest_load: LoadMetrics | None = None
         self._load_sent_at = 0.0
         self._load_timer: asyncio.TimerHandle | None = None
+        self._refresh_timer: asyncio.TimerHandle | None = None
+        self._closed = False
         self.events_published = 0
 
     # -- EngineSink
@@ -174,6 +179,10 @@ class WorkerSink:
         if m is None:
             return
         self._load_sent_at = time.monotonic()
+        if self._refresh_timer is not None:
+            self._refresh_timer.cancel()
+        if not self._closed:
+            self._refresh_timer = asyncio.get_running_loop().call_later(LOAD_REFRESH_S, self._send_load)
         self._bus.publish(
             self._load_subject,
             events_pb2.LoadSnapshot(
@@ -202,7 +211,11 @@ class WorkerSink:
 
     def close(self) -> None:
         """Publish what is pending (last events and load) and stop timers."""
+        self._closed = True
         self._pacer.flush_now()
         if self._load_timer is not None:
             self._load_timer.cancel()
             self._send_load()
+        if self._refresh_timer is not None:
+            self._refresh_timer.cancel()
+            self._refresh_timer = None
