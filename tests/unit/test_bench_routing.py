@@ -1,4 +1,4 @@
-"""bench/routing.py's pure parts: the HTTP documents workload and how a partial run updates its section."""
+"""bench/routing.py's pure parts: the HTTP documents workload and how a partial run updates its section (routing_report)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def test_http_documents_share_two_blocks_and_end_on_a_block_boundary() -> None:
 
 
 def test_a_partial_run_replaces_its_scenarios_and_keeps_the_others() -> None:
-    routing = load("routing")
-    old = "## Routing\n\nold head\n\n### distinct\n\nold distinct table\n\n### docs-seq\n\nold docs-seq\n\n" + routing.FOOT
-    merged = routing.merge(old, "## Routing\n\nnew head\n", {"docs-seq": "### docs-seq\n\nnew docs-seq\n"})
+    report = load("routing_report")
+    old = "## Routing\n\nold head\n\n### distinct\n\nold distinct table\n\n### docs-seq\n\nold docs-seq\n\n" + report.FOOT
+    new = {"docs-seq": "### docs-seq\n\nnew docs-seq\n"}
+    merged = report.merge(old, "## Routing\n\nnew head\n", new, load("routing").SCENARIOS)
     assert "new head" in merged and "old head" not in merged
     assert "old distinct table" in merged and "old docs-seq" not in merged and "new docs-seq" in merged
     assert merged.index("### distinct") < merged.index("### docs-seq") < merged.index("`kv` prices")
