@@ -221,6 +221,27 @@ def test_split_mesh_report_states_its_load_and_p90_p99_beside_every_p50() -> Non
     assert NOISE in busy and "Dynamo's installed version is 9.9.9" in busy
 
 
+def test_split_mesh_targets_at_speedup_10_show_the_goal_and_every_cpu_target() -> None:
+    """The 0.7× milestone does not hide the 1.0× goal, and the CPU targets are judged at speedup 10 too."""
+    report = load("mesh_report")
+    res = report.Results(
+        argv="bench/mesh.py", systems=["split", "router", "dynamo"], speedups=[10.0], levels=[32], requests=10,
+        warmup=2, repeats=1, workers=2, router_mode="round-robin", load="synthetic load",
+    )  # fmt: skip
+    router_row = _mesh_row(90.0)
+    router_row["cpu_ms"] = {"frontend": 3.0, "router": 1.6, "worker 1": 1.0, "worker 2": 1.0}
+    res.rows = {(10.0, "split", 32): [_mesh_row(95.0)], (10.0, "router", 32): [router_row],
+                (10.0, "dynamo", 32): [_mesh_row(100.0)]}  # fmt: skip
+    res.info = {"machine": "m", "python": "3", "commit": "c", "packages": "grpcio 1", "fingerprint": "f", "date": "d"}
+    res.load_avg = QUIET
+    text = report.section(res, "## Split mesh")
+    rows = {line.split(" | ")[0]: line.removesuffix(" |").split(" | ")[1:3] for line in text.splitlines()}
+    assert rows["| meshllm split ≥ 0.7× Dynamo req/s (first milestone), speedup 10, c=32"] == ["0.95×", "meets"]
+    assert rows["| meshllm split ≥ 1.0× Dynamo req/s (goal), speedup 10, c=32"] == ["0.95×", "misses"]
+    assert rows["| frontend ≤ 4 CPU-ms/request, speedup 10, c=32"] == ["5.00", "misses"]
+    assert rows["| router process < 1.5 CPU-ms/request, speedup 10, c=32"] == ["1.60", "misses"]
+
+
 def test_tls_cost_pairs_each_repeat_with_its_plaintext_run_and_prints_the_tail() -> None:
     load("mesh_report")
     tls = load("mesh_tls")
