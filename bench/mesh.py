@@ -3,6 +3,7 @@
     .venv/bin/python bench/mesh.py                         # split + split-with-router, speedup 1000 and 10, c=32,64
     .venv/bin/python bench/mesh.py --dynamo --in-process   # + NVIDIA Dynamo 1.6.1 (the baseline) and `meshllm run`
     .venv/bin/python bench/mesh.py --profile               # + a py-spy profile of every meshllm process
+    .venv/bin/python bench/mesh.py --no-engines            # without the mocker engines alone (in-process, no mesh)
     .venv/bin/python bench/mesh.py --overhead --dynamo     # + TTFT/ITL at speedup 1, c=1: engine alone vs the mesh
     .venv/bin/python bench/mesh.py --requests 64 --speedup 1000 --concurrency 32 --no-write   # a quick look
     .venv/bin/python bench/mesh.py --tls --no-router --speedup 1000 --concurrency 32 --repeats 2   # "## TLS cost"
@@ -17,7 +18,9 @@ the other (never two at once), with the same load:
 - *Dynamo 1.6.1* (`--dynamo`): ../shared/anchors/dynamo/up.sh agg / down.sh, the baseline of every ratio.
 
 Per level: warm-up requests (other prompts), then /proc CPU of every process tree sampled, the measured
-`meshllm bench` level, sampled again. `--profile` adds one unmeasured level per system and speedup under py-spy.
+`meshllm bench` level, sampled again. Before the systems of every speedup and repeat, the same mockers run alone in
+this process (bench/mesh_load.py `engines_alone`): what the simulated engines give with no mesh in front of them.
+`--profile` adds one unmeasured level per system and speedup under py-spy.
 Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py; `--tls`: the "## TLS cost" section,
 bench/mesh_tls.py) and to stdout.
 """
@@ -37,7 +40,7 @@ from typing import Any
 
 from benchdoc import write_section
 from mesh_cpu import CpuMeter
-from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone
+from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone, engines_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
 from mesh_report import Results, build_info, code_fingerprint, section, summary_line
 from mesh_systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
@@ -82,9 +85,24 @@ async def profile_level(running: Running, load: Load, c: int, requests: int, out
     return profiles
 
 
+async def engines_level(args: argparse.Namespace, res: Results, load: Load, speedup: float) -> None:
+    """The mockers alone in this process at every level (the engines-alone rows), right before the systems."""
+    for c in res.levels:
+        row = await engines_alone(
+            args.model_path, load, speedup=speedup, engines=args.workers, concurrency=c, requests=res.requests,
+            warmup=res.warmup, seed=args.seed * 1000 + c,
+        )  # fmt: skip
+        res.engines.setdefault((speedup, c), []).append(row)
+        print(f"    mocker engines alone, c={c}: {row['req_per_s']:.1f} req/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, "
+              f"busy {row['model_busy'] * 100:.0f}%", flush=True)  # fmt: skip
+
+
 async def throughput(args: argparse.Namespace, res: Results, load: Load, profile_dir: Path) -> None:
     for speedup in res.speedups:
         for rep in range(res.repeats):
+            if not args.no_engines:
+                print(f"mocker engines alone, --speedup-ratio {speedup:g}, repeat {rep + 1}/{res.repeats}:", flush=True)
+                await engines_level(args, res, load, speedup)
             for kind in res.systems:
                 spec = system_spec(args, speedup)
                 print(f"{LABELS[kind]}, --speedup-ratio {speedup:g}, repeat {rep + 1}/{res.repeats}:", flush=True)
@@ -168,6 +186,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-router", action="store_true", help="skip the split mesh with a separate router process")
     p.add_argument("--in-process", action="store_true", help="also measure `meshllm run`")
     p.add_argument("--dynamo", action="store_true", help="also measure NVIDIA Dynamo 1.6.1 (the baseline)")
+    p.add_argument("--no-engines", action="store_true", help="skip the mocker engines alone (in-process, no mesh)")
     p.add_argument("--profile", action="store_true", help="py-spy every meshllm process during an extra level")
     p.add_argument("--profile-requests", type=int, default=0, help="requests of the profiled level (default --requests)")
     p.add_argument("--overhead", action="store_true", help="also TTFT/ITL at speedup 1, c=1 vs the engine alone")
@@ -183,6 +202,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.overhead = args.overhead or args.overhead_only
+    args.no_engines = args.no_engines or args.tls  # the TLS section compares each system with its plaintext run
     args.profile_requests = args.profile_requests or args.requests
     if args.requests < 1 or args.repeats < 1 or args.workers < 1 or not args.concurrency or not args.speedup:
         p.error("--requests, --repeats, --workers must be >= 1; --concurrency and --speedup non-empty")

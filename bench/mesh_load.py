@@ -1,9 +1,10 @@
-"""The load of bench/mesh.py: the issue-15 workload, `meshllm bench` in its own process, and the engine alone.
+"""The load of bench/mesh.py: the issue-15 workload, `meshllm bench` in its own process, and the engines alone.
 
 `meshllm bench` runs as a subprocess (`--json -`) so its CPU is not charged to any mesh process and its event
-loop is not disturbed by the harness. The engine-alone baseline drives the mocker in this process through its
+loop is not disturbed by the harness. The engines-alone runs drive mockers in this process through their
 `LLMEngine` API with the very prompts the mesh would see: the same seeded workload, rendered with the model's chat
-template and tokenized with its tokenizer, so TTFT and ITL can be compared with the mesh's at concurrency 1.
+template and tokenized with its tokenizer. At concurrency 1 and speedup 1 that is the baseline of the mesh's
+TTFT/ITL overhead; at a throughput level it is what the simulated engines give with no mesh in front of them.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import orjson
 from meshllm.bench.report import percentile
 from meshllm.bench.workload import Workload, WorkloadSpec
 from meshllm.engine.base import Context
-from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
 from meshllm.frontend.chat_template import chat_template_for
 from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Load", "calibrate_chars_per_token", "drive", "engine_alone"]
+__all__ = ["Load", "calibrate_chars_per_token", "drive", "engine_alone", "engines_alone"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,46 +103,103 @@ def _prompt_ids(tok: Tokenizer, body: bytes) -> list[int]:
     return tok.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)
 
 
-async def engine_alone(model_path: Path, load: Load, requests: int, warmup: int, seed: int) -> dict[str, Any]:
-    """The mocker (speedup 1) driven in-process, one request at a time: TTFT / ITL like `meshllm bench` reports them.
+async def engines_alone(
+    model_path: Path,
+    load: Load,
+    *,
+    speedup: float,
+    engines: int,
+    concurrency: int,
+    requests: int,
+    warmup: int,
+    seed: int,
+) -> dict[str, Any]:
+    """`engines` mockers driven in this process through their `LLMEngine` API, closed loop: no HTTP, no gRPC.
 
-    TTFT = `generate()` called → first chunk with tokens; ITL = gaps between chunks with tokens. The prompts are
-    the measured level's own (seed `seed`); the warm-up uses other prompts (seed + 1).
+    `concurrency` callers each send the next request as soon as their last one ended, round-robin over the
+    engines, with the measured level's own prompts (seed `seed`; the warm-up uses other prompts, seed + 1).
+    TTFT = `generate()` called → first chunk with tokens; ITL = gaps between chunks with tokens (as `meshllm
+    bench` reports them). The row has `drive`'s keys, plus `model_busy`: the engines' simulated step time over
+    the measured wall time, per engine (1.0 = each engine stepped all the time, on its model's timeline).
     """
     tok = await asyncio.to_thread(load_tokenizer, str(model_path))
     eos = tok.eos_token_ids[0] if tok.eos_token_ids else MockerConfig().eos_token_id
-    engine = MockerEngine(MockerConfig(speedup_ratio=1.0, vocab_size=tok.vocab_size, eos_token_id=eos))
-    await engine.start("bench-engine-alone")
+    config = MockerConfig(speedup_ratio=speedup, vocab_size=tok.vocab_size, eos_token_id=eos)
+    mockers = [MockerEngine(config) for _ in range(engines)]
+    model_ms = [0.0]
+
+    def on_step(step: StepReport) -> None:
+        model_ms[0] += step.model_ms
+
+    for i, engine in enumerate(mockers):
+        await engine.start(f"bench-engine-alone-{i}")
+        engine.on_step = on_step
     ttfts: list[float] = []
     gaps: list[float] = []
-    events = prompt_tokens = 0
+    events = prompt_tokens = output_tokens = 0
+    sent = 0
+
+    async def one(ids: list[int], osl: int, record: bool) -> None:
+        nonlocal events, prompt_tokens, output_tokens, sent
+        rid = f"alone-{sent}"
+        engine = mockers[sent % engines]
+        sent += 1
+        request = {"request_id": rid, "token_ids": ids, "stop": {"max_tokens": osl, "ignore_eos": True}}
+        t0 = last = time.perf_counter()
+        first = True
+        async for chunk in engine.generate(request, Context(rid)):  # type: ignore[arg-type]
+            if not chunk.get("token_ids"):
+                continue
+            now = time.perf_counter()
+            if record:
+                (ttfts if first else gaps).append(now - (t0 if first else last))
+                events += 1
+                output_tokens += len(chunk["token_ids"])
+            first, last = False, now
+        if record:
+            prompt_tokens += len(ids)
+
+    def prompts(phase_seed: int, n: int) -> list[tuple[list[int], int]]:
+        """The level's (prompt ids, output length) pairs, tokenized before its clock starts; last one first."""
+        workload = Workload(load.spec("engine", phase_seed))
+        return [(_prompt_ids(tok, (r := workload.next()).body), r.osl) for _ in range(n)][::-1]
+
+    async def level(todo: list[tuple[list[int], int]], record: bool) -> None:
+        async def caller() -> None:
+            while todo:
+                ids, osl = todo.pop()
+                await one(ids, osl, record)
+
+        await asyncio.gather(*(caller() for _ in range(min(concurrency, len(todo)))))
+
     try:
-        for phase_seed, n, record in ((seed + 1, warmup, False), (seed, requests, True)):
-            workload = Workload(load.spec("engine", phase_seed))
-            for i in range(n):
-                req = workload.next()
-                ids = _prompt_ids(tok, req.body)
-                request = {"request_id": f"alone-{phase_seed}-{i}", "token_ids": ids,
-                           "stop": {"max_tokens": req.osl, "ignore_eos": True}}  # fmt: skip
-                t0 = last = time.perf_counter()
-                first = True
-                async for chunk in engine.generate(request, Context(request["request_id"])):  # type: ignore[arg-type]
-                    if not chunk.get("token_ids"):
-                        continue
-                    now = time.perf_counter()
-                    if record:
-                        (ttfts if first else gaps).append(now - (t0 if first else last))
-                        events += 1
-                    first, last = False, now
-                if record:
-                    prompt_tokens += len(ids)
+        if warmup:
+            await level(prompts(seed + 1, warmup), False)
+        measured = prompts(seed, requests)
+        model_ms[0] = 0.0
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        await level(measured, True)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
-        await engine.cleanup()
+        for engine in mockers:
+            await engine.cleanup()
     ms = 1000.0
+    model_s = model_ms[0] / ms / speedup if speedup > 0 else math.nan
     return {
         "requests": requests, "errors": 0, "mean_isl": prompt_tokens / requests if requests else math.nan,
+        "mean_osl": output_tokens / requests if requests else math.nan,
+        "req_per_s": requests / wall, "output_tok_per_s": output_tokens / wall,
         "ttft_p50_ms": percentile(ttfts, 50) * ms, "ttft_p90_ms": percentile(ttfts, 90) * ms,
         "ttft_p99_ms": percentile(ttfts, 99) * ms, "itl_p50_ms": percentile(gaps, 50) * ms,
         "itl_p90_ms": percentile(gaps, 90) * ms, "itl_p99_ms": percentile(gaps, 99) * ms,
         "events_per_request": events / requests if requests else math.nan,
+        "model_busy": model_s / engines / wall, "cpu_ms_per_request": cpu * ms / requests,
     }  # fmt: skip
+
+
+async def engine_alone(model_path: Path, load: Load, requests: int, warmup: int, seed: int) -> dict[str, Any]:
+    """One mocker at speedup 1, one request at a time: the baseline of the overhead at concurrency 1."""
+    return await engines_alone(
+        model_path, load, speedup=1.0, engines=1, concurrency=1, requests=requests, warmup=warmup, seed=seed
+    )

@@ -242,6 +242,28 @@ def test_split_mesh_targets_at_speedup_10_show_the_goal_and_every_cpu_target() -
     assert rows["| router process < 1.5 CPU-ms/request, speedup 10, c=32"] == ["1.60", "misses"]
 
 
+def test_split_mesh_engines_alone_row_has_its_ratio_and_busy_note_and_no_cpu_row() -> None:
+    report = load("mesh_report")
+    res = report.Results(
+        argv="bench/mesh.py", systems=["split", "dynamo"], speedups=[10.0], levels=[64], requests=10, warmup=2,
+        repeats=1, workers=2, router_mode="round-robin", load="synthetic load",
+    )  # fmt: skip
+    res.rows = {(10.0, "split", 64): [_mesh_row(95.0)], (10.0, "dynamo", 64): [_mesh_row(100.0)]}
+    res.engines = {(10.0, 64): [_mesh_row(98.0) | {"model_busy": 0.987, "cpu_ms_per_request": 0.61}]}
+    res.info = {"machine": "m", "python": "3", "commit": "c", "packages": "grpcio 1", "fingerprint": "f", "date": "d"}
+    res.load_avg = QUIET
+    text = report.section(res, "## Split mesh")
+    label = report.ENGINES_LABEL
+    rows = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
+    assert len(rows) == 1  # in the req/s table only: the engines run in the benchmark's process, not the mesh's
+    assert rows[0].split(" | ")[2:4] == ["98.0", "0.98×"]
+    assert "stepping on their model's timeline for 99% of the measured time at c=64" in text
+    assert "0.61 CPU-ms per request" in text and "not an upper bound" in text
+    assert percentile_lines_complete(text) == []
+    res.engines = {}
+    assert label not in report.section(res, "## Split mesh")
+
+
 def test_tls_cost_pairs_each_repeat_with_its_plaintext_run_and_prints_the_tail() -> None:
     load("mesh_report")
     tls = load("mesh_tls")
