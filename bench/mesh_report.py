@@ -136,6 +136,13 @@ def _process_columns(res: Results) -> list[str]:
     return head + workers + [n for n in seen if n not in head and n not in workers]
 
 
+def _spread(rows: Sequence[Row]) -> str:
+    """The req/s range of repeated rows, in brackets ("" for one row)."""
+    if len(rows) < 2:
+        return ""
+    return f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})"
+
+
 def _speed_tables(res: Results, speedup: float) -> str:
     base = res.baseline
     procs = _process_columns(res)
@@ -156,9 +163,7 @@ def _speed_tables(res: Results, speedup: float) -> str:
             if not rows:
                 continue
             rps = _med(rows, "req_per_s")
-            spread = ""
-            if len(rows) > 1:
-                spread = f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})"
+            spread = _spread(rows)
             errors = sum(r["errors"] for r in rows)
             t1.append(
                 f"| {LABELS[kind]} | {c} | {rps:.1f}{spread} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
@@ -176,7 +181,7 @@ def _speed_tables(res: Results, speedup: float) -> str:
         if rows := res.engines.get((speedup, c)):
             rps = _med(rows, "req_per_s")
             t1.append(
-                f"| {ENGINES_LABEL} | {c} | {rps:.1f} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
+                f"| {ENGINES_LABEL} | {c} | {rps:.1f}{_spread(rows)} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
                 f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
                 f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | 0 |"
             )

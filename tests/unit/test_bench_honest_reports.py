@@ -249,14 +249,15 @@ def test_split_mesh_engines_alone_row_has_its_ratio_and_busy_note_and_no_cpu_row
         repeats=1, workers=2, router_mode="round-robin", load="synthetic load",
     )  # fmt: skip
     res.rows = {(10.0, "split", 64): [_mesh_row(95.0)], (10.0, "dynamo", 64): [_mesh_row(100.0)]}
-    res.engines = {(10.0, 64): [_mesh_row(98.0) | {"model_busy": 0.987, "cpu_ms_per_request": 0.61}]}
+    busy = {"model_busy": 0.987, "cpu_ms_per_request": 0.61}
+    res.engines = {(10.0, 64): [_mesh_row(96.0) | busy, _mesh_row(98.0) | busy, _mesh_row(99.0) | busy]}
     res.info = {"machine": "m", "python": "3", "commit": "c", "packages": "grpcio 1", "fingerprint": "f", "date": "d"}
     res.load_avg = QUIET
     text = report.section(res, "## Split mesh")
     label = report.ENGINES_LABEL
     rows = [line for line in text.splitlines() if line.startswith(f"| {label} |")]
     assert len(rows) == 1  # in the req/s table only: the engines run in the benchmark's process, not the mesh's
-    assert rows[0].split(" | ")[2:4] == ["98.0", "0.98×"]
+    assert rows[0].split(" | ")[2:4] == ["98.0 (96.0–99.0)", "0.98×"]  # the median, and the range of the repeats
     assert "stepping on their model's timeline for 99% of the measured time at c=64" in text
     assert "0.61 CPU-ms per request" in text and "not an upper bound" in text
     assert percentile_lines_complete(text) == []
