@@ -136,11 +136,15 @@ def _process_columns(res: Results) -> list[str]:
     return head + workers + [n for n in seen if n not in head and n not in workers]
 
 
-def _spread(rows: Sequence[Row]) -> str:
-    """The req/s range of repeated rows, in brackets ("" for one row)."""
-    if len(rows) < 2:
-        return ""
-    return f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})"
+def _speed_row(label: str, c: int, rows: Sequence[Row], base_rows: Sequence[Row]) -> str:
+    """One row of the req/s table: medians, the req/s range of repeated rows in brackets, errors summed."""
+    rps = _med(rows, "req_per_s")
+    spread = f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})" if len(rows) > 1 else ""
+    return (
+        f"| {label} | {c} | {rps:.1f}{spread} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
+        f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
+        f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | {sum(r['errors'] for r in rows)} |"
+    )
 
 
 def _speed_tables(res: Results, speedup: float) -> str:
@@ -162,14 +166,7 @@ def _speed_tables(res: Results, speedup: float) -> str:
             rows = res.rows.get((speedup, kind, c))
             if not rows:
                 continue
-            rps = _med(rows, "req_per_s")
-            spread = _spread(rows)
-            errors = sum(r["errors"] for r in rows)
-            t1.append(
-                f"| {LABELS[kind]} | {c} | {rps:.1f}{spread} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
-                f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
-                f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | {errors} |"
-            )
+            t1.append(_speed_row(LABELS[kind], c, rows, base_rows))
             mesh = _mesh_cpu(rows)
             fe = _cpu(rows, "frontend")
             per_token = fe * 1000 / _med(rows, "mean_osl") if not math.isnan(fe) else math.nan
@@ -179,12 +176,7 @@ def _speed_tables(res: Results, speedup: float) -> str:
                 f"{_f(per_token, '{:.0f}')} | {_f(_med(rows, 'loadgen_cpu_ms'), '{:.2f}')} |"
             )
         if rows := res.engines.get((speedup, c)):
-            rps = _med(rows, "req_per_s")
-            t1.append(
-                f"| {ENGINES_LABEL} | {c} | {rps:.1f}{_spread(rows)} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
-                f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
-                f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | 0 |"
-            )
+            t1.append(_speed_row(ENGINES_LABEL, c, rows, base_rows))
     text = "\n".join(t1)
     if engines := _engines_note(res, speedup):
         text += "\n\n" + engines
