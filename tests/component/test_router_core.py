@@ -7,6 +7,9 @@ a worker that leaves discovery leaves routing and the index at once; a
 stream broken before its terminal is migrated (prompt + tokens so far,
 max_tokens lowered) and the caller sees one continuous stream; guided
 decoding is not migrated after its first token; the migration limit holds.
+The migration tests run both ways a caller can take a stream: all through
+its iterator, and relayed (worker chunks to a sink, as the router process's
+GenerateSession does), where the sink must see the same continuous stream.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from test_router_support import collect, mesh, mocker, request, tokens_of, wait_for
+from test_router_support import collect, collect_via, mesh, mocker, request, tokens_of, wait_for
 
 from meshllm import errors
 from meshllm.engine.base import Context, TokenChunk, TokenRequest
 from meshllm.engine.mocker import MockerEngine
 from meshllm.engine.sample import SampleEngine
 from meshllm.v1 import discovery_pb2
+
+VIAS = ["iterator", "sink"]
 
 
 class FlakyEngine(SampleEngine):
@@ -139,7 +144,8 @@ async def test_a_worker_leaving_discovery_leaves_routing_and_the_index_at_once()
         assert {c.worker_id for c in (await core.route("mocker", prompt)).candidates} == {"b"}
 
 
-async def test_a_broken_stream_migrates_and_the_caller_sees_one_continuous_stream() -> None:
+@pytest.mark.parametrize("via", VIAS)
+async def test_a_broken_stream_migrates_and_the_caller_sees_one_continuous_stream(via: str) -> None:
     async with mesh() as m:
         flaky = FlakyEngine(break_after=3)
         await m.worker(flaky, instance_id="a")
@@ -150,7 +156,8 @@ async def test_a_broken_stream_migrates_and_the_caller_sees_one_continuous_strea
         req = request("mig", [10, 20, 30], max_tokens=8, model="sample", routing={"allowed_worker_ids": ["a", "b"]})
         req["stop"]["min_tokens"] = 5
         # pin the first attempt to the flaky worker through the tie-break (ids sort "a" first)
-        chunks = await collect(core.generate(req))
+        chunks, yielded = await collect_via(core, req, via)
+        assert yielded == (1 if via == "sink" else len(chunks))  # the terminal alone, when relayed
         assert tokens_of(chunks) == [31, 32, 33, 34, 35, 36, 37, 38]
         assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "cached_tokens": 0}
         resent = good.requests[-1]
@@ -162,7 +169,8 @@ async def test_a_broken_stream_migrates_and_the_caller_sees_one_continuous_strea
         assert len(flaky.requests) == 1
 
 
-async def test_guided_decoding_is_not_migrated_after_its_first_token() -> None:
+@pytest.mark.parametrize("via", VIAS)
+async def test_guided_decoding_is_not_migrated_after_its_first_token(via: str) -> None:
     async with mesh() as m:
         await m.worker(FlakyEngine(break_after=2), instance_id="a")
         good = FlakyEngine()
@@ -170,20 +178,21 @@ async def test_guided_decoding_is_not_migrated_after_its_first_token() -> None:
         await m.worker(good, instance_id="b")
         core = await m.router()
         req = request("g", [1], max_tokens=8, model="sample", sampling={"guided": {"regex": "[a-z]+"}})
-        chunks = await collect(core.generate(req))
+        chunks, _ = await collect_via(core, req, via)
         assert tokens_of(chunks) == [2, 3]
         assert chunks[-1]["finish_reason"] == "error" and chunks[-1]["error"]["code"] == "Disconnected"
         assert chunks[-1]["usage"]["completion_tokens"] == 2
         assert good.requests == []
 
 
-async def test_the_migration_limit_holds() -> None:
+@pytest.mark.parametrize("via", VIAS)
+async def test_the_migration_limit_holds(via: str) -> None:
     async with mesh() as m:
         engines = [FlakyEngine(break_after=1) for _ in range(3)]
         for i, e in enumerate(engines):
             await m.worker(e, instance_id=f"w{i}")
         core = await m.router(migration_limit=1)
-        chunks = await collect(core.generate(request("lim", [1], max_tokens=8, model="sample")))
+        chunks, _ = await collect_via(core, request("lim", [1], max_tokens=8, model="sample"), via)
         assert tokens_of(chunks) == [2, 3]  # one token from each of the two attempts
         assert chunks[-1]["finish_reason"] == "error"
         assert sum(len(e.requests) for e in engines) == 2
@@ -232,7 +241,8 @@ class FlakyMocker(MockerEngine):
             yield chunk
 
 
-async def test_a_migrated_mocker_stream_is_token_identical_to_an_undisturbed_one() -> None:
+@pytest.mark.parametrize("via", VIAS)
+async def test_a_migrated_mocker_stream_is_token_identical_to_an_undisturbed_one(via: str) -> None:
     prompt = list(range(7, 300))
     async with mesh() as m:
         await m.worker(mocker())
@@ -244,7 +254,7 @@ async def test_a_migrated_mocker_stream_is_token_identical_to_an_undisturbed_one
         core = await m.router()
         # equal costs: the tie-break (worker id) sends the first attempt to the flaky "a"
         req = request("mig", prompt, max_tokens=40, model="mocker", routing={"allowed_worker_ids": ["a", "b"]})
-        chunks = await collect(core.generate(req))
+        chunks, _ = await collect_via(core, req, via)
     assert core.metrics.migrations._value.get() == 1
     assert tokens_of(chunks) == expected and len(expected) == 40
     assert chunks[-1]["usage"]["completion_tokens"] == 40 and chunks[-1]["usage"]["prompt_tokens"] == len(prompt)

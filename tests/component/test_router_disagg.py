@@ -6,7 +6,9 @@ plus the prefill worker's id and address; conditional disaggregation keeps
 short prompts and well-cached prompts on the decode worker; a cancel during
 the prefill leg reaches the prefill engine, which frees the request's blocks
 within 1 s (its load snapshot shows 0 active blocks) — the bug of Dynamo
-#13691 — and a cancel during the decode leg frees the decode worker's.
+#13691 — and a cancel during the decode leg frees the decode worker's. The
+first test runs relayed too (the decode leg's chunks to a sink, as the
+router process's GenerateSession takes them).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from test_router_support import Mesh, collect, mesh, mocker, request, tokens_of, wait_for
+import pytest
+from test_router_support import Mesh, collect, collect_via, mesh, mocker, request, tokens_of, wait_for
 
 from meshllm.engine.base import Context, TokenChunk, TokenRequest
 from meshllm.engine.mocker import MockerEngine
@@ -47,7 +50,8 @@ async def disagg_mesh(m: Mesh, **prefill_kw: Any) -> tuple[Recording, Recording,
     return pre, dec, pw, dw
 
 
-async def test_a_disaggregated_stream_equals_the_aggregated_one_with_the_first_token_once() -> None:
+@pytest.mark.parametrize("via", ["iterator", "sink"])
+async def test_a_disaggregated_stream_equals_the_aggregated_one_with_the_first_token_once(via: str) -> None:
     p = prompt(200)
     async with mesh() as agg_mesh:
         await agg_mesh.worker(mocker())
@@ -63,8 +67,10 @@ async def test_a_disaggregated_stream_equals_the_aggregated_one_with_the_first_t
         assert decode.role == discovery_pb2.WORKER_ROLE_DECODE and decode.worker_id == "decode-1"
         roles = [w.role for w in core.list_workers().workers]  # sorted by id: decode-1, prefill-1
         assert roles == [discovery_pb2.WORKER_ROLE_DECODE, discovery_pb2.WORKER_ROLE_PREFILL]
-        chunks = await collect(core.generate(request("dis", p, max_tokens=12, model="mocker")))
+        chunks, yielded = await collect_via(core, request("dis", p, max_tokens=12, model="mocker"), via)
         assert tokens_of(chunks) == expected
+        # relayed, the prefill's first token and the terminal come through the iterator, the decode leg's to the sink
+        assert yielded == (2 if via == "sink" else len(chunks))
         assert chunks[0]["token_ids"] == expected[:1]  # the prefill's first token, alone and once
         assert chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["usage"]["prompt_tokens"] == 200
         assert sum("finish_reason" in c for c in chunks) == 1

@@ -52,6 +52,20 @@ async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
     return [c async for c in stream]
 
 
+async def collect_via(core: RouterCore, req: TokenRequest, via: str) -> tuple[list[TokenChunk], int]:
+    """The caller's whole stream of `core.generate(req)` and how many chunks its iterator yielded.
+
+    `via` "iterator": every chunk through the iterator (a Generate call, the frontend's embedded core);
+    "sink": as the router's GenerateSession relays it, worker chunks to a sink, the rest through the iterator.
+    """
+    got: list[TokenChunk] = []
+    yielded = 0
+    async for chunk in core.generate(req, sink=got.append if via == "sink" else None):
+        got.append(chunk)
+        yielded += 1
+    return got, yielded
+
+
 def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.get("token_ids", ())]
 

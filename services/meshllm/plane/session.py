@@ -14,7 +14,10 @@ outbox holds as one message whenever it has something. While a write waits
 (the client reads slowly), later tokens of a stream are merged into its
 pending chunk (`meshllm.protocol.chunks`), so nothing blocks the engine and
 memory stays bounded by tokens, not messages. Tokens reach the client as soon
-as they exist when it keeps up: the writer wakes on the first push.
+as they exist when it keeps up: the writer wakes on the first push. A relay
+server (`relay=`, the router) also gives each stream's handler a sink
+into the outbox, so chunks a relay receives from its own peers' sessions
+(`SessionClient.generate(sink=...)`) go out without waking the stream's task.
 
 Client side: `SessionClient` (plane/session_client.py, re-exported here).
 `generate_to` chooses between a peer in this process and the session to it.
@@ -28,10 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -50,7 +54,7 @@ from meshllm.errors import (
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.session_client import SessionClient
 from meshllm.plane.session_client import wake as _wake
-from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, GenerateHandler
+from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, ChunkSink, GenerateHandler
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_into_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
@@ -60,6 +64,7 @@ from meshllm.v1 import session_pb2
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "HEARTBEAT_S",
+    "RelayHandler",
     "SessionClient",
     "SessionHandler",
     "SessionServer",
@@ -73,6 +78,8 @@ DEFAULT_INTERVAL_S = DEFAULT_STREAM_INTERVAL_S
 # A server's heartbeat interval: well under the least stall bound a client accepts (1 s).
 HEARTBEAT_S = 0.5
 SessionHandler = GenerateHandler
+# A Generate handler that may pass non-terminal chunks to a sink instead of yielding them (SessionServer's `relay`).
+RelayHandler = Callable[[TokenRequest, CallInfo, ChunkSink], AsyncIterator[TokenChunk]]
 
 
 # ---------------------------------------------------------------- server
@@ -94,8 +101,13 @@ class SessionServer:
         *,
         min_interval_s: float = DEFAULT_INTERVAL_S,
         heartbeat_s: float = HEARTBEAT_S,
+        relay: RelayHandler | None = None,
     ) -> None:
         self.handler = handler
+        # When set, streams run this instead of `handler` (the same stream), with a ChunkSink of the stream as
+        # third argument: what it passes there is sent as if yielded, without the stream's task waking for it
+        # (the router forwards worker chunks so).
+        self.relay = relay
         self.min_interval_s = min_interval_s
         self.heartbeat_s = heartbeat_s  # an empty SessionDown after this long without a message while streams are open
         self.method = method  # the span name of each stream when tracing records, e.g. "/meshllm.v1.Worker/Generate"
@@ -252,7 +264,12 @@ class _ServerSession:
             token = otel_context.attach(trace.set_span_in_context(span))
         try:
             deadline = time.monotonic() + op.timeout_s if op.timeout_s > 0 else None
-            stream = self.server.handler(request_from_proto(op.request), CallInfo(tp, deadline))
+            request, info = request_from_proto(op.request), CallInfo(tp, deadline)
+            relay = self.server.relay
+            if relay is not None:
+                stream = relay(request, info, functools.partial(self.push, sid))
+            else:
+                stream = self.server.handler(request, info)
             try:
                 if deadline is None:
                     await self._pump(sid, stream)
@@ -309,13 +326,20 @@ def session_key(service: str) -> str:
 
 
 def generate_to(
-    channels: ChannelCache, address: str, service: str, request: TokenRequest, call: CallInfo | None = None
+    channels: ChannelCache,
+    address: str,
+    service: str,
+    request: TokenRequest,
+    call: CallInfo | None = None,
+    sink: ChunkSink | None = None,
 ) -> AsyncIterator[TokenChunk]:
     """One Generate stream to `meshllm.v1.<service>` at `address`.
 
     A peer living in this very process (`channels.local`, meshllm run) is
     called directly (plane/local.py); any other goes over the process's one
-    GenerateSession call to it.
+    GenerateSession call to it. `sink` is `SessionClient.generate`'s: a
+    session stream hands it the non-terminal chunks; a local one has none to
+    save (no reader task stands between) and yields every chunk.
     """
     info = call or CallInfo()
     local: LocalPeers | None = channels.local
@@ -333,4 +357,4 @@ def generate_to(
         return SessionClient(open_call, peer, method, liveness=channels.liveness)
 
     session = channels.shared(address, session_key(service), make)
-    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline)
+    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline, sink=sink)

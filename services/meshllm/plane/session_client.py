@@ -31,9 +31,18 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from meshllm.errors import Cancelled, Disconnected, MeshError, ResponseTimeout, StreamIncomplete, error_from_code
+from meshllm.errors import (
+    Cancelled,
+    Disconnected,
+    MeshError,
+    ResponseTimeout,
+    StreamIncomplete,
+    Unknown,
+    error_from_code,
+    log_unexpected,
+)
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.transport import SessionLiveness, mesh_error
+from meshllm.plane.transport import ChunkSink, SessionLiveness, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
@@ -56,18 +65,28 @@ def wake(waiter: asyncio.Future[None] | None) -> None:
 
 
 class _Pipe:
-    """One stream's chunks on the client: merged while the consumer lags."""
+    """One stream's chunks on the client: merged while the consumer lags, or handed to its sink."""
 
-    __slots__ = ("error", "expired", "last_at", "queue", "waiter")
+    __slots__ = ("error", "expired", "last_at", "queue", "sink", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, sink: ChunkSink | None = None) -> None:
         self.queue: collections.deque[TokenChunk] = collections.deque()
         self.error: MeshError | None = None
         self.expired = False  # its deadline passed (set by a timer: no wait_for per wake-up)
         self.waiter: asyncio.Future[None] | None = None
         self.last_at = 0.0  # loop time its last chunk arrived; 0 = none yet (no progress deadline before the first)
+        self.sink = sink  # takes the non-terminal chunks as they arrive (SessionClient.generate)
 
     def put(self, chunk: TokenChunk) -> None:
+        sink = self.sink
+        if sink is not None and "finish_reason" not in chunk:
+            try:
+                sink(chunk)
+            except Exception as exc:  # the sink's bug fails its stream, never the session's reader
+                log_unexpected(log, "a stream's chunk sink failed", exc)
+                self.sink = None
+                self.fail(Unknown(f"{type(exc).__name__}: {exc}"))
+            return
         q = self.queue
         if q and mergeable(chunk) and mergeable(q[-1]):
             merge_into(q[-1], chunk)
@@ -115,8 +134,8 @@ class _ClientSession:
         self._writer = asyncio.ensure_future(self._write())
         self._watchdog = asyncio.ensure_future(self._watch())
 
-    def open(self, sid: int, op: session_pb2.StreamOpen) -> _Pipe:
-        pipe = _Pipe()
+    def open(self, sid: int, op: session_pb2.StreamOpen, sink: ChunkSink | None = None) -> _Pipe:
+        pipe = _Pipe(sink)
         if not self.pipes:
             self.busy_since = self._loop.time()
             wake(self._busy_waiter)
@@ -271,12 +290,24 @@ class SessionClient(AsyncCloseable):
         return s
 
     async def generate(
-        self, request: TokenRequest, *, traceparent: str | None = None, deadline: float | None = None
+        self,
+        request: TokenRequest,
+        *,
+        traceparent: str | None = None,
+        deadline: float | None = None,
+        sink: ChunkSink | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Chunks of one stream, then exactly one terminal; or the MeshError it ended with.
 
         `deadline` is a `time.monotonic()` instant: past it the stream fails
         with ResponseTimeout (the server enforces the same deadline).
+
+        With a `sink`, the session's reader calls `sink(chunk)` with each
+        non-terminal chunk as its message arrives, in order, and the iterator
+        yields only the terminal (or raises the error): a relay (the router)
+        forwards tokens without waking the consuming task once per message.
+        A sink must not block or await; one that raises fails its stream with
+        Unknown. Nothing reaches the sink after the iterator is closed.
         """
         timeout_s = 0.0
         if deadline is not None:
@@ -294,7 +325,7 @@ class SessionClient(AsyncCloseable):
         op = session_pb2.StreamOpen(
             stream_id=sid, request=request_to_proto(request), traceparent=traceparent or "", timeout_s=timeout_s
         )
-        pipe = session.open(sid, op)
+        pipe = session.open(sid, op, sink)
         loop = asyncio.get_running_loop()
         timer = None if deadline is None else loop.call_later(deadline - time.monotonic(), pipe.expire)
         finished = False

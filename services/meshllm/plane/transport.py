@@ -54,6 +54,7 @@ __all__ = [
     "TRACEPARENT",
     "CallInfo",
     "ChannelCache",
+    "ChunkSink",
     "GenerateHandler",
     "GrpcServer",
     "ServiceBinding",
@@ -349,6 +350,10 @@ DEFAULT_STREAM_INTERVAL_S = DEFAULT_STREAM_INTERVAL_MS / 1000.0
 
 # What serves one Generate stream in process: a servicer's request runner, a routing core's generate.
 GenerateHandler = Callable[[TokenRequest, CallInfo], AsyncIterator[TokenChunk]]
+
+# Takes one stream's non-terminal chunks synchronously as they arrive, instead of its iterator
+# (SessionClient.generate's `sink`): it must not block, await or keep the chunk for later mutation.
+ChunkSink = Callable[[TokenChunk], None]
 
 
 # ---------------------------------------------------------------- server

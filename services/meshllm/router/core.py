@@ -31,7 +31,7 @@ from meshllm.errors import NotFound, Unavailable
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.discovery import Discovery
 from meshllm.plane.events import EventBus, NullEventBus
-from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.plane.transport import CallInfo, ChannelCache, ChunkSink
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
@@ -194,8 +194,16 @@ class RouterCore(AsyncCloseable):
         await self.sync.aclose()
 
     # ------------------------------------------------------------ public API
-    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
+    def generate(
+        self, request: TokenRequest, *, call: CallInfo | None = None, sink: ChunkSink | None = None
+    ) -> AsyncIterator[TokenChunk]:
         """Route and stream one request (migrated when a worker breaks).
+
+        With a `sink`, the non-terminal chunks that arrive over a worker
+        session go to it as they arrive (a relay: `SessionClient.generate`),
+        and the iterator yields the rest: the terminal, and every chunk the
+        stream makes itself (a disaggregated request's first tokens, an
+        in-process worker's chunks, an error terminal after migration).
 
         Worker streams arrive through sessions that merge the tokens of a
         caller who reads slower than the worker writes (plane/session.py), so
@@ -215,7 +223,7 @@ class RouterCore(AsyncCloseable):
         if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
             req["eos_token_ids"] = list(card.eos_token_ids)
         self.metrics.requests.inc()
-        return serve(self, req, call)
+        return serve(self, req, call, sink)
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None

@@ -12,6 +12,14 @@ address) and continues after them. A prefill terminal that already ends the
 request (EOS, stop, max_tokens reached, no params) is passed on as the
 stream's terminal.
 
+Relay: a stream of the router's GenerateSession service (RouterServicer) has
+a sink. Its worker legs' non-terminal chunks then skip this generator chain:
+the worker session's reader hands each one to the leg's sink, which does the
+leg's bookkeeping and the migration state's and pushes it into the caller's
+session, so a token wakes no task here. The chain still carries the
+terminal, a disaggregated request's first tokens (the prefill leg has no
+sink) and error terminals, after every chunk the sink was given.
+
 Cancellation: the caller closing the stream (or cancelling the task that
 iterates it) unwinds `serve` through whichever leg is running — prefill or
 decode — and closes its `WorkerClient.generate`, which sends the stream's
@@ -27,7 +35,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshError
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
@@ -42,12 +50,22 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
-def serve(core: RouterCore, request: TokenRequest, call: CallInfo | None) -> AsyncGenerator[TokenChunk, None]:
+def serve(
+    core: RouterCore, request: TokenRequest, call: CallInfo | None, sink: ChunkSink | None = None
+) -> AsyncGenerator[TokenChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py).
 
     Returns `migrating`'s generator itself: no extra generator layer per chunk.
+    With a `sink` (a relay: RouterCore.generate), a worker leg's non-terminal
+    chunks take the same bookkeeping (the leg's, then the migration state's)
+    and go to it from the session's reader; the rest come through the generator.
     """
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
+    relay: ChunkSink | None = None
+    if sink is not None:
+
+        def relay(chunk: TokenChunk) -> None:
+            sink(state.observe(chunk))
 
     def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
         if failed is not None:
@@ -61,11 +79,11 @@ def serve(core: RouterCore, request: TokenRequest, call: CallInfo | None) -> Asy
             f"({exc.code}); migrated", worker_id=failed,
         )  # fmt: skip
 
-    return migrating(state, lambda req: _attempt(core, req, state, call), peer="worker", on_failure=failure)
+    return migrating(state, lambda req: _attempt(core, req, state, call, relay), peer="worker", on_failure=failure)
 
 
 def _attempt(
-    core: RouterCore, req: TokenRequest, state: MigrationState, call: CallInfo | None
+    core: RouterCore, req: TokenRequest, state: MigrationState, call: CallInfo | None, sink: ChunkSink | None
 ) -> AsyncGenerator[TokenChunk, None]:
     """Plan, then the attempt's stream: one aggregated leg itself (no generator layer around it), or prefill then decode."""
     state.current_worker = None
@@ -74,12 +92,12 @@ def _attempt(
     if plan.prefill is None:
         if plan.main.role == DECODE:
             core.metrics.local_prefills.inc()
-        return _leg(core, req, plan.main, plan.hashes, state, call, "agg")
-    return _disaggregated(core, req, plan, state, call)
+        return _leg(core, req, plan.main, plan.hashes, state, call, "agg", sink)
+    return _disaggregated(core, req, plan, state, call, sink)
 
 
 async def _disaggregated(
-    core: RouterCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo | None
+    core: RouterCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo | None, sink: ChunkSink | None
 ) -> AsyncGenerator[TokenChunk, None]:
     assert plan.prefill is not None
     prefill_req = req.copy()
@@ -127,7 +145,7 @@ async def _disaggregated(
     decode_params["prefill_address"] = p.address
     decode_req = req.copy()
     decode_req["disagg"] = decode_params
-    async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode")) as leg:
+    async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode", sink)) as leg:
         async for chunk in leg:
             yield chunk
 
@@ -140,8 +158,13 @@ async def _leg(
     state: MigrationState,
     call: CallInfo | None,
     kind: str,
+    sink: ChunkSink | None = None,
 ) -> AsyncGenerator[TokenChunk, None]:
-    """One worker call: charge its load (and tell the replicas), stream, release — whatever happens."""
+    """One worker call: charge its load (and tell the replicas), stream, release — whatever happens.
+
+    Every chunk, yielded or passed to `sink` (the worker session's reader calls it), takes the leg's
+    bookkeeping first: the end of its prefill, and the timing of its first token and later steps.
+    """
     cand = decision.chosen
     key = cand.key
     leg_id = f"{req['request_id']}/{kind}"
@@ -177,21 +200,33 @@ async def _leg(
     prefilled = prefill_tokens == 0
     first = last = 0.0
     later_tokens = 0  # tokens after the first chunk: one per step of the worker
+
+    def seen(chunk: TokenChunk) -> None:
+        nonlocal prefilled, first, last, later_tokens
+        if not prefilled:
+            prefilled = True
+            core.load.prefill_done(core.id, leg_id)
+            core.sync.prefill_done(leg_id, key)
+        if chunk.get("token_ids"):
+            last = time.monotonic()
+            if not first:
+                first = last
+                if idle and kind != "decode":
+                    core.times.prefill(req["model"], cand.prefill_tokens, (first - now) * 1000)
+            else:
+                later_tokens += len(chunk["token_ids"])
+
+    relay: ChunkSink | None = None
+    if sink is not None:
+
+        def relay(chunk: TokenChunk) -> None:
+            seen(chunk)
+            sink(chunk)
+
     try:
-        async with aclosing(core.client(cand.address).generate(req, call=call)) as stream:  # type: ignore[type-var]
+        async with aclosing(core.client(cand.address).generate(req, call=call, sink=relay)) as stream:  # type: ignore[type-var]
             async for chunk in stream:
-                if not prefilled:
-                    prefilled = True
-                    core.load.prefill_done(core.id, leg_id)
-                    core.sync.prefill_done(leg_id, key)
-                if chunk.get("token_ids"):
-                    last = time.monotonic()
-                    if not first:
-                        first = last
-                        if idle and kind != "decode":
-                            core.times.prefill(req["model"], cand.prefill_tokens, (first - now) * 1000)
-                    else:
-                        later_tokens += len(chunk["token_ids"])
+                seen(chunk)
                 yield chunk
     finally:
         if later_tokens:
