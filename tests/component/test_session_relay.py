@@ -6,7 +6,8 @@ session's reader with each non-terminal chunk, and the iterator yields only
 the terminal; `SessionServer(relay=...)` gives its relay handler a sink whose
 chunks are sent as if yielded. Locks: the sink sees every token in order
 before the iterator's terminal; a sink that raises fails its own stream
-(Unknown) and no other; nothing reaches a sink after its stream is dropped;
+(Unknown, nothing of it passed on after) and no other, and the server stops
+that stream; nothing reaches a sink after its stream is dropped;
 a relay server's sink chunks and yielded chunks reach the client as one
 stream in order. The router's relay (migration, disaggregation) is locked in
 test_router_core.py and test_router_disagg.py.
@@ -61,26 +62,61 @@ async def test_a_sink_gets_every_non_terminal_chunk_in_order_and_the_iterator_on
         assert_one_terminal_last(plain)
 
 
-async def test_a_sink_that_raises_fails_its_own_stream_with_unknown_and_the_others_go_on() -> None:
-    async with await serve(SessionWorker(counted_handler)) as srv, ChannelCache() as channels:
-        client = session_client(channels, srv.address)
-        seen: list[TokenChunk] = []
+async def burst(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
+    """Every chunk and the terminal without a pause: they leave in one message (the chunks merged into one)."""
+    k = int(request.get("annotations", {}).get("k", "0"))
+    for i in range(4):
+        yield {"token_ids": [100 * k + i]}
+    yield done(4)
 
-        def bad(chunk: TokenChunk) -> None:
-            seen.append(chunk)
-            if len(seen) == 2:
+
+async def test_a_sink_that_raises_fails_its_own_stream_with_unknown_and_the_others_go_on() -> None:
+    """Locks: the failing chunk's stream ends with Unknown, even when its terminal came in the same message
+    (dropped, not passed on as if nothing had happened); other streams are untouched."""
+    async with await serve(SessionWorker(burst)) as srv, ChannelCache() as channels:
+        client = session_client(channels, srv.address)
+        for attempt in range(3):
+            seen: list[TokenChunk] = []
+
+            def bad(chunk: TokenChunk, seen: list[TokenChunk] = seen) -> None:
+                seen.append(chunk)
                 raise KeyError("relay bug")
 
-        good: list[TokenChunk] = []
-        results = await asyncio.gather(
-            collect(client.generate(req("bad", k="3"), sink=bad)),
-            collect(client.generate(req("good", k="3"), sink=good.append)),
-            return_exceptions=True,
-        )
-        assert isinstance(results[0], errors.Unknown) and "KeyError" in results[0].message
-        assert len(seen) == 2  # nothing more reached the failed sink
-        assert tokens_of(good) == [300 + i for i in range(8)] and not isinstance(results[1], BaseException)
-        assert tokens_of(await collect(client.generate(req("after")))) == list(range(5))
+            good: list[TokenChunk] = []
+            results = await asyncio.gather(
+                collect(client.generate(req(f"bad{attempt}", k="3"), sink=bad)),
+                collect(client.generate(req(f"good{attempt}", k="5"), sink=good.append)),
+                return_exceptions=True,
+            )
+            assert isinstance(results[0], errors.Unknown) and "KeyError: 'relay bug'" in results[0].message
+            assert len(seen) == 1 and tokens_of(seen) == [300, 301, 302, 303]  # its terminal came in the same message
+            assert tokens_of(good) == [500, 501, 502, 503] and not isinstance(results[1], BaseException)
+        assert tokens_of(await collect(client.generate(req("after")))) == [0, 1, 2, 3]
+
+
+async def test_a_failed_sink_cancels_its_stream_on_the_server() -> None:
+    never = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def endless(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
+        try:
+            yield {"token_ids": [1]}
+            await never.wait()
+            yield done(1)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def bad(chunk: TokenChunk) -> None:
+        raise RuntimeError("relay bug")
+
+    servicer = SessionWorker(endless)
+    async with await serve(servicer) as srv, ChannelCache() as channels:
+        client = session_client(channels, srv.address)
+        with pytest.raises(errors.Unknown, match="RuntimeError: relay bug"):
+            await collect(client.generate(req("bad"), sink=bad))
+        await asyncio.wait_for(cancelled.wait(), WAIT_S)
+        await wait_until(lambda: servicer.sessions.open_streams == 0, timeout_s=WAIT_S, what="the stream to end")
 
 
 async def test_nothing_reaches_a_sink_after_its_stream_is_dropped() -> None:

@@ -67,7 +67,7 @@ def wake(waiter: asyncio.Future[None] | None) -> None:
 class _Pipe:
     """One stream's chunks on the client: merged while the consumer lags, or handed to its sink."""
 
-    __slots__ = ("error", "expired", "last_at", "queue", "sink", "waiter")
+    __slots__ = ("error", "expired", "last_at", "queue", "sink", "sink_failed", "waiter")
 
     def __init__(self, sink: ChunkSink | None = None) -> None:
         self.queue: collections.deque[TokenChunk] = collections.deque()
@@ -76,8 +76,11 @@ class _Pipe:
         self.waiter: asyncio.Future[None] | None = None
         self.last_at = 0.0  # loop time its last chunk arrived; 0 = none yet (no progress deadline before the first)
         self.sink = sink  # takes the non-terminal chunks as they arrive (SessionClient.generate)
+        self.sink_failed = False  # the sink raised: the server's stream goes on and must be cancelled
 
     def put(self, chunk: TokenChunk) -> None:
+        if self.error is not None:
+            return  # a failed stream takes nothing more (after its sink failed, not even its terminal)
         sink = self.sink
         if sink is not None and "finish_reason" not in chunk:
             try:
@@ -85,6 +88,7 @@ class _Pipe:
             except Exception as exc:  # the sink's bug fails its stream, never the session's reader
                 log_unexpected(log, "a stream's chunk sink failed", exc)
                 self.sink = None
+                self.sink_failed = True
                 self.fail(Unknown(f"{type(exc).__name__}: {exc}"))
             return
         q = self.queue
@@ -340,7 +344,7 @@ class SessionClient(AsyncCloseable):
                         return
                     yield chunk
                 if pipe.error is not None:
-                    finished = True
+                    finished = not pipe.sink_failed  # the server ended it, unless it failed here
                     raise pipe.error
                 if pipe.expired:
                     raise ResponseTimeout(f"no answer from {self.peer} before the deadline")
