@@ -21,7 +21,7 @@ from typing import Any
 
 from mesh_profile import Profile
 from mesh_systems import DYNAMO_VERSION, LABELS, dynamo_venv
-from runinfo import load_sentence, versions
+from runinfo import load_sentence, python, versions
 
 __all__ = ["Results", "build_info", "section"]
 
@@ -91,7 +91,7 @@ def build_info() -> dict[str, str]:
     dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "python": platform.python_version(),
+        "python": python(),
         "commit": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
         "packages": ", ".join(found),
         "fingerprint": code_fingerprint(),

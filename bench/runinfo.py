@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -25,6 +26,7 @@ __all__ = [
     "load_sentence",
     "machine",
     "median_range",
+    "python",
     "today",
     "versions",
 ]
@@ -35,8 +37,14 @@ def today() -> str:
 
 
 def machine() -> str:
-    """'x86_64, 2 cores, Python 3.11.7', read from this process."""
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    """'x86_64, 2 cores, Python 3.11.7 (/usr)', read from this process."""
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {python()}"
+
+
+def python() -> str:
+    """'3.11.7 (/root/.pyenv/versions/3.11.7)': the interpreter's version and installation, since its build
+    (PGO/LTO or not) moves every figure of a Python process by 15 % or more (docs/operations.md)."""
+    return f"{platform.python_version()} ({sys.base_prefix})"
 
 
 def versions(*names: str) -> str:
