@@ -64,6 +64,16 @@ class SystemSpec:
     model_name: str = "smollm2-135m-instruct"
     extra: Mapping[str, Sequence[str]] = field(default_factory=dict)  # command → extra flags (frontend, router, ...)
     tls: bool = False  # mTLS between the processes, HTTPS on the frontend (the `+mtls` kinds)
+    # A directory put first on every meshllm process's PYTHONPATH (bench/mesh_ab.py: another commit's
+    # `services/`); empty = the services of the interpreter's own install.
+    services_path: str = ""
+
+    def env(self) -> dict[str, str]:
+        """The environment every meshllm process of the system gets on top of the bench's own."""
+        if not self.services_path:
+            return ENV
+        inherited = os.environ.get("PYTHONPATH")
+        return {**ENV, "PYTHONPATH": os.pathsep.join([self.services_path, *([inherited] if inherited else [])])}
 
 
 @dataclass(slots=True)
@@ -241,7 +251,7 @@ async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Seq
                 *planes, "--speedup-ratio", f"{spec.speedup:g}", *sim, *spec.extra.get("worker", ()),
             ]  # fmt: skip
             workers = [
-                MeshllmProcess(*argv, "--metrics-port", str(port), *tls[f"worker-{i + 1}"], env=ENV)
+                MeshllmProcess(*argv, "--metrics-port", str(port), *tls[f"worker-{i + 1}"], env=spec.env())
                 for i, port in enumerate(ports)
             ]
             procs[:0] = workers
@@ -253,7 +263,7 @@ async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Seq
                 rport = free_port()
                 rp = MeshllmProcess(
                     "router", "--host", "127.0.0.1", "--port", "0", "--router-mode", spec.router_mode,
-                    "--metrics-port", str(rport), *planes, *tls["router"], *spec.extra.get("router", ()), env=ENV,
+                    "--metrics-port", str(rport), *planes, *tls["router"], *spec.extra.get("router", ()), env=spec.env(),
                 )  # fmt: skip
                 procs.insert(0, rp)
                 address = await rp.address(READY_S)
@@ -267,7 +277,7 @@ async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Seq
             fe = MeshllmProcess(
                 "frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
                 "--router-mode", spec.router_mode, "--model-path", str(spec.model_path), *planes, *upstream,
-                *tls["frontend"], *spec.extra.get("frontend", ()), env=ENV,
+                *tls["frontend"], *spec.extra.get("frontend", ()), env=spec.env(),
             )  # fmt: skip
             procs.insert(0, fe)
             url = (await _ready_line(fe, r"OpenAI HTTP API on (\S+)/v1"))[1]
@@ -294,7 +304,7 @@ async def _run(spec: SystemSpec) -> AsyncIterator[Running]:
         "run", "--workers", str(spec.workers), "--router-mode", spec.router_mode, "--http-host", "127.0.0.1",
         "--http-port", "0", "--grpc-port", "0", "--router-port", "0", "--model-path", str(spec.model_path),
         "--model-name", spec.model_name, *spec.extra.get("run", ()), "--", "--speedup-ratio", f"{spec.speedup:g}",
-        env=ENV,
+        env=spec.env(),
     )  # fmt: skip
     try:
         url = (await _ready_line(proc, r"OpenAI HTTP API\s+(\S+)/v1"))[1]
