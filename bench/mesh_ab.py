@@ -92,8 +92,9 @@ def _fmt(m: tuple[float, float, float] | None, fmt: str) -> str:
     return fmt.format(med) if lo == hi else f"{fmt.format(med)} ({fmt.format(lo)}–{fmt.format(hi)})"
 
 
-def metric_rows(sides: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str]]:
-    """(metric, base, head, head ÷ base) for one system, speedup and concurrency."""
+def metric_rows(sides: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str, str]]:
+    """(metric, base, head, head ÷ base, whether the two sides' ranges overlap) for one system, speedup and
+    concurrency: where they overlap, the pairs do not tell the two apart."""
     procs = [p for p in (sides["head"] or sides["base"])[0]["cpu_ms"] if p not in ("etcd", "nats")]
     metrics: list[tuple[str, Any, str]] = [
         ("req/s", lambda r: r["req_per_s"], "{:.1f}"),
@@ -106,7 +107,8 @@ def metric_rows(sides: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
     for name, get, fmt in metrics:
         base, head = _median(sides["base"], get), _median(sides["head"], get)
         ratio = f"{head[0] / base[0]:.3f}×" if base and head and base[0] else "–"
-        out.append((name, _fmt(base, fmt), _fmt(head, fmt), ratio))
+        overlap = "–" if not (base and head) else ("yes" if base[1] <= head[2] and head[1] <= base[2] else "no")
+        out.append((name, _fmt(base, fmt), _fmt(head, fmt), ratio, overlap))
     return out
 
 
@@ -121,13 +123,18 @@ def render(res: Results, *, argv: str, base: str, head: str, pairs: int, request
         f"from pair to pair; {requests} measured requests per level after warm-up; medians (range) over the pairs. "
         f"{load_sentence(load_avg)}",
         "",
-        "| system | speedup | conc | metric | base | head | head ÷ base |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| system | speedup | conc | metric | base | head | head ÷ base | ranges overlap |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for (kind, speedup, c), sides in res.rows.items():
-        for name, b, h, ratio in metric_rows(sides):
-            lines.append(f"| {LABELS[kind]} | {speedup:g} | {c} | {name} | {b} | {h} | {ratio} |")
-    lines += ["", "A ratio below 1.0× is less of that metric at head (fewer CPU-ms, less latency, but also fewer req/s)."]
+        for name, b, h, ratio, overlap in metric_rows(sides):
+            lines.append(f"| {LABELS[kind]} | {speedup:g} | {c} | {name} | {b} | {h} | {ratio} | {overlap} |")
+    lines += [
+        "",
+        "A ratio below 1.0× is less of that metric at head (fewer CPU-ms, less latency, but also fewer req/s). "
+        "Where the ranges of the two sides overlap, these pairs do not tell base and head apart: the difference "
+        "is within the machine's noise. A process whose code the change does not touch shows that noise too.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,8 @@
 Locks: the sides alternate their order from pair to pair; only the base side's services come first on the
 processes' PYTHONPATH (this tree's otherwise, any inherited path kept after it); the worktree is a real
 checkout of the base commit and is removed afterwards; the table shows medians with their ranges and
-head ÷ base for req/s, latency and each process's CPU; bad flags stop it with a one-line reason.
+head ÷ base for req/s, latency and each process's CPU, and whether the sides' ranges overlap; bad flags
+stop it with a one-line reason.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def test_the_table_gives_medians_ranges_and_head_over_base(ab: ModuleType) -> No
         res.add(("router", 10.0, 32), "base", b)
         res.add(("router", 10.0, 32), "head", h)
     res.add(("router", 10.0, 32), "base", _row(180, 3.4, 2.3))
-    rows = {name: (b, h, ratio) for name, b, h, ratio in ab.metric_rows(res.rows[("router", 10.0, 32)])}
-    assert rows["req/s"] == ("190.0 (180.0–200.0)", "205.0 (200.0–210.0)", "1.079×")
-    assert rows["CPU-ms/request, router"] == ("2.30 (2.20–2.40)", "2.05 (2.00–2.10)", "0.891×")
+    rows = {name: (b, h, ratio, overlap) for name, b, h, ratio, overlap in ab.metric_rows(res.rows[("router", 10.0, 32)])}
+    assert rows["req/s"] == ("190.0 (180.0–200.0)", "205.0 (200.0–210.0)", "1.079×", "yes")  # 200 at both ends
+    assert rows["CPU-ms/request, router"] == ("2.30 (2.20–2.40)", "2.05 (2.00–2.10)", "0.891×", "no")
     assert rows["CPU-ms/request, frontend"][2] == "0.953×"  # 3.05 / 3.2
     assert "CPU-ms/request, etcd" not in rows  # the planes count in the whole mesh only
     assert rows["CPU-ms/request, whole mesh"][0] == "5.82 (5.42–5.92)"  # etcd and nats included
