@@ -29,7 +29,7 @@ from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamInco
 from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.auth import caller_identity, session_scope
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate
@@ -65,6 +65,8 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self._info = info
         self.validate_streams = validate_streams
+        # Chunks go to a session's sink from the engine's step loop only where nothing must see them on the way.
+        self._takes_sink = engine.takes_sink() and not validate_streams
         self.admission = Admission(on_change=metrics.inflight.inc)
         self.inflight: dict[str, Context] = {}
         self._owner: dict[str, str] = {}  # request id -> the caller scope that started it
@@ -78,6 +80,9 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
             lambda req, call: self.run_request(req, call.traceparent, scope=session_scope.get() or "local"),
             "/meshllm.v1.Worker/Generate",
             min_interval_s=stream_interval_s,
+            relay=lambda req, call, sink: self.run_request(
+                req, call.traceparent, scope=session_scope.get() or "local", sink=sink
+            ),
         )
 
     # ------------------------------------------------------------ generate
@@ -103,16 +108,32 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
             yield down
 
     async def run_request(
-        self, req: TokenRequest, traceparent: str | None = None, *, scope: str = "internal"
+        self,
+        req: TokenRequest,
+        traceparent: str | None = None,
+        *,
+        scope: str = "internal",
+        sink: ChunkSink | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Run one request through the engine for the caller `scope` (also used by the health canary).
 
         Steps: admission (`_admit`), tracing and metrics (`_RequestTrace`), the
         engine's stream up to its terminal, cancellation (`_cancel`), release
-        (`_release`).
+        (`_release`). With a `sink` (a GenerateSession stream), the engine may
+        hand it non-terminal chunks from its step loop (`Context.sink`, for an
+        engine whose `takes_sink()` is true) after the same tracing, instead of
+        yielding them; not while streams are validated (`validate_streams`),
+        where every chunk is checked on its way.
         """
         ctx = self._admit(req, traceparent, scope)
         trace = _RequestTrace(self.trace_service, req, ctx.id)
+        if sink is not None and self._takes_sink:
+
+            def relay(chunk: TokenChunk) -> None:
+                trace.chunk(chunk)
+                sink(chunk)
+
+            ctx.sink = relay
         stream = self._engine_stream(req, ctx)
         finished = False
         try:

@@ -208,6 +208,10 @@ class MockerEngine(LLMEngine):
         return len(self._holds)
 
     # ------------------------------------------------------------ streams
+    def takes_sink(self) -> bool:
+        # A subclass that overrides generate (to look at or change the chunks) gets every chunk through it.
+        return type(self).generate is MockerEngine.generate
+
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if self._task is None or self._task.done():
             raise EngineShutdown(self._failure or "the mocker engine is not running")
@@ -222,11 +226,11 @@ class MockerEngine(LLMEngine):
                 return
         loop = asyncio.get_running_loop()
         self._by_ctx[context] = seq
+        seq.sink = context.sink  # the step loop hands it each step's tokens (Context.sink); the terminal is yielded
         self.scheduler.add(seq)
         self._wake.set()
         watcher = asyncio.ensure_future(context.stopped())
-        watcher.add_done_callback(lambda _: seq.notify())
-        sent = seq.delivered_from
+        watcher.add_done_callback(lambda _: seq.wake())
         delivered = False
         try:
             while True:
@@ -235,24 +239,30 @@ class MockerEngine(LLMEngine):
                     delivered = True
                     yield terminal("cancelled", self._usage(seq))
                     return
+                if seq.sink_error is not None:
+                    err = seq.sink_error
+                    raise Unknown(f"the stream's chunk sink failed: {type(err).__name__}: {err}")
                 n_out = len(seq.tokens) - seq.num_prompt
                 reason = seq.finish_reason
+                sent = seq.sent
                 if reason is not None and seq.status is SequenceStatus.FINISHED:
                     if reason == "error":
                         raise Unknown(self._failure)
                     fresh = seq.tokens[seq.num_prompt + sent :] if n_out > sent else ()
                     disagg = self._disagg(seq) if seq.context_only and reason == "length" else None
                     delivered = True
+                    seq.sent = n_out
                     yield terminal(reason, self._usage(seq), token_ids=fresh, disagg=disagg)
                     return
                 if n_out > sent:
                     chunk: TokenChunk = {"token_ids": seq.tokens[seq.num_prompt + sent :]}
-                    sent = n_out
+                    seq.sent = n_out
                     yield chunk
                     continue
                 waiter = seq.waiter = loop.create_future()
                 await waiter
         finally:
+            seq.sink = None  # nothing reaches the consumer after its iterator is closed
             watcher.cancel()
             self._by_ctx.pop(context, None)
             if not delivered or seq.status is not SequenceStatus.FINISHED:

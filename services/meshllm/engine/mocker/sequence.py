@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import xxhash
 
 from meshllm.protocol.kv import chain_hash, stored_blocks, tokens_hash
-from meshllm.protocol.types import FinishReason
+from meshllm.protocol.types import FinishReason, TokenChunk
 
 __all__ = ["CONTEXT_WINDOW", "Sequence", "SequenceStatus"]
 
@@ -60,6 +61,9 @@ class Sequence:
         "ready_at",
         "remote_kv",
         "request_id",
+        "sent",
+        "sink",
+        "sink_error",
         "status",
         "stop_ids",
         "tokens",
@@ -107,6 +111,9 @@ class Sequence:
         self._vocab = vocab_size
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self.waiter: asyncio.Future[None] | None = None
+        self.sent = self.delivered_from  # output tokens handed to the consumer (or streamed before this leg)
+        self.sink: Callable[[TokenChunk], None] | None = None  # the consumer's Context.sink while it runs
+        self.sink_error: Exception | None = None  # what the sink raised (the stream fails with it)
         self.hold_id = 0  # the engine's hold on a finished prefill leg's KV (0: none)
 
     @property
@@ -149,6 +156,22 @@ class Sequence:
         self.notify()
 
     def notify(self) -> None:
+        """New output or a new state: a running sequence's new tokens go to its sink, if it has one; anything
+        else (no sink, finished, nothing new) wakes the consumer."""
+        sink = self.sink
+        if sink is not None and self.finish_reason is None and self.status is not SequenceStatus.FINISHED:
+            n_out = len(self.tokens) - self.num_prompt
+            if n_out > self.sent:
+                chunk: TokenChunk = {"token_ids": self.tokens[self.num_prompt + self.sent :]}
+                self.sent = n_out
+                try:
+                    sink(chunk)
+                    return
+                except Exception as exc:  # the consumer's bug fails its stream, not the engine's step loop
+                    self.sink, self.sink_error = None, exc
+        self.wake()
+
+    def wake(self) -> None:
         """Wake the consumer waiting for new output, if any."""
         waiter = self.waiter
         if waiter is not None:

@@ -1,0 +1,140 @@
+"""The mocker hands each step's tokens to `Context.sink` from its step loop (the worker's session relay).
+
+Locks: with a sink the same request gives the same tokens (sink chunks, then the terminal from the iterator,
+which yields nothing else); a decode leg's sink starts after the tokens another worker streamed; a stop during
+the stream ends it "cancelled" through the iterator; nothing reaches the sink after its iterator is closed; a
+sink that raises fails its own stream with Unknown and the engine serves the next request; a subclass that
+overrides `generate` is not given a sink (`takes_sink()` false), so its view of the chunks is not bypassed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from test_mocker_engine import PROMPT, disagg_req, req, run, started
+
+from meshllm.engine.base import Context
+from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.errors import Unknown
+from meshllm.protocol.types import TokenChunk, TokenRequest
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[MockerEngine]:
+    e, _, _ = await started()
+    yield e
+    await e.cleanup()
+
+
+async def sunk(engine: MockerEngine, request: TokenRequest) -> tuple[list[TokenChunk], list[TokenChunk]]:
+    """(chunks the sink got, chunks the iterator yielded)."""
+    got: list[TokenChunk] = []
+    ctx = Context(request["request_id"])
+    ctx.sink = got.append
+    yielded = [c async for c in engine.generate(request, ctx)]
+    return got, yielded
+
+
+async def test_a_sink_gets_every_token_and_the_iterator_only_the_terminal(engine: MockerEngine) -> None:
+    assert engine.takes_sink()
+    expected, terminal = await run(engine, req(PROMPT, "plain", max_tokens=40, ignore_eos=True))
+    got, yielded = await sunk(engine, req(PROMPT, "sunk", max_tokens=40, ignore_eos=True))
+    assert [t for c in got for t in c["token_ids"]] + yielded[-1]["token_ids"] == expected and len(expected) == 40
+    assert len(yielded) == 1 and yielded[0]["finish_reason"] == terminal["finish_reason"] == "length"
+    assert yielded[0]["usage"]["completion_tokens"] == 40 and all("finish_reason" not in c for c in got)
+
+
+async def test_a_decode_legs_sink_starts_after_the_tokens_already_streamed(engine: MockerEngine) -> None:
+    expected, _ = await run(engine, req(PROMPT, "agg", max_tokens=12, ignore_eos=True))
+    prefill, _, _ = await started()
+    try:
+        (end,) = [c async for c in prefill.generate(disagg_req(PROMPT, "p", "context_only"), Context("p"))]
+        d = end["disagg"]
+        leg = disagg_req(PROMPT, "g", "generation_only", kv_handle=d["kv_handle"], first_token_ids=d["first_token_ids"])
+        got, yielded = await sunk(engine, leg)
+    finally:
+        await prefill.cleanup()
+    assert d["first_token_ids"] == expected[:1]
+    assert [t for c in got for t in c["token_ids"]] + yielded[-1]["token_ids"] == expected[1:]
+
+
+class Filling:
+    """A sink that records chunks and tells a test when it holds `n` of them."""
+
+    def __init__(self, n: int) -> None:
+        self.got: list[TokenChunk] = []
+        self.n = n
+        self.ready = asyncio.Event()
+
+    def __call__(self, chunk: TokenChunk) -> None:
+        self.got.append(chunk)
+        if len(self.got) >= self.n:
+            self.ready.set()
+
+
+async def test_a_stop_during_the_stream_ends_it_cancelled_through_the_iterator() -> None:
+    engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
+    try:
+        sink = Filling(3)
+        got = sink.got
+        ctx = Context("c")
+        ctx.sink = sink
+        stream = engine.generate(req(PROMPT, "c", max_tokens=5000, ignore_eos=True), ctx)
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(sink.ready.wait(), 5)
+        ctx.stop()
+        assert (await waiting)["finish_reason"] == "cancelled"
+        n = len(got)
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert engine.blocks.num_used == 0 and not engine.scheduler.has_work() and len(got) == n
+    finally:
+        await engine.cleanup()
+
+
+async def test_nothing_reaches_the_sink_after_its_iterator_is_closed() -> None:
+    engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
+    try:
+        sink = Filling(1)
+        got = sink.got
+        ctx = Context("d")
+        ctx.sink = sink
+        stream = engine.generate(req(PROMPT, "d", max_tokens=5000, ignore_eos=True), ctx)
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(sink.ready.wait(), 5)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await stream.aclose()  # type: ignore[attr-defined]
+        n = len(got)
+        tokens, _ = await run(engine, req(PROMPT, "next", max_tokens=20, ignore_eos=True))  # the engine steps on
+        assert len(tokens) == 20 and len(got) == n
+    finally:
+        await engine.cleanup()
+
+
+async def test_a_sink_that_raises_fails_its_stream_with_unknown_and_the_engine_goes_on(engine: MockerEngine) -> None:
+    def bad(chunk: TokenChunk) -> None:
+        raise KeyError("relay bug")
+
+    ctx = Context("bad")
+    ctx.sink = bad
+    with pytest.raises(Unknown, match="chunk sink failed: KeyError"):
+        _ = [c async for c in engine.generate(req(PROMPT, "bad", max_tokens=40, ignore_eos=True), ctx)]
+    assert engine.blocks.num_used == 0
+    tokens, terminal = await run(engine, req(PROMPT, "after", max_tokens=10, ignore_eos=True))
+    assert len(tokens) == 10 and terminal["finish_reason"] == "length"
+
+
+async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
+    class Wrapping(MockerEngine):
+        async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
+            async for chunk in super().generate(request, context):
+                yield chunk
+
+    class Plain(MockerEngine):
+        pass
+
+    config: Any = MockerConfig(speedup_ratio=0.0)
+    assert not Wrapping(config).takes_sink() and Plain(config).takes_sink()
