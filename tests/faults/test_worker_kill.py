@@ -1,7 +1,8 @@
 """Fault: a worker killed (SIGKILL) or drained (SIGTERM) while it carries streams, seen through the HTTP frontend.
 
 Real etcd, nats-server, two mocker `meshllm worker` processes and a `meshllm
-frontend` process with its embedded routing core. 16 streamed completions of
+frontend` process with its embedded routing core (round-robin, so that both
+workers carry streams whatever the machine's load). 16 streamed completions of
 300 tokens run; once every stream is under way and both workers carry some,
 one worker is killed (or sent SIGTERM). Locks: every stream completes (200,
 `finish_reason` "length", 300 completion tokens, `[DONE]`), and its text is
@@ -59,7 +60,9 @@ async def start_mesh(*worker_flags: str) -> AsyncIterator[Mesh]:
     async with EtcdServer() as etcd, NatsServer() as nats, ProcessMesh(etcd.endpoint, nats.url) as procs:
         ports = [free_port(), free_port()]
         started = await asyncio.gather(*(procs.worker(f"w{i}", "--metrics-port", str(ports[i]), *worker_flags) for i in range(2)))
-        _, url = await procs.frontend()
+        # Round-robin: the fault needs both workers carrying streams. Under `kv`, the undisturbed run's cached
+        # prefixes decide the placement, and on a loaded machine all 16 streams went to one worker (~1 run in 4).
+        _, url = await procs.frontend("--router-mode", "round-robin")
         yield Mesh([p for p, _ in started], ports, url)
 
 
