@@ -11,7 +11,7 @@ base's `services/` (a temporary `git worktree` of `--base`) comes first on every
 PYTHONPATH (`SystemSpec.services_path`); this tree's load generator, prompts and CPU meter drive both sides.
 Per system, speedup and concurrency it prints the median (range) of req/s, TTFT and ITL p50, and each
 process's CPU-ms per request on each side, and head ÷ base. `--write` puts the table in docs/benchmarks.md
-under "## Change against its base".
+under "## Change against its base" (": LABEL" added with `--label`).
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def metric_rows(sides: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
 
 
 def render(res: Results, *, argv: str, base: str, head: str, pairs: int, requests: int, info: dict[str, str],
-           load_avg: Sequence[float]) -> str:  # fmt: skip
+           load_avg: Sequence[float], heading: str = HEADING) -> str:  # fmt: skip
     lines = [
-        HEADING,
+        heading,
         "",
         f"`{argv}` on {info.get('date', '')} ({info['machine']}, Python {info['python']}; {info['packages']}).",
         f"Base {base}, head {head}{info['dirty']}: the same systems, load and measurement, only the services' code "
@@ -168,6 +168,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=64, help="unmeasured requests before each level")
     p.add_argument("--workers", type=int, default=2, help="mocker worker processes")
     p.add_argument("--write", action="store_true", help=f"write the table to docs/benchmarks.md ({HEADING})")
+    p.add_argument("--label", default="", help=f"what changed: the section becomes '{HEADING}: LABEL'")
     args = p.parse_args(argv)
     bad = [k for k in args.systems if k not in ("split", "router", "run")]
     if bad or not args.systems:
@@ -195,11 +196,12 @@ def main(argv: list[str]) -> int:
             except (asyncio.CancelledError, KeyboardInterrupt):
                 print("bench/mesh_ab.py: interrupted; every process it started was stopped", file=sys.stderr)
                 return 130
+    heading = f"{HEADING}: {args.label}" if args.label else HEADING
     text = render(res, argv=shlex.join(["bench/mesh_ab.py", *argv]), base=base, head=head, pairs=args.pairs,
-                  requests=args.requests, info=info, load_avg=monitor.samples)  # fmt: skip
+                  requests=args.requests, info=info, load_avg=monitor.samples, heading=heading)  # fmt: skip
     print(text)
     if args.write:
-        write_section(HEADING, text)
+        write_section(heading, text)
     return 0
 
 
