@@ -75,16 +75,23 @@ class Filling:
             self.ready.set()
 
 
+async def streaming(
+    engine: MockerEngine, rid: str, n: int
+) -> tuple[list[TokenChunk], Context, AsyncIterator[TokenChunk], asyncio.Future[TokenChunk]]:
+    """A long request with a sink, its iterator awaited in the background, once the sink holds `n` chunks."""
+    sink = Filling(n)
+    ctx = Context(rid)
+    ctx.sink = sink
+    stream = engine.generate(req(PROMPT, rid, max_tokens=5000, ignore_eos=True), ctx)
+    waiting = asyncio.ensure_future(anext(stream))
+    await asyncio.wait_for(sink.ready.wait(), 5)
+    return sink.got, ctx, stream, waiting
+
+
 async def test_a_stop_during_the_stream_ends_it_cancelled_through_the_iterator() -> None:
     engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
     try:
-        sink = Filling(3)
-        got = sink.got
-        ctx = Context("c")
-        ctx.sink = sink
-        stream = engine.generate(req(PROMPT, "c", max_tokens=5000, ignore_eos=True), ctx)
-        waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.wait_for(sink.ready.wait(), 5)
+        got, ctx, stream, waiting = await streaming(engine, "c", 3)
         ctx.stop()
         assert (await waiting)["finish_reason"] == "cancelled"
         n = len(got)
@@ -97,13 +104,7 @@ async def test_a_stop_during_the_stream_ends_it_cancelled_through_the_iterator()
 async def test_nothing_reaches_the_sink_after_its_iterator_is_closed() -> None:
     engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
     try:
-        sink = Filling(1)
-        got = sink.got
-        ctx = Context("d")
-        ctx.sink = sink
-        stream = engine.generate(req(PROMPT, "d", max_tokens=5000, ignore_eos=True), ctx)
-        waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.wait_for(sink.ready.wait(), 5)
+        got, _, stream, waiting = await streaming(engine, "d", 1)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await stream.aclose()  # type: ignore[attr-defined]
