@@ -32,6 +32,7 @@ from meshllm.config import (
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.protocol.types import (
+    ChunkSink,
     DisaggInfo,
     FinishReason,
     TokenChunk,
@@ -211,10 +212,11 @@ class Context:
     await `stopped()` alongside their own work.
 
     `sink`: when the worker sets it (its GenerateSession streams do, for an
-    engine whose `takes_sink()` is true), the engine may hand a non-terminal chunk to `sink(chunk)` instead of yielding it, from
-    wherever it makes the chunk (its step loop), so that no task wakes per chunk.
-    The sink's chunks and the yielded ones form one stream in the order they
-    were given; the terminal is always yielded. The sink never blocks; once the
+    engine whose `takes_sink()` is true), the engine may hand a non-terminal
+    chunk to `sink(chunk)` instead of yielding it, from wherever it makes the
+    chunk (its step loop), so that no task wakes per chunk. The sink's chunks
+    and the yielded ones form one stream in the order they were given; the
+    terminal is always yielded. The sink never blocks; once the
     stream's iterator is closed the engine must not call it any more. An engine
     that ignores it is correct: everything then comes through the iterator.
     """
@@ -224,7 +226,7 @@ class Context:
     def __init__(self, request_id: str, *, traceparent: str | None = None) -> None:
         self.id = request_id
         self.traceparent = traceparent
-        self.sink: Callable[[TokenChunk], None] | None = None
+        self.sink: ChunkSink | None = None
         self._event = asyncio.Event()
 
     def is_stopped(self) -> bool:

@@ -39,7 +39,7 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.reflection import enable_reflection
 from meshllm.ports import check_free
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
-from meshllm.protocol.types import TokenChunk, TokenRequest
+from meshllm.protocol.types import ChunkSink, TokenChunk, TokenRequest
 from meshllm.tracing import otel_active
 
 if TYPE_CHECKING:
@@ -350,10 +350,6 @@ DEFAULT_STREAM_INTERVAL_S = DEFAULT_STREAM_INTERVAL_MS / 1000.0
 
 # What serves one Generate stream in process: a servicer's request runner, a routing core's generate.
 GenerateHandler = Callable[[TokenRequest, CallInfo], AsyncIterator[TokenChunk]]
-
-# Takes one stream's non-terminal chunks synchronously as they arrive, instead of its iterator
-# (SessionClient.generate's `sink`): it must not block, await or keep the chunk for later mutation.
-ChunkSink = Callable[[TokenChunk], None]
 
 
 # ---------------------------------------------------------------- server

@@ -14,10 +14,12 @@ Finish reasons are the lower-case names of `meshllm.v1.FinishReason`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NotRequired, Required, TypedDict
 
 __all__ = [
     "FINISH_REASONS",
+    "ChunkSink",
     "DisaggInfo",
     "ErrorInfo",
     "FinishReason",
@@ -158,3 +160,8 @@ class TokenChunk(TypedDict, total=False):
     embedding: list[float]  # terminal chunk of an output.embedding request
     disagg: DisaggInfo
     error: ErrorInfo
+
+
+# Takes one stream's non-terminal chunks synchronously as they are made or arrive, instead of its iterator
+# (`Context.sink`, `SessionClient.generate`'s `sink`): it must not block or await, and it owns the chunk.
+ChunkSink = Callable[[TokenChunk], None]

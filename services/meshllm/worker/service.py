@@ -77,15 +77,16 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self.on_drain_request: Callable[[], Any] | None = None
         self.trace_service: str | None = None  # the service.name of its spans (set by the runtime)
         self.sessions = SessionServer(
-            lambda req, call: self.run_request(req, call.traceparent, scope=session_scope.get() or "local"),
-            "/meshllm.v1.Worker/Generate",
-            min_interval_s=stream_interval_s,
-            relay=lambda req, call, sink: self.run_request(
-                req, call.traceparent, scope=session_scope.get() or "local", sink=sink
-            ),
+            self._session_stream, "/meshllm.v1.Worker/Generate", min_interval_s=stream_interval_s, relay=self._session_stream
         )
 
     # ------------------------------------------------------------ generate
+    def _session_stream(
+        self, req: TokenRequest, call: CallInfo, sink: ChunkSink | None = None
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """A GenerateSession stream (or an in-process caller's, without a sink), scoped to the session's caller."""
+        return self.run_request(req, call.traceparent, scope=session_scope.get() or "local", sink=sink)
+
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:

@@ -242,22 +242,17 @@ class MockerEngine(LLMEngine):
                 if seq.sink_error is not None:
                     err = seq.sink_error
                     raise Unknown(f"the stream's chunk sink failed: {type(err).__name__}: {err}")
-                n_out = len(seq.tokens) - seq.num_prompt
                 reason = seq.finish_reason
-                sent = seq.sent
                 if reason is not None and seq.status is SequenceStatus.FINISHED:
                     if reason == "error":
                         raise Unknown(self._failure)
-                    fresh = seq.tokens[seq.num_prompt + sent :] if n_out > sent else ()
                     disagg = self._disagg(seq) if seq.context_only and reason == "length" else None
                     delivered = True
-                    seq.sent = n_out
-                    yield terminal(reason, self._usage(seq), token_ids=fresh, disagg=disagg)
+                    yield terminal(reason, self._usage(seq), token_ids=seq.take_output(), disagg=disagg)
                     return
-                if n_out > sent:
-                    chunk: TokenChunk = {"token_ids": seq.tokens[seq.num_prompt + sent :]}
-                    seq.sent = n_out
-                    yield chunk
+                fresh = seq.take_output()
+                if fresh:
+                    yield {"token_ids": fresh}
                     continue
                 waiter = seq.waiter = loop.create_future()
                 await waiter

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import xxhash
 
 from meshllm.protocol.kv import chain_hash, stored_blocks, tokens_hash
-from meshllm.protocol.types import FinishReason, TokenChunk
+from meshllm.protocol.types import ChunkSink, FinishReason
 
 __all__ = ["CONTEXT_WINDOW", "Sequence", "SequenceStatus"]
 
@@ -112,7 +111,7 @@ class Sequence:
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self.waiter: asyncio.Future[None] | None = None
         self.sent = self.delivered_from  # output tokens handed to the consumer (or streamed before this leg)
-        self.sink: Callable[[TokenChunk], None] | None = None  # the consumer's Context.sink while it runs
+        self.sink: ChunkSink | None = None  # the consumer's Context.sink while it runs
         self.sink_error: Exception | None = None  # what the sink raised (the stream fails with it)
         self.hold_id = 0  # the engine's hold on a finished prefill leg's KV (0: none)
 
@@ -160,16 +159,21 @@ class Sequence:
         else (no sink, finished, nothing new) wakes the consumer."""
         sink = self.sink
         if sink is not None and self.finish_reason is None and self.status is not SequenceStatus.FINISHED:
-            n_out = len(self.tokens) - self.num_prompt
-            if n_out > self.sent:
-                chunk: TokenChunk = {"token_ids": self.tokens[self.num_prompt + self.sent :]}
-                self.sent = n_out
+            fresh = self.take_output()
+            if fresh:
                 try:
-                    sink(chunk)
+                    sink({"token_ids": fresh})
                     return
                 except Exception as exc:  # the consumer's bug fails its stream, not the engine's step loop
                     self.sink, self.sink_error = None, exc
         self.wake()
+
+    def take_output(self) -> list[int]:
+        """The output tokens not handed to the consumer yet (none: empty), now counted as handed."""
+        start = self.num_prompt + self.sent
+        fresh = self.tokens[start:]
+        self.sent += len(fresh)
+        return fresh
 
     def wake(self) -> None:
         """Wake the consumer waiting for new output, if any."""
