@@ -35,13 +35,12 @@ from benchdoc import write_section
 from mesh import measure_level
 from mesh_load import Load, calibrate_chars_per_token
 from mesh_report import build_info
-from mesh_systems import LABELS, MODEL_DIR, SystemSpec, start_system
+from mesh_systems import LABELS, MODEL_DIR, ROOT, SystemSpec, start_system
 from runinfo import LoadMonitor, load_sentence
 
 from meshllm.frontend.tokenizer import load_tokenizer
 
 HEADING = "## Change against its base"
-ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("base", "head")
 
 
