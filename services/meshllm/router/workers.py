@@ -97,6 +97,7 @@ class WorkerPool(AsyncCloseable):
         self.on_added: Callable[[PoolWorker], None] = lambda w: None
         self.on_removed: Callable[[PoolWorker], None] = lambda w: None
         self._workers: dict[str, PoolWorker] = {}
+        self._by_id: list[PoolWorker] = []  # _workers' values sorted by id (sorted once per change, not per request)
         self._instances: dict[str, discovery_pb2.Instance] = {}
         self._cards: dict[str, discovery_pb2.ModelCard] = {}
         self._fetched: dict[str, discovery_pb2.ModelCard] = {}
@@ -121,7 +122,7 @@ class WorkerPool(AsyncCloseable):
         return self._workers.get(worker_id)
 
     def all(self) -> list[PoolWorker]:
-        return sorted(self._workers.values(), key=lambda w: w.id)
+        return list(self._by_id)
 
     def workers(self, model: str, role: int | None = None, *, include_cooling: bool = False) -> list[PoolWorker]:
         """Live workers of `model` (in `role` when given), sorted by id; cooling-down and unhealthy ones left out.
@@ -131,7 +132,7 @@ class WorkerPool(AsyncCloseable):
         now = time.monotonic()
         live = [
             w
-            for w in self.all()
+            for w in self._by_id
             if w.model == model and (role is None or w.role == role) and (include_cooling or self._cooldown.get(w.id, 0.0) <= now)
         ]
         if include_cooling or not self._unhealthy:
@@ -284,6 +285,7 @@ class WorkerPool(AsyncCloseable):
     def _update(self, wanted: dict[str, PoolWorker]) -> None:
         old = self._workers
         self._workers = wanted
+        self._by_id = sorted(wanted.values(), key=lambda w: w.id)
         for wid, w in old.items():
             if wid not in wanted:
                 self._cooldown.pop(wid, None)
