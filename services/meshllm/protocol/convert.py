@@ -61,6 +61,8 @@ _FINISH_TO_PB: dict[str, int] = {
     "content_filter": pb.FINISH_REASON_CONTENT_FILTER,
 }
 _FINISH_FROM_PB = {v: cast(FinishReason, k) for k, v in _FINISH_TO_PB.items()}
+# chunk_from_proto's fast path compares descriptors by identity: a miss only takes the general path.
+_CHUNK_TOKEN_IDS = pb.GenerateChunk.DESCRIPTOR.fields_by_name["token_ids"]
 _RTYPE_TO_PB = {
     "context_only": pb.DISAGG_REQUEST_TYPE_CONTEXT_ONLY,
     "generation_only": pb.DISAGG_REQUEST_TYPE_GENERATION_ONLY,
@@ -310,6 +312,9 @@ def chunk_into_proto(m: pb.GenerateChunk, c: TokenChunk) -> None:
 
 
 def chunk_from_proto(m: pb.GenerateChunk) -> TokenChunk:
+    fields = m.ListFields()  # one call; nearly every chunk of a stream sets token_ids alone
+    if len(fields) == 1 and fields[0][0] is _CHUNK_TOKEN_IDS:
+        return {"token_ids": list(fields[0][1])}
     c: TokenChunk = {"token_ids": list(m.token_ids)}
     if m.index:
         c["index"] = m.index
