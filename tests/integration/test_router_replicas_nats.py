@@ -4,7 +4,7 @@ Locks: with mocker workers registered in etcd and publishing on NATS, two
 RouterCores each routing half the traffic hold per-worker active-block
 views that differ by < 10 % (the median sample, and all samples together:
 Σ|a − b| / Σ max(a, b)), each having received the other's sync events over
-NATS; their KV indexes match the workers' block sets once the load is gone.
+NATS (and each lists the other as a peer); their KV indexes match the workers' block sets once the load is gone.
 A sample taken while a sync event is in transit differs by that request's
 blocks: the bound is on agreement, not on propagation delay.
 """
@@ -99,6 +99,8 @@ async def test_two_replicas_over_nats_agree_on_active_blocks() -> None:
                 stop.set()
                 await asyncio.gather(*tasks)
             assert cores[0].sync.received > 0 and cores[1].sync.received > 0
+            # each heard the other's presence over NATS (that is what lets it publish its charges)
+            assert cores[0].sync.peers == ["replica-2"] and cores[1].sync.peers == ["replica-1"]
             assert len(diffs) >= 20, "too few loaded samples"
             overall = sum(abs(a - b) for a, b in pairs) / sum(max(a, b) for a, b in pairs)
             p90 = sorted(diffs)[int(0.9 * len(diffs))]
