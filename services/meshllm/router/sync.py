@@ -75,7 +75,7 @@ class ReplicaSync(AsyncCloseable):
         hello_s: float = HELLO_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`hello_s`: how often this replica announces itself; a peer is gone after 3.5 of its own intervals."""
+        """`hello_s`: how often this replica announces itself; a peer silent for `PEER_TTL_HELLOS` of them is gone."""
         self.bus = bus
         self.subject = router_subject(namespace, component)
         self.router_id = router_id
