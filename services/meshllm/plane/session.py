@@ -150,8 +150,13 @@ class _ServerSession:
         self.busy_since = 0.0  # loop time its first open stream started (heartbeats count from there)
         self.failed: MeshError | None = None  # a malformed or invalid message ended the reading: the call's status
         self._waiter: asyncio.Future[None] | None = None
+        self._beat: asyncio.TimerHandle | None = None  # wakes the writer when a heartbeat may be due
 
     def wake(self) -> None:
+        _wake(self._waiter)
+
+    def _beat_due(self) -> None:
+        self._beat = None
         _wake(self._waiter)
 
     def push(self, sid: int, item: TokenChunk | MeshError) -> None:
@@ -182,17 +187,19 @@ class _ServerSession:
                         if self.failed is not None:
                             raise self.failed
                         return
+                    if self.tasks and heartbeat > 0:
+                        # Streams are open but quiet (a long prefill): tell the client this peer is alive.
+                        quiet = loop.time() - max(sent_at, self.busy_since)
+                        if quiet >= heartbeat:
+                            sent_at = loop.time()
+                            yield session_pb2.SessionDown()
+                            continue
+                        if self._beat is None:
+                            # One timer per quiet spell, not one per wait: a push wakes the writer straight through
+                            # its future, and a timer that fires after a message was sent is re-armed for the rest.
+                            self._beat = loop.call_later(heartbeat - quiet, self._beat_due)
                     self._waiter = waiter = loop.create_future()
-                    if not self.tasks or heartbeat <= 0:
-                        await waiter
-                        continue
-                    # Streams are open but quiet (a long prefill): tell the client this peer is alive.
-                    quiet = loop.time() - max(sent_at, self.busy_since)
-                    if quiet < heartbeat:
-                        await asyncio.wait((waiter,), timeout=heartbeat - quiet)
-                        continue
-                    sent_at = loop.time()
-                    yield session_pb2.SessionDown()
+                    await waiter
                     continue
                 if interval > 0 and not self.urgent and (wait := sent_at + interval - loop.time()) > 0:
                     await asyncio.sleep(wait)  # a fast engine's next steps merge into this message
@@ -209,6 +216,9 @@ class _ServerSession:
                         chunk_into_proto(it.chunk, x)
                 yield down
         finally:
+            if self._beat is not None:
+                self._beat.cancel()
+                self._beat = None
             reader.cancel()
             tasks = list(self.tasks.values())
             for t in tasks:
