@@ -139,3 +139,42 @@ async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
 
     config: Any = MockerConfig(speedup_ratio=0.0)
     assert not Wrapping(config).takes_sink() and Plain(config).takes_sink()
+
+
+async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
+    """Locks: on a timed mocker, a task the sink wakes (a session's writer) runs before the step's own bookkeeping
+    (the step hook, the load report), so that work does not delay the tokens' way out."""
+    engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
+    woken = asyncio.Event()
+    writer_ran: list[int] = []  # tokens the writer task had seen when it ran
+    seen: list[int] = []
+
+    def sink(chunk: TokenChunk) -> None:
+        seen.extend(chunk["token_ids"])
+        woken.set()
+
+    async def writer() -> None:
+        while len(writer_ran) < 3:
+            await woken.wait()
+            woken.clear()
+            writer_ran.append(len(seen))
+
+    order: list[tuple[int, int]] = []  # per step with output: (tokens seen, writer wake-ups) when its hook ran
+
+    def on_step(_: Any) -> None:
+        if seen and len(order) < 3:
+            order.append((len(seen), len(writer_ran)))
+
+    engine.on_step = on_step
+    task = asyncio.ensure_future(writer())
+    try:
+        ctx = Context("b")
+        ctx.sink = sink
+        stream = engine.generate(req(PROMPT, "b", max_tokens=5, ignore_eos=True), ctx)
+        [c async for c in stream]
+        await asyncio.wait_for(task, 5)
+    finally:
+        task.cancel()
+        await engine.cleanup()
+    assert order and all(woke >= 1 for _, woke in order)
+    assert writer_ran[0] == order[0][0]  # the writer saw the step's token before the step's hook ran

@@ -492,6 +492,10 @@ class MockerEngine(LLMEngine):
             else:
                 await asyncio.sleep(0)
             sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
+            if speedup > 0:
+                # The step's tokens are in their streams' sinks and queues: let the writers send them before
+                # this step's bookkeeping (load report, step hook) and the next step's scheduling delay them.
+                await asyncio.sleep(0)
             if self.on_step is not None:
                 n_wait, n_run = len(sched.waiting), len(sched.running)
                 self.on_step(
