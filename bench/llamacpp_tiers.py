@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
+from benchdoc import publish
 from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 from meshllm.engine.base import Context, KvTier
@@ -461,10 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         runs = asyncio.run(main_async(args))
     section = render(args, runs, monitor.samples)
-    print(section)
-    if not args.no_write:
-        write_section(HEADING, section)
-        print("updated docs/benchmarks.md", file=sys.stderr)
+    publish(HEADING, section, write=not args.no_write)
     so, sn = summary(runs["off"]["results"]), summary(runs["on"]["results"])
     off_ms, on_ms = statistics.median(so["ret_ms"]), statistics.median(sn["ret_ms"])
     print(f"median returning TTFT off {off_ms:.0f} ms, on {on_ms:.0f} ms", file=sys.stderr)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
+from benchdoc import publish
 from llamacpp_tiers import add_engine_args, fa_flag, pct, stream_completion
 from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
@@ -218,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         scale, reqs, back, runs = asyncio.run(main_async(args))
     section = render(args, scale, reqs, back, runs, monitor.samples)
-    print(section)
-    if not args.no_write:
-        write_section(HEADING, section)
-        print("updated docs/benchmarks.md", file=sys.stderr)
+    publish(HEADING, section, write=not args.no_write)
     return 0
 
 

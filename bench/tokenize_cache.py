@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchdoc import write_section
+from benchdoc import publish
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.engine.llamacpp.config import default_model_path
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         table, figures = run(args)
     section = render(table, figures, args, monitor.samples)
-    print(section)
-    if not args.no_write:
-        write_section("## Prompt tokenization cache", section)
-        print("updated docs/benchmarks.md", file=sys.stderr)
+    publish("## Prompt tokenization cache", section, write=not args.no_write)
     return 0
 
 

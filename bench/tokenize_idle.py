@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchdoc import write_section
+from benchdoc import publish
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 from tokenize_cache import pct, smollm2, unique_prompts
 
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         times, tokens = run(args.requests, args.block, args.seed)
     section = render(times, tokens, args.requests, args.block, monitor.samples)
-    print(section)
-    if not args.no_write:
-        write_section(SECTION, section)
-        print("updated docs/benchmarks.md", file=sys.stderr)
+    publish(SECTION, section, write=not args.no_write)
     return 0
 
 

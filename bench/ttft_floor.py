@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
+from benchdoc import publish
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 from tokenize_cache import pct, smollm2, unique_prompts
 
@@ -201,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         times, tokens = run(args.requests, args.block, args.seed)
     section = render(times, tokens, args.requests, args.block, monitor.samples)
-    print(section)
-    if not args.no_write:
-        write_section(SECTION, section)
-        print("updated docs/benchmarks.md", file=sys.stderr)
+    publish(SECTION, section, write=not args.no_write)
     return 0
 
 
