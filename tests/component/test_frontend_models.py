@@ -120,3 +120,18 @@ async def test_model_path_overrides_the_card_tokenizer(tmp_path: Path, use_overr
         assert prompt == ([3, 4] if use_override else [1, *(b + 3 for b in b"hello world")])
     finally:
         await mesh.aclose()
+
+
+async def test_loading_a_tokenizer_builds_its_streaming_table_before_any_request(tmp_path: Path) -> None:
+    """Locks: the registry builds the detokenizer's byte table (tokenizers/bytelevel.py) when it loads a tokenizer, in
+    its loading thread, so the first streamed request does not pay for it (here a WordLevel tokenizer: no table)."""
+    directory = make_model_dir(tmp_path / "model")
+    mesh = await start_mesh(workers=1, model_path=str(directory))
+    try:
+        registry = mesh.frontend.registry
+        assert registry is not None
+        await registry.wait_for("echo", timeout_s=30)
+        tk = await registry.tokenization(registry.lookup("echo"))
+        assert tk.tokenizer._byte_tables == {True: None}  # type: ignore[attr-defined]
+    finally:
+        await mesh.aclose()

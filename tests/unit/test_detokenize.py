@@ -173,15 +173,73 @@ def test_fast_tokenizer_random_ids_stream_like_a_one_shot_decode(smollm2: Tokeni
         assert "".join(stream(smollm2, ids, chunks, skip_special_tokens=skip)) == smollm2.decode(ids, skip_special_tokens=skip)
 
 
-def test_fast_tokenizer_uses_decode_stream_and_flushes_a_held_tail(smollm2: Tokenizer) -> None:
+class WithoutTable:
+    """A tokenizers-backed tokenizer whose byte table is not offered: the detokenizer falls back to DecodeStream."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.fast = tok.fast  # type: ignore[attr-defined]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["byte table", "DecodeStream"])
+def test_fast_tokenizer_holds_an_unfinished_character_and_flushes_a_held_tail(smollm2: Tokenizer, table: bool) -> None:
     """The first bytes of an emoji are held until the rest arrives; a tail that never completes comes out of flush."""
+    tok: Tokenizer = smollm2 if table else WithoutTable(smollm2)  # type: ignore[assignment]
     ids = smollm2.encode("ok 😀")
-    detok = IncrementalDetokenizer(smollm2)
-    assert detok._stream is not None  # the tokenizers-backed path is the one under test
+    detok = IncrementalDetokenizer(tok)
+    assert (detok._table is not None) is table and (detok._stream is not None) is not table
     text = "".join(detok.push([i]) for i in ids[:-1])
     assert text.startswith("ok") and "😀" not in text
     assert detok.push(ids[-1:]).endswith("😀")
-    detok = IncrementalDetokenizer(smollm2)
+    detok = IncrementalDetokenizer(tok)
     pushed = detok.push(ids[:-1])
     flushed = detok.flush()
     assert REPLACEMENT in flushed and pushed + flushed == smollm2.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_byte_table_emits_exactly_what_decode_stream_emits(smollm2: Tokenizer, seed: int) -> None:
+    """Push by push, the same pieces as tokenizers' DecodeStream: random ids mixing raw byte tokens (invalid and
+    split UTF-8), special tokens, ids outside the vocabulary and text, in random chunks, both skip settings."""
+    rng = random.Random(seed)
+    table = smollm2.byte_pieces(skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert table is not None
+    byte_ids = [i for i, b in enumerate(table.pieces) if len(b) == 1 and b[0] >= 0x80]  # one raw non-ASCII byte each
+    text_ids = smollm2.encode("héllo 😀 日本語 👍🏽 €\n def f(x): return x  # ü")
+
+    def pick() -> int:
+        kind = rng.random()
+        if kind < 0.45:
+            return rng.choice(byte_ids)
+        if kind < 0.55:
+            return rng.randint(0, 16)  # special tokens
+        if kind < 0.58:
+            return smollm2.vocab_size + rng.randint(0, 5)  # outside the vocabulary: decodes to nothing
+        if kind < 0.8:
+            return rng.choice(text_ids)
+        return rng.randint(17, smollm2.vocab_size - 1)
+
+    ids = [pick() for _ in range(60)]
+    prompt = smollm2.encode("<|im_start|>assistant\n")
+    for skip in (True, False):
+        chunks = [rng.randint(1, 4) for _ in range(len(ids))]
+        got = stream(smollm2, ids, chunks, skip_special_tokens=skip, prompt_ids=prompt)
+        want = stream(WithoutTable(smollm2), ids, chunks, skip_special_tokens=skip, prompt_ids=prompt)  # type: ignore[arg-type]
+        assert got == want
+
+
+def test_a_decoder_that_is_not_byte_level_gets_no_table() -> None:
+    """Another decoder (here a WordPiece-style one) keeps DecodeStream: the table is only for ByteLevel alone."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models
+
+    from meshllm.tokenizers.bytelevel import byte_table
+
+    fast = FastTokenizer(models.WordLevel({"a": 0, "##b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    fast.decoder = decoders.WordPiece()
+    assert byte_table(fast, skip_special_tokens=True) is None
+    fast.decoder = decoders.ByteLevel()
+    assert byte_table(fast, skip_special_tokens=True) is not None

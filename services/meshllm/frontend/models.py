@@ -231,6 +231,9 @@ class ModelRegistry(AsyncCloseable):
                 tok = await asyncio.to_thread(load_tokenizer, str(directory), cache_dir=self._cache_dir)
             else:
                 tok = await asyncio.to_thread(load_tokenizer, source, cache_dir=self._cache_dir)
+            pieces = getattr(tok, "byte_pieces", None)
+            if pieces is not None:  # the streaming detokenizer's table, built here rather than on the first request
+                await asyncio.to_thread(pieces, skip_special_tokens=True)
             text = card.chat_template or tok.chat_template
             template = ChatTemplate(text, bos_token=tok.bos_token, eos_token=tok.eos_token) if text else None
             eos = tuple(card.eos_token_ids) or tuple(tok.eos_token_ids)

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
+from meshllm.tokenizers.bytelevel import ByteTable, byte_table
 from meshllm.tokenizers.segments import SegmentCache
 
 __all__ = ["HFTokenizer", "load_hf_tokenizer", "read_json"]
@@ -55,6 +56,7 @@ class HFTokenizer:
         self._special = frozenset(i for i, t in fast.get_added_tokens_decoder().items() if t.special)
         # Pieces between special tokens (a chat's messages) are encoded once and reused (tokenizers/segments.py).
         self.segments: SegmentCache | None = SegmentCache.for_tokenizer(fast)
+        self._byte_tables: dict[bool, ByteTable | None] = {}
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
@@ -73,6 +75,14 @@ class HFTokenizer:
         except OverflowError as exc:  # a negative id does not fit the Rust u32
             raise InvalidArgument(f"invalid token id in {list(ids)[:8]}: {exc}", param="token_ids") from exc
         return text
+
+    def byte_pieces(self, *, skip_special_tokens: bool = True) -> ByteTable | None:
+        """Every id's bytes for streaming detokenization (tokenizers/bytelevel.py), or None; built once per flag
+        (about 0.1 s for a 49k vocabulary: the frontend builds it when it loads the tokenizer)."""
+        key = bool(skip_special_tokens)
+        if key not in self._byte_tables:
+            self._byte_tables[key] = byte_table(self.fast, skip_special_tokens=key)
+        return self._byte_tables[key]
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
