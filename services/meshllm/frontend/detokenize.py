@@ -67,6 +67,8 @@ class IncrementalDetokenizer:
         self._pending = b""  # the byte table's bytes of the held ids
         if self._fast is not None and self._table is None:
             self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+        if self._table is not None or self._stream is not None:
+            context = []  # the window below is not used: DecodeStream took its context, and bytes need none
         prefix_text = self._decode(context) if context else ""
         if prefix_text.endswith(REPLACEMENT):  # the prompt ends inside a character: no usable context
             context, prefix_text = [], ""
