@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from meshllm.credentials import EtcdCredentials, NatsCredentials, add_etcd_args, add_nats_args
 from meshllm.errors import ConfigError
+from meshllm.logs import redact_url
 
 __all__ = [
     "ConfigError",
@@ -185,7 +186,7 @@ class PlaneConfig:
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     lease_ttl_s: float = 10.0
     events: EventsKind = EventsKind.MEMORY
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = field(default="nats://127.0.0.1:4222", repr=False)  # may hold user:password@
     etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     nats_credentials: NatsCredentials = field(default_factory=NatsCredentials)
 
@@ -205,7 +206,7 @@ class PlaneConfig:
         if self.lease_ttl_s < 2:
             raise ConfigError(f"lease TTL {self.lease_ttl_s}s is too short (minimum 2s)")
         if self.events is EventsKind.NATS and not self.nats_url.startswith(("nats://", "tls://")):
-            raise ConfigError(f"--nats-url {self.nats_url!r} must start with nats:// or tls://")
+            raise ConfigError(f"--nats-url {redact_url(self.nats_url)!r} must start with nats:// or tls://")
 
     def static(self, *, namespace: str | None = None, events_flag: str | None = None) -> PlaneConfig:
         """This plane in static mode: no etcd, and no NATS unless `--events` (`events_flag`) asked for it."""

@@ -31,6 +31,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from meshllm.logs import redact_url
+
 __all__ = [
     "CONSOLE",
     "FRONTEND_SERVICE",
@@ -103,7 +105,7 @@ def setup_tracing(service_name: str, *, otlp_endpoint: str | None = None, export
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         _processor.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
-        log.info("tracing: exporting spans of %s to %s", service_name, otlp_endpoint)
+        log.info("tracing: exporting spans of %s to %s", service_name, redact_url(otlp_endpoint))
     if exporter is not None:
         _processor.add_span_processor(SimpleSpanProcessor(exporter))
     return True

@@ -24,8 +24,8 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 #: Units everything may build on: the generated protobuf code, the root
 #: package (`__version__`) and the small leaf modules (errors, credentials,
-#: config, tracing, ports, lifecycle).
-FOUNDATION = ("v1", "meshllm", "errors", "credentials", "config", "tracing", "ports", "lifecycle")
+#: config, tracing, ports, lifecycle, logs).
+FOUNDATION = ("v1", "meshllm", "errors", "credentials", "config", "tracing", "ports", "lifecycle", "logs")
 
 #: The allowed dependencies of each unit (docs/architecture.md, "Dependency
 #: direction"). "*" marks an entry point: it may import anything, and since no
@@ -34,9 +34,10 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "v1": (),
     "meshllm": (),
     "errors": (),
-    "tracing": (),
+    "logs": (),
+    "tracing": ("logs",),
     "credentials": ("errors",),
-    "config": ("errors", "credentials"),
+    "config": ("errors", "credentials", "logs"),
     "ports": ("config",),
     "lifecycle": ("config", "errors", "tracing"),
     "protocol": ("v1", "errors"),

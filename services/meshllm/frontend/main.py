@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
+from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.app import HttpServer, OpenAIApp
@@ -167,11 +168,11 @@ class Frontend(AsyncCloseable):
         )
         routers = [RouterClient(self.channels, a) for a in cfg.router_addresses] if self.router is None else []
         self.dashboard = await Dashboard(self.core, router=self.router, routers=routers).start()
-        app = OpenAIApp(
+        self.app = app = OpenAIApp(
             self.core,
             max_body_bytes=cfg.max_body_bytes,
             api_keys=cfg.api_keys,
-            metrics_auth=cfg.metrics_auth,
+            open_metrics=cfg.open_metrics,
             body_timeout_s=cfg.body_timeout_s,
             dashboard=self.dashboard,
             strict_params=cfg.strict_params,
@@ -294,9 +295,7 @@ class Frontend(AsyncCloseable):
 
 
 def setup_logging(process_index: int | None = None) -> None:
-    level = os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper()
-    who = "%(name)s" if process_index is None else f"%(name)s[{process_index}]"
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {who}: %(message)s", stream=sys.stderr)
+    logs.setup_logging("%(name)s" if process_index is None else f"%(name)s[{process_index}]")
 
 
 async def serve(config: FrontendConfig) -> int:

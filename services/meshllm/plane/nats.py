@@ -43,6 +43,7 @@ from nats.aio.msg import Msg
 
 from meshllm.credentials import NatsCredentials
 from meshllm.errors import CannotConnect, MeshError, Unavailable
+from meshllm.logs import redact_text, redact_url
 from meshllm.plane.events import DEFAULT_MAX_PENDING, EventBus, M, Subscription, check_subject
 
 __all__ = ["NatsEventBus"]
@@ -111,7 +112,7 @@ def _is_refusal(exc: BaseException) -> bool:
 
 
 def _refusal_message(url: str, exc: BaseException, credentials: NatsCredentials) -> str:
-    detail = str(exc) or type(exc).__name__
+    detail = redact_text(str(exc)) or type(exc).__name__
     if isinstance(exc, ssl.SSLError) or isinstance(exc, (nats.errors.SecureConnWantedError, nats.errors.SecureConnRequiredError)):
         return f"TLS with NATS at {url} failed ({detail}): check --nats-ca, --nats-cert and --nats-key against the server's TLS"
     if credentials.token:
@@ -185,6 +186,7 @@ class NatsEventBus(EventBus):
         credentials = credentials if credentials is not None else NatsCredentials()
         bus = cls(max_buffered=max_buffered, max_buffered_bytes=max_buffered_bytes, max_pending=max_pending)
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        shown = redact_url(url)  # a URL may hold user:password or a token: never printed
         bus._nc.require_tls = credentials.tls or any(s.startswith("tls://") for s in servers)
         bus._nc.credentials = credentials
         options = credentials.connect_options()
@@ -213,12 +215,12 @@ class NatsEventBus(EventBus):
             if connecting in done:
                 connecting.result()
             elif refused in done:
-                raise CannotConnect(_refusal_message(url, refused.result(), credentials))
+                raise CannotConnect(_refusal_message(shown, refused.result(), credentials))
             else:
                 last = bus._connect_error
                 raise CannotConnect(
-                    f"cannot connect to NATS at {url} in {connect_timeout_s:g}s"
-                    + (f": {last or type(last).__name__}" if last is not None else "")
+                    f"cannot connect to NATS at {shown} in {connect_timeout_s:g}s"
+                    + (f": {redact_text(str(last)) or type(last).__name__}" if last is not None else "")
                 )
         except (TimeoutError, OSError, nats.errors.Error, CannotConnect) as exc:
             bus._quiet = True
@@ -230,12 +232,12 @@ class NatsEventBus(EventBus):
             if isinstance(exc, CannotConnect):
                 raise
             if _is_refusal(exc):
-                raise CannotConnect(_refusal_message(url, exc, credentials)) from exc
-            raise CannotConnect(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
+                raise CannotConnect(_refusal_message(shown, exc, credentials)) from exc
+            raise CannotConnect(f"cannot connect to NATS at {shown}: {redact_text(str(exc)) or type(exc).__name__}") from exc
         finally:
             bus._connecting = None
         bus._pump_task = asyncio.create_task(bus._pump(), name=f"meshllm-events-pump-{name}")
-        log.info("events: connected to NATS at %s (%s)", url, credentials.describe())
+        log.info("events: connected to NATS at %s (%s)", shown, credentials.describe())
         return bus
 
     @property
@@ -380,7 +382,7 @@ class NatsEventBus(EventBus):
             if _is_refusal(exc) and not self._connecting.done():
                 self._connecting.set_result(exc)
             return
-        text = f"{type(exc).__name__}: {exc}"
+        text = f"{type(exc).__name__}: {redact_text(str(exc))}"
         now = time.monotonic()
         last_text, last_at = self._last_error
         level = logging.DEBUG if text == last_text and now - last_at < _REPEAT_LOG_S else logging.WARNING
@@ -400,7 +402,7 @@ class NatsEventBus(EventBus):
         url = self._nc.connected_url
         log.info(
             "events: reconnected to NATS at %s after %.1fs; %d messages buffered, %d dropped so far",
-            url.netloc if url is not None else "?", away, len(self._buffer), self.dropped,
+            f"{url.hostname}:{url.port}" if url is not None else "?", away, len(self._buffer), self.dropped,
         )  # fmt: skip
         self._last_error = ("", 0.0)
         self._wake.set()

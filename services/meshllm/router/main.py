@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
-from meshllm import __version__
+from meshllm import __version__, logs
 from meshllm.config import ConfigError
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
@@ -144,11 +143,7 @@ async def serve(config: RouterConfig) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """`meshllm router [flags]`."""
-    logging.basicConfig(
-        level=os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup_logging()
     parser = router_arg_parser()
     ns = parser.parse_args(list(argv))
     try:

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
@@ -22,8 +23,7 @@ log = logging.getLogger("meshllm.worker")
 
 
 def setup_logging() -> None:
-    level = os.environ.get("MESHLLM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logs.setup_logging()
 
 
 async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
