@@ -83,12 +83,14 @@ def test_sampling_options_are_validated_and_defaulted() -> None:
 
 
 def test_guided_decoding_maps_to_grammars() -> None:
-    """Locks: choice becomes a GBNF alternation, grammar passes through, regex is refused."""
+    """Locks: choice becomes a GBNF alternation, grammar passes through, a regex is matched in full, and a
+    schema keyword the grammar cannot guarantee is a 400 naming it."""
     assert guided_grammar({"choice": ["yes", 'no "way"']}) == 'root ::= "yes" | "no \\"way\\""'
     assert guided_grammar({"grammar": 'root ::= "a"'}) == 'root ::= "a"'
     assert guided_grammar(None) == ""
-    with pytest.raises(InvalidArgument, match="regex"):
-        guided_grammar({"regex": "a+"})
+    assert guided_grammar({"regex": "a+"}) == 'root ::= "a"+'
+    with pytest.raises(InvalidArgument, match="uniqueItems"):
+        guided_grammar({"json_schema": '{"type": "array", "uniqueItems": true}'})
 
 
 def test_kv_handles_round_trip_and_name_their_prompt() -> None:

@@ -4,7 +4,8 @@ The engine thread turns a spec into a `llama_sampler` chain (`backend.py`) in
 llama.cpp's usual order: [suppress eos/stop until min_tokens] → grammar →
 penalties → greedy, or top_k → top_p → min_p → temperature → dist(seed).
 Guided decoding maps onto llama.cpp grammars: `grammar` is GBNF as is,
-`json_schema` / `json_object` / `choice` are converted to GBNF; `regex` is refused.
+`json_schema` / `json_object` / `choice` / `regex` are converted to GBNF
+(llamacpp/json_gbnf.py: every sentence parses and validates).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from meshllm.engine.llamacpp.json_gbnf import JSON_OBJECT_GBNF, SchemaUnsupported, regex_grammar, schema_grammar
 from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import GuidedSettings, SamplingSettings
 
@@ -85,22 +87,20 @@ def _literal(text: str) -> str:
 
 
 def guided_grammar(guided: GuidedSettings | None) -> str:
-    """The GBNF grammar of a guided-decoding request ("" when unconstrained)."""
+    """The GBNF grammar of a guided-decoding request ("" when unconstrained); every sentence of it is valid output."""
     if not guided:
         return ""
-    if guided.get("regex"):
-        raise InvalidArgument("guided regex is not supported by the llamacpp engine; use grammar or json_schema", param="guided")
-    if grammar := guided.get("grammar"):
-        return grammar
-    if choice := guided.get("choice"):
-        return "root ::= " + " | ".join(_literal(c) for c in choice)
-    from llama_cpp import llama_grammar  # lazy: only guided requests need the converter
-
-    if schema := guided.get("json_schema"):
-        try:
-            return str(llama_grammar.json_schema_to_gbnf(schema))
-        except Exception as exc:  # the converter raises bare exceptions on bad schemas
-            raise InvalidArgument(f"cannot convert json_schema to a grammar: {exc}", param="guided") from None
+    try:
+        if regex := guided.get("regex"):
+            return regex_grammar(regex)
+        if grammar := guided.get("grammar"):
+            return grammar
+        if choice := guided.get("choice"):
+            return "root ::= " + " | ".join(_literal(c) for c in choice)
+        if schema := guided.get("json_schema"):
+            return schema_grammar(schema)
+    except SchemaUnsupported as exc:
+        raise InvalidArgument(f"guided decoding: {exc}", param="guided") from None
     if guided.get("json_object"):
-        return str(llama_grammar.JSON_GBNF)
+        return JSON_OBJECT_GBNF
     return ""
