@@ -6,7 +6,9 @@ Idempotent: what exists is kept, what is missing is created, so `docker compose 
 Writes under --out:
   certs/ca.pem, <service>.pem, <service>-key.pem   `meshllm certs` for every compose service
                   (the CA's key goes to --ca-dir when given, so the services' volume does not hold it)
-  api-keys        `compose:KEY` (KEY from $MESHLLM_API_KEY, else random); the frontend's --api-keys-file
+  api-keys        `compose:KEY` (KEY from $MESHLLM_API_KEY, else random) and `prometheus:KEY2`; the frontend's
+                  --api-keys-file (with keys set, /metrics needs one: Prometheus scrapes as tenant `prometheus`)
+  prometheus-key  KEY2 alone, for prometheus.yml's `authorization: credentials_file`
   etcd-password   the etcd user `meshllm`'s password;  etcd-root-password  etcd's root user
   nats-token      the NATS token;  nats.conf  nats-server's configuration (TLS with client certificates + token)
 Secrets and keys are 0600 and, when run as root, owned by --uid (the image's user); certificates are 0644.
@@ -78,6 +80,12 @@ def main(argv: list[str]) -> int:
                 _write_secret(out / name, secrets.token_hex(24))
         if not (out / "api-keys").exists():
             _write_secret(out / "api-keys", "compose:" + (os.environ.get("MESHLLM_API_KEY") or secrets.token_hex(24)))
+        if not (out / "prometheus-key").exists():  # its own key: Prometheus scrapes /metrics as tenant `prometheus`
+            scrape_key = secrets.token_hex(24)
+            entries = [ln for ln in (out / "api-keys").read_text().splitlines() if not ln.startswith("prometheus:")]
+            (out / "api-keys").unlink()
+            _write_secret(out / "api-keys", "\n".join([*entries, f"prometheus:{scrape_key}"]))
+            _write_secret(out / "prometheus-key", scrape_key)
         conf = out / "nats.conf"
         conf.unlink(missing_ok=True)
         _write_secret(conf, json.dumps(nats_conf(out), indent=2))

@@ -83,7 +83,7 @@ class RunConfig:
     otlp_endpoint: str | None = None
     frontend_workers: int = 1
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/auth.py)
-    metrics_auth: bool = False
+    open_metrics: bool = False
     frontend_extra: dict[str, Any] = field(default_factory=dict)
     security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token of every server and client
 
@@ -116,7 +116,7 @@ class RunConfig:
             model_path=self.model_path,
             model_name=self.model_name,
             api_keys=self.api_keys,
-            metrics_auth=self.metrics_auth,
+            open_metrics=self.open_metrics,
             security=self.security,
             **self.frontend_extra,
         )
@@ -199,7 +199,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         max_inflight=ns.max_inflight,
         otlp_endpoint=ns.otlp_endpoint or None,
         api_keys=api_keys_from_namespace(ns),
-        metrics_auth=ns.metrics_auth,
+        open_metrics=ns.open_metrics,
         frontend_workers=ns.frontend_workers,
         security=MeshSecurity.from_namespace(ns),
         frontend_extra={**outputs, "strict_params": ns.strict_params},

@@ -169,6 +169,7 @@ def healthcheck_argv(svc: dict[str, Any], rw: Rewriter) -> list[str]:
 class Target:
     url: str
     tls_ca: str | None  # the scrape's tls_config.ca_file (https targets)
+    key: str | None = None  # the Bearer credential of the scrape's authorization.credentials_file
 
 
 def scrape_targets(rw: Rewriter, started: set[str]) -> dict[str, Target]:
@@ -178,12 +179,14 @@ def scrape_targets(rw: Rewriter, started: set[str]) -> dict[str, Target]:
     for job in prom["scrape_configs"]:
         path, scheme = job.get("metrics_path", "/metrics"), job.get("scheme", "http")
         ca = job.get("tls_config", {}).get("ca_file")
+        cred = job.get("authorization", {}).get("credentials_file")
         targets = [t for static in job.get("static_configs", []) for t in static["targets"]]
         targets += [f"{name}:{dns['port']}" for dns in job.get("dns_sd_configs", []) for name in dns["names"]]
         for target in targets:
             host = target.rsplit(":", 1)[0]
             if host in started:
-                out[host] = Target(f"{scheme}://{rw.text(target)}{path}", rw.text(ca) if ca else None)
+                key = Path(rw.text(cred)).read_text().strip() if cred else None
+                out[host] = Target(f"{scheme}://{rw.text(target)}{path}", rw.text(ca) if ca else None, key)
     return out
 
 
@@ -376,7 +379,7 @@ async def start_stack(stack: Stack, planes: contextlib.AsyncExitStack, profiles:
 
     frontend = next(s for s in mesh.values() if role_of(s) == "frontend")
     http_port = ports[int(frontend["command"][frontend["command"].index("--http-port") + 1])]
-    key = (secrets / "api-keys").read_text().strip().split(":", 1)[1]
+    key = (secrets / "api-keys").read_text().splitlines()[0].split(":", 1)[1]
     return Running(mesh, rw, f"https://127.0.0.1:{http_port}", str(certs / "ca.pem"), key)
 
 
@@ -411,8 +414,10 @@ async def test_secure_compose_stack_serves_a_chat_with_the_api_key_and_every_ser
         assert set(targets) == set(mesh), f"prometheus.yml scrapes {sorted(targets)}, the stack runs {sorted(mesh)}"
         scraped: dict[str, dict[str, Any]] = {}
         for name, target in targets.items():
-            status, text = await asyncio.to_thread(http, "GET", target.url, ca=target.tls_ca)
+            status, text = await asyncio.to_thread(http, "GET", target.url, ca=target.tls_ca, key=target.key)
             assert status == 200, (name, target)
+            if target.key is not None:  # the frontend's /metrics is closed without the key
+                assert (await asyncio.to_thread(http, "GET", target.url, ca=target.tls_ca))[0] == 401, name
             scraped[name] = {f.name: f for f in text_string_to_metric_families(text.decode())}
             missing = EXPECTED_METRICS[role_of(mesh[name])] - set(scraped[name])
             assert not missing, f"{name} ({target.url}) lacks {sorted(missing)}; serves {sorted(scraped[name])}"

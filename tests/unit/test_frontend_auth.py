@@ -90,13 +90,12 @@ def test_a_missing_or_empty_keys_file_is_refused(tmp_path: Path) -> None:
 
 def test_flags_and_variables_build_the_frontend_config(tmp_path: Path) -> None:
     (tmp_path / "keys").write_text(f"filed:{K2}\n")
-    env = {"MESHLLM_API_KEYS": f"env:{K1}", "MESHLLM_API_KEYS_FILE": str(tmp_path / "keys"), "MESHLLM_METRICS_AUTH": "1"}
+    env = {"MESHLLM_API_KEYS": f"env:{K1}", "MESHLLM_API_KEYS_FILE": str(tmp_path / "keys"), "MESHLLM_OPEN_METRICS": "1"}
     ns = frontend_arg_parser(env=env).parse_args(["--http-header-timeout", "5", "--http-body-timeout", "7"])
     config = FrontendConfig.from_namespace(ns)
-    assert config.api_keys.ids == ("env", "filed") and config.metrics_auth
+    assert config.api_keys.ids == ("env", "filed") and config.open_metrics
     assert (config.header_timeout_s, config.body_timeout_s) == (5.0, 7.0)
-    with pytest.raises(ConfigError, match="--metrics-auth needs"):
-        FrontendConfig.from_namespace(frontend_arg_parser(env={}).parse_args(["--metrics-auth"]))
+    assert not FrontendConfig.from_namespace(frontend_arg_parser(env={}).parse_args([])).open_metrics  # closed by default
     with pytest.raises(ConfigError, match="--http-body-timeout"):
         FrontendConfig(body_timeout_s=0)
     run = parse_run_args(["--api-keys", f"run:{K1}"])

@@ -13,9 +13,14 @@ handler, which closes the upstream streams, which cancels the gRPC calls down
 to the engine.
 
 Before a request runs (docs/security.md): with API keys set, every route but
-/health, /live, the dashboard page's files (and /metrics and /dashboard/state
-unless `metrics_auth`) needs `Authorization: Bearer KEY` (401
-`invalid_api_key`); POST bodies must be `application/json`
+/health and /live (and /metrics, /dashboard* with `open_metrics`) needs
+`Authorization: Bearer KEY` (401 `invalid_api_key`; /metrics and /dashboard*
+take `Basic` with the key as password too, so a browser's login prompt opens
+the page). The key's id is the request's tenant (`TENANT_KEY` in the scope;
+`ANONYMOUS` without keys): stored responses belong to it. A client's request
+id (`x-request-id`, else the body's `request_id`) names the response and is
+echoed in `x-request-id`; the id the request has inside the mesh is always
+made here. POST bodies must be `application/json`
 (415); a body must arrive within `body_timeout_s` (408) and fit
 `max_body_bytes` (413). A refused request's body is read and dropped up to
 `DISCARD_LIMIT_BYTES` before the answer, and the connection then closed, so
@@ -36,6 +41,7 @@ from urllib.parse import parse_qs
 
 import orjson
 import uvicorn
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from meshllm.errors import (
@@ -48,7 +54,7 @@ from meshllm.errors import (
     shorten,
     spec_of,
 )
-from meshllm.frontend.auth import ApiKeys, AuthFailure, unauthorized_body
+from meshllm.frontend.auth import ANONYMOUS, ApiKeys, AuthFailure, unauthorized_body
 from meshllm.frontend.dashboard import ASSETS, Dashboard, asset
 from meshllm.frontend.http_guard import guarded_protocol
 from meshllm.frontend.inference import Completion, InferenceCore
@@ -81,11 +87,15 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 IGNORED_HEADER = b"x-meshllm-ignored-params"  # request fields that had no effect, comma-separated
 CLOSE = (b"connection", b"close")
 WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="meshllm"')
+BROWSER_LOGIN = (b"www-authenticate", b'Basic realm="meshllm", charset="UTF-8"')  # the dashboard page: a login prompt
 # Most of a refused or oversized body read (and dropped) before answering; past it the connection is cut.
 DISCARD_LIMIT_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 MODEL_KEY = "meshllm.model"  # scope key: the model a request named, for the request counter
+TENANT_KEY = "meshllm.tenant"  # scope key: the tenant (API key id) a request was let in as
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_CLIENT_ID_CHARS = 256
 
 
 class BodyTooLarge(InvalidArgument):
@@ -137,7 +147,7 @@ class OpenAIApp:
         *,
         max_body_bytes: int = 4 * 1024 * 1024,
         api_keys: ApiKeys | None = None,
-        metrics_auth: bool = False,
+        open_metrics: bool = False,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         dashboard: Dashboard | None = None,
         strict_params: bool = False,
@@ -150,7 +160,8 @@ class OpenAIApp:
         self.max_body_bytes = max_body_bytes
         self.api_keys = api_keys if api_keys is not None else ApiKeys()
         self.body_timeout_s = body_timeout_s
-        self._open_paths = {"/health", "/live"} | (set() if metrics_auth else {"/metrics"})
+        self._open_paths = {"/health", "/live"} | ({"/metrics"} if open_metrics else set())
+        self._monitor_paths = {"/metrics"}  # also take Basic auth (browsers, Prometheus basic_auth)
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[int]]] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
@@ -167,10 +178,18 @@ class OpenAIApp:
             ("GET", "/v1/tokenizer_info"): self._tokenizer_info,
             ("GET", "/tokenizer_info"): self._tokenizer_info,
         }
-        if dashboard is not None:  # the live mesh page (frontend/dashboard.py): its state is governed like /metrics
+        # Routes with an id in the path: (method, prefix) → handler
+        self._prefix_routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[int]]] = {
+            ("GET", "/v1/models/"): self._model,  # names may hold "/" (org/name)
+            ("GET", "/v1/responses/"): self._response_get,
+            ("DELETE", "/v1/responses/"): self._response_delete,
+        }
+        if dashboard is not None:  # the live mesh page (frontend/dashboard.py): governed like /metrics
             self._routes.update({("GET", path): self._dashboard_asset for path in ASSETS})
             self._routes[("GET", "/dashboard/state")] = self._dashboard_state
-            self._open_paths |= set(ASSETS) | (set() if metrics_auth else {"/dashboard/state"})
+            self._monitor_paths |= {*ASSETS, "/dashboard/state"}
+            if open_metrics:
+                self._open_paths |= self._monitor_paths
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,15 +198,16 @@ class OpenAIApp:
         path = scope["path"].rstrip("/") or "/"
         method = scope["method"]
         handler = self._routes.get((method, path))
-        if handler is None and method == "GET" and path.startswith("/v1/models/"):
-            handler = self._model  # GET /v1/models/{model}: names may hold "/" (org/name)
+        if handler is None:
+            handler = self._prefixed(method, path)
         status = 500
         try:
-            refused = self._authorize(scope) if self.api_keys and path not in self._open_paths else None
+            refused = self._authorize(scope, path) if self.api_keys and path not in self._open_paths else None
             if refused is not None:
-                status = await self._refuse(scope, receive, send, 401, unauthorized_body(refused), WWW_AUTHENTICATE)
+                login = BROWSER_LOGIN if path in ASSETS else WWW_AUTHENTICATE
+                status = await self._refuse(scope, receive, send, 401, unauthorized_body(refused), login)
             elif handler is None:
-                if path in self._paths:
+                if path in self._paths or self._prefixed(None, path) is not None:
                     status = await _error(send, InvalidArgument(f"method {method} is not allowed on {path}"), status=405)
                 else:
                     status = await _error(send, _not_found(path), status=404)
@@ -201,14 +221,22 @@ class OpenAIApp:
             self.metrics.requests.labels(route, str(status), scope.get(MODEL_KEY, "")).inc()
 
     # ------------------------------------------------------------ refusals before a request runs
-    def _authorize(self, scope: Scope) -> AuthFailure | None:
-        """Check the Bearer key: None when accepted (counted under its key id), else why not."""
+    def _prefixed(self, method: str | None, path: str) -> Callable[[Scope, Receive, Send], Awaitable[int]] | None:
+        """The handler of a route with an id in its path (any method's when `method` is None)."""
+        for (m, prefix), handler in self._prefix_routes.items():
+            if (method is None or m == method) and path.startswith(prefix) and len(path) > len(prefix):
+                return handler
+        return None
+
+    def _authorize(self, scope: Scope, path: str) -> AuthFailure | None:
+        """Check the key: None when accepted (the scope's tenant is its id), else why not."""
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        result = self.api_keys.check(header)
+        result = self.api_keys.check(header, basic=path in self._monitor_paths)
         if isinstance(result, AuthFailure):
             self.metrics.auth_failures.labels("http", result.value).inc()
             return result
         self.metrics.key_used(result, "http")
+        scope[TENANT_KEY] = result
         return None
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, body: Any, *headers: Any) -> int:
@@ -310,8 +338,28 @@ class OpenAIApp:
         return await self._generate(scope, receive, send, embeddings_api.parse_embeddings, shape=EMBEDDINGS)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> int:
-        api = self.responses
-        return await self._generate(scope, receive, send, api.parse, shape=(api.collect, api.events))
+        api, tenant = self.responses, _tenant(scope)
+
+        def parse(body: Any, *, strict: bool = False) -> TextRequest:
+            return api.parse(body, strict=strict, tenant=tenant)
+
+        return await self._generate(scope, receive, send, parse, shape=(api.collect, api.events))
+
+    async def _response_get(self, scope: Scope, receive: Receive, send: Send) -> int:
+        """GET /v1/responses/{id}: a stored response of this tenant (else the 404 of an unknown id)."""
+        try:
+            body = self.responses.retrieve(_path_id(scope, "/v1/responses/"), _tenant(scope))
+        except MeshError as exc:
+            return await _error(send, exc)
+        return await _json(send, 200, body)
+
+    async def _response_delete(self, scope: Scope, receive: Receive, send: Send) -> int:
+        """DELETE /v1/responses/{id}: forget a stored response of this tenant (else the 404 of an unknown id)."""
+        try:
+            body = self.responses.delete(_path_id(scope, "/v1/responses/"), _tenant(scope))
+        except MeshError as exc:
+            return await _error(send, exc)
+        return await _json(send, 200, body)
 
     async def _generate(
         self, scope: Scope, receive: Receive, send: Send, parse: Callable[..., TextRequest], *, shape: Shape | None = None
@@ -336,6 +384,10 @@ class OpenAIApp:
             req = parse(parse_json_body(await self._read_body(scope, receive)), strict=self.strict_params)
         except MeshError as exc:
             return await _error(send, exc)
+        try:
+            client_id = _client_request_id(scope, req)
+        except MeshError as exc:
+            return await _error(send, exc)
         extra: list[tuple[bytes, bytes]] = []
         if req.ignored:  # never silently: the client sees which of its fields had no effect
             names = ",".join(req.ignored)
@@ -344,8 +396,12 @@ class OpenAIApp:
         watch = _Disconnect(receive)
         completion: Completion | None = None
         try:
-            completion = await self.core.begin(req, call=_call_info(scope), t0=t0)
+            completion = await self.core.begin(
+                req, call=_call_info(scope), t0=t0, tenant=_tenant(scope), client_request_id=client_id
+            )
             scope[MODEL_KEY] = completion.model.name  # a served model's name only: clients cannot add series
+            _annotate_span(completion, client_id)
+            extra.append((REQUEST_ID_HEADER, completion.id.encode("latin-1", "replace")))
             if req.stream:
                 return await self._stream(send, shape[1](completion), watch, extra)
             result = await shape[0](completion)
@@ -444,6 +500,35 @@ def _expects_continue(scope: Scope) -> bool:
     """The client waits for `100 Continue` before its body: refusing without reading it sends none."""
     value = _header(scope, b"expect")
     return value is not None and value.lower() == b"100-continue"
+
+
+def _annotate_span(completion: Completion, client_id: str | None) -> None:
+    """The request's ids and tenant on its server span (traces name the client's id beside the mesh's)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("meshllm.request_id", completion.internal_id)
+        span.set_attribute("meshllm.tenant", completion.tenant)
+        if client_id is not None:
+            span.set_attribute("meshllm.client_request_id", client_id)
+
+
+def _tenant(scope: Scope) -> str:
+    return scope.get(TENANT_KEY, ANONYMOUS)
+
+
+def _path_id(scope: Scope, prefix: str) -> str:
+    return scope["path"].rstrip("/").removeprefix(prefix)
+
+
+def _client_request_id(scope: Scope, req: TextRequest) -> str | None:
+    """The client's own id of a request: `x-request-id`, else the body's `request_id`; never a key inside the mesh."""
+    value = _header(scope, REQUEST_ID_HEADER)
+    if value is None:
+        return req.request_id
+    text = value.decode("latin-1").strip()
+    if not text or len(text) > MAX_CLIENT_ID_CHARS or not text.isprintable():
+        raise InvalidArgument(f"the x-request-id header must be 1-{MAX_CLIENT_ID_CHARS} printable characters")
+    return text
 
 
 def _call_info(scope: Scope) -> CallInfo | None:

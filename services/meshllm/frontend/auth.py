@@ -2,20 +2,28 @@
 
     --api-keys KEY[,ID:KEY...]      MESHLLM_API_KEYS        comma-separated
     --api-keys-file PATH            MESHLLM_API_KEYS_FILE   one KEY or ID:KEY a line, `#` comments
-    --metrics-auth                  MESHLLM_METRICS_AUTH    /metrics (and /dashboard/state) need a key too
+    --open-metrics                  MESHLLM_OPEN_METRICS    /metrics and /dashboard* need no key
 
-With keys set, every route of the OpenAI HTTP API but `/health`, `/live` (and
-`/metrics` unless `--metrics-auth`) and every method of the Inference gRPC API
-need `Authorization: Bearer KEY` (gRPC: the `authorization` metadata). A key
-is known to metrics and logs only by its id: the `ID:` of its entry, or a
-fingerprint (`key-` and 8 hex digits of a SHA-256) that does not give the key
-back. Keys are at least `MIN_KEY_CHARS` characters, which also keeps a
-fingerprint from being brute-forced back to its key.
+With keys set, every route of the OpenAI HTTP API but `/health` and `/live`
+(and `/metrics`, `/dashboard*` with `--open-metrics`) and every method of the
+Inference gRPC API need `Authorization: Bearer KEY` (gRPC: the
+`authorization` metadata). A key is known to metrics and logs only by its id:
+the `ID:` of its entry, or a fingerprint (`key-` and 8 hex digits of a
+SHA-256) that does not give the key back. Keys are at least `MIN_KEY_CHARS`
+characters, which also keeps a fingerprint from being brute-forced back to
+its key.
+
+**Tenants.** A key's id is its *tenant*: the owner of what its requests
+store (Responses API conversations) and the name every request carries down
+the mesh (`tenant` annotation, metrics, traces). Without keys every request
+belongs to one tenant, `ANONYMOUS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import enum
 import hashlib
 import hmac
@@ -28,6 +36,7 @@ from typing import Any
 from meshllm.config import ConfigError
 
 __all__ = [
+    "ANONYMOUS",
     "MIN_KEY_CHARS",
     "ApiKey",
     "ApiKeys",
@@ -40,6 +49,7 @@ __all__ = [
 ]
 
 MIN_KEY_CHARS = 16
+ANONYMOUS = "anonymous"  # the one tenant of a frontend without API keys
 _ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # Visible ASCII without ',' (the list separator): the characters a header value carries unchanged.
 _KEY_RE = re.compile(r"[!-+\--~]+")
@@ -152,14 +162,17 @@ class ApiKeys:
     def ids(self) -> tuple[str, ...]:
         return tuple(k.id for k in self._keys)
 
-    def check(self, authorization: str | bytes | None) -> str | AuthFailure:
-        """The key id of an `Authorization` header value, or why it is refused.
+    def check(self, authorization: str | bytes | None, *, basic: bool = False) -> str | AuthFailure:
+        """The key id (the tenant) of an `Authorization` header value, or why it is refused.
 
-        Compares the SHA-256 of the presented key with every key's, each with
+        `basic`: `Basic base64(USER:KEY)` counts too (any user name), so a browser's own login prompt
+        opens the dashboard. Compares the SHA-256 of the presented key with every key's, each with
         `hmac.compare_digest` and without stopping at a match, so neither a
         key's content, its length nor its position shows in the time taken.
         """
         token = bearer_token(authorization)
+        if token is None and basic:
+            token = basic_password(authorization)
         if token is None:
             return AuthFailure.MISSING
         presented = _digest(token)
@@ -180,6 +193,22 @@ def bearer_token(authorization: str | bytes | None) -> bytes | None:
     if scheme.lower() != b"bearer" or not token:
         return None
     return token
+
+
+def basic_password(authorization: str | bytes | None) -> bytes | None:
+    """The password of `Basic base64(USER:PASSWORD)` (scheme case-insensitive), or None."""
+    if authorization is None:
+        return None
+    raw = authorization.encode("latin-1") if isinstance(authorization, str) else authorization
+    scheme, _, encoded = raw.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    _, sep, password = decoded.partition(b":")
+    return password if sep and password else None
 
 
 def unauthorized_body(failure: AuthFailure) -> dict[str, Any]:
@@ -205,7 +234,7 @@ def exposure_warning(listeners: Sequence[tuple[str, str, int]], keys: ApiKeys) -
 
 
 def add_api_key_args(parser: argparse.ArgumentParser) -> None:
-    """`--api-keys`, `--api-keys-file`, `--metrics-auth` (each also from its MESHLLM_* variable)."""
+    """`--api-keys`, `--api-keys-file`, `--open-metrics` (each also from its MESHLLM_* variable)."""
     g = parser.add_argument_group("API keys (docs/security.md)")
     g.add_argument(
         "--api-keys", default="",
@@ -213,12 +242,12 @@ def add_api_key_args(parser: argparse.ArgumentParser) -> None:
         "(prefer the variable or a file: flags show in ps)",
     )  # fmt: skip
     g.add_argument("--api-keys-file", default="", help="file of API keys: one KEY or ID:KEY a line, # comments")
-    g.add_argument("--metrics-auth", action="store_true", help="/metrics and /dashboard/state need a key too")
+    g.add_argument(
+        "--open-metrics", action="store_true",
+        help="serve /metrics, /dashboard and /dashboard/state without an API key (default with keys set: they need one)",
+    )  # fmt: skip
 
 
 def api_keys_from_namespace(ns: argparse.Namespace) -> ApiKeys:
     """The keys named by the flags of `add_api_key_args`; ConfigError (one line, no key in it) when bad."""
-    keys = ApiKeys.load(ns.api_keys, ns.api_keys_file)
-    if ns.metrics_auth and not keys:
-        raise ConfigError("--metrics-auth needs --api-keys or --api-keys-file")
-    return keys
+    return ApiKeys.load(ns.api_keys, ns.api_keys_file)

@@ -113,7 +113,7 @@ class FrontendConfig:
     health_timeout_s: float = 2.0
     # API keys of the HTTP and Inference gRPC APIs (frontend/auth.py; empty = open), and slow-client limits.
     api_keys: ApiKeys = field(default_factory=ApiKeys)
-    metrics_auth: bool = False  # /metrics needs a key too
+    open_metrics: bool = False  # with API keys: /metrics and /dashboard* are served without one
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     # TLS on the Inference gRPC API, the HTTP API (HTTPS) and the calls to routers and workers;
@@ -149,8 +149,6 @@ class FrontendConfig:
             raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
-        if self.metrics_auth and not self.api_keys:
-            raise ConfigError("--metrics-auth needs --api-keys or --api-keys-file")
         for flag, value in (("--http-header-timeout", self.header_timeout_s), ("--http-body-timeout", self.body_timeout_s)):
             if not 0 < value <= 3600:  # also refuses NaN
                 raise ConfigError(f"{flag} must be between 0 and 3600 seconds (> 0), got {value}")
@@ -230,7 +228,7 @@ class FrontendConfig:
             health_interval_s=ns.worker_health_interval,
             health_timeout_s=ns.worker_health_timeout,
             api_keys=api_keys_from_namespace(ns),
-            metrics_auth=ns.metrics_auth,
+            open_metrics=ns.open_metrics,
             header_timeout_s=ns.http_header_timeout,
             body_timeout_s=ns.http_body_timeout,
             security=MeshSecurity.from_namespace(ns),

@@ -25,10 +25,12 @@ fetched from elsewhere. The state holds:
   the group's totals, the workers and decisions those of the process that
   answered.
 
-Access (app.py): the page and its assets are always served (they hold no
-data); `/dashboard/state` is governed like `/metrics` — open unless API keys
-are set *and* `--metrics-auth` is on, then it needs `Authorization: Bearer
-KEY` (the page asks for the key and sends it).
+Access (app.py): the page, its assets and `/dashboard/state` are governed
+like `/metrics` — with API keys set they need a key unless `--open-metrics`.
+A browser opening the page gets a login prompt (`WWW-Authenticate: Basic`;
+any user name, the API key as password) and sends those credentials with
+the page's own polls; a key typed into the page's form is sent as `Bearer`.
+Requests appear as `request_tag` digests, never by id (router/recent.py).
 """
 
 from __future__ import annotations

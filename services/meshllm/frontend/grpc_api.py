@@ -30,7 +30,7 @@ import grpc
 import orjson
 
 from meshllm.errors import InvalidArgument
-from meshllm.frontend.auth import ApiKeys, AuthFailure
+from meshllm.frontend.auth import ANONYMOUS, ApiKeys, AuthFailure
 from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.postprocess import Delta
 from meshllm.plane.transport import CallInfo, ServiceBinding
@@ -181,10 +181,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.core = core
         self.api_keys = api_keys if api_keys is not None else ApiKeys()
 
-    async def _authorize(self, context: grpc.aio.ServicerContext, route: str) -> None:
-        """Return when the call carries an accepted key (or none is needed); else abort with UNAUTHENTICATED."""
+    async def _authorize(self, context: grpc.aio.ServicerContext, route: str) -> str:
+        """The call's tenant (its key's id; ANONYMOUS without keys); aborts with UNAUTHENTICATED without an accepted key."""
         if not self.api_keys:
-            return
+            return ANONYMOUS
         header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
         result = self.api_keys.check(header if isinstance(header, str | bytes) else None)
         metrics = self.core.metrics
@@ -194,31 +194,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             how = "send the metadata 'authorization: Bearer YOUR_KEY'"
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{result.message} ({how})")
         metrics.key_used(str(result), "grpc")
+        return str(result)
 
     async def ChatCompletion(
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.TextChunk]:
-        await self._authorize(context, "ChatCompletion")
-        async for chunk in self._run(parse_chat(chat_body(request)), context, "ChatCompletion"):
+        tenant = await self._authorize(context, "ChatCompletion")
+        async for chunk in self._run(parse_chat(chat_body(request)), context, "ChatCompletion", tenant):
             yield chunk
 
     async def Completion(
         self, request: inference_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.TextChunk]:
-        await self._authorize(context, "Completion")
+        tenant = await self._authorize(context, "Completion")
         body = {"model": request.model, "prompt": request.prompt, "stream": True, **params_body(request.params, chat=False)}
         if request.request_id:
             body["request_id"] = request.request_id
-        async for chunk in self._run(parse_completion(body), context, "Completion"):
+        async for chunk in self._run(parse_completion(body), context, "Completion", tenant):
             yield chunk
 
     async def _run(
-        self, req: TextRequest, context: grpc.aio.ServicerContext, route: str
+        self, req: TextRequest, context: grpc.aio.ServicerContext, route: str, tenant: str
     ) -> AsyncIterator[inference_pb2.TextChunk]:
         status = "error"
         completion = None
         try:
-            completion = await self.core.begin(req, call=CallInfo.from_context(context))
+            completion = await self.core.begin(req, call=CallInfo.from_context(context), tenant=tenant)
             rid = completion.id
             async for d in completion.deltas():
                 if not (d.text or d.finish_reason or d.reasoning or d.tool_calls or d.logprobs or d.prompt_logprobs):

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
+from meshllm.frontend.auth import ANONYMOUS
 from meshllm.frontend.capabilities import check_capabilities
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
@@ -68,8 +69,21 @@ class InferenceCore(Admits):
         self._id_prefix = secrets.token_hex(8)
         self._id_counter = itertools.count()
 
-    async def begin(self, req: TextRequest, *, call: CallInfo | None = None, t0: float | None = None) -> Completion:
-        """Admit and preprocess a request; raises the MeshError a user should see."""
+    async def begin(
+        self,
+        req: TextRequest,
+        *,
+        call: CallInfo | None = None,
+        t0: float | None = None,
+        tenant: str = ANONYMOUS,
+        client_request_id: str | None = None,
+    ) -> Completion:
+        """Admit and preprocess a request; raises the MeshError a user should see.
+
+        The request's id inside the mesh (load accounting, migration, aborts) is always made here;
+        `client_request_id` (the client's own id, default the body's `request_id`) only names the
+        response and travels beside it in the `client_request_id` annotation, for logs and traces.
+        """
         if not self.admitting:
             raise Unavailable("the frontend is shutting down")
         if self.max_inflight and self.inflight >= self.max_inflight:
@@ -79,15 +93,19 @@ class InferenceCore(Admits):
             model = self.registry.lookup(req.model)
             tk = await self.registry.tokenization(model)
             kind = "chatcmpl" if req.kind == "chat" else "cmpl"
-            rid = req.request_id or f"{kind}-{self._id_prefix}{next(self._id_counter):016x}"
+            rid = f"{kind}-{self._id_prefix}{next(self._id_counter):016x}"
+            client_id = client_request_id if client_request_id is not None else req.request_id
             await check_capabilities(req, model, self.registry)  # a 400 before any engine work
             outputs = self.parsers.factory(req, model.name, model.card, tk.template)
-            plan = await preprocess(req, model, tk, rid, alone=self.inflight == 1)
+            annotations = {"tenant": tenant} if client_id is None else {"tenant": tenant, "client_request_id": client_id}
+            plan = await preprocess(req, model, tk, rid, alone=self.inflight == 1, annotations=annotations)
         except BaseException:
             self.admission.exit()
             raise
         t0 = time.perf_counter() if t0 is None else t0
-        return Completion(self, req, model, tk, plan, rid, call, t0, outputs=outputs)
+        completion = Completion(self, req, model, tk, plan, client_id or rid, call, t0, outputs=outputs)
+        completion.internal_id, completion.tenant = rid, tenant
+        return completion
 
     @property
     def inflight(self) -> int:
@@ -126,7 +144,9 @@ class Completion:
         self.model = model
         self.tokenization = tk
         self.plan = plan
-        self.id = request_id
+        self.id = request_id  # the response's id: the client's own when it sent one
+        self.internal_id = request_id  # the id inside the mesh: always the frontend's (InferenceCore.begin)
+        self.tenant = ANONYMOUS
         self.created = int(time.time())
         self.call = call
         self.t0 = t0
@@ -233,7 +253,7 @@ class Completion:
             finally:
                 await _aclose(stream)
 
-        tasks = [asyncio.create_task(pump(i), name=f"{self.id}-choice-{i}") for i in range(len(self.choices))]
+        tasks = [asyncio.create_task(pump(i), name=f"{self.internal_id}-choice-{i}") for i in range(len(self.choices))]
         lasts = [[0.0] for _ in self.choices]
         open_choices = len(self.choices)
         try:

@@ -105,10 +105,19 @@ def prompt_logprobs_asked(req: TextRequest) -> int | None:
     return max(asked) if asked else None
 
 
-async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, request_id: str, *, alone: bool = False) -> Plan:
+async def preprocess(
+    req: TextRequest,
+    model: ServedModel,
+    tk: Tokenization,
+    request_id: str,
+    *,
+    alone: bool = False,
+    annotations: dict[str, str] | None = None,
+) -> Plan:
     """Render, tokenize, check lengths and build the upstream requests (choice i = prompt i // n, sample i % n).
 
     `alone`: this is the only request in flight (`encode_async` may then tokenize inline).
+    `annotations` travel with every upstream request (the tenant, the client's request id).
     """
     if req.kind == "chat":
         prompts = [await _chat_prompt(req, model, tk, alone)]
@@ -149,5 +158,7 @@ async def preprocess(req: TextRequest, model: ServedModel, tk: Tokenization, req
                     eos_token_ids=eos,
                 )
             )
+            if annotations:
+                requests[-1]["annotations"] = annotations
             prompt_of.append(p_index)
     return Plan(prompts, requests, prompt_of)

@@ -23,12 +23,16 @@ short). An error after the stream started is an `error` event then
 
 `previous_response_id` continues a stored response: its input and output
 are placed before the new input (its `instructions` are not carried over,
-as OpenAI does). Responses are stored unless `store: false`, in this
-process's memory only (with `--workers N` an id is known to the process that
-answered it): at most `MAX_STORED_RESPONSES` conversations and
-`MAX_STORED_CHARS` characters of them in all, least recently used first out,
-each for `STORED_TTL_S` after its last use. An unknown or expired id is a
-404.
+as OpenAI does). `GET /v1/responses/{id}` returns a stored response,
+`DELETE /v1/responses/{id}` forgets it. Responses are stored unless
+`store: false`, in this process's memory only (with `--workers N` an id is
+known to the process that answered it): at most `MAX_STORED_RESPONSES`
+conversations and `MAX_STORED_CHARS` characters of them in all, least
+recently used first out, each for `STORED_TTL_S` after its last use.
+
+A stored response belongs to the tenant (API key id) that made it: for any
+other tenant its id does not exist. An unknown, expired or another tenant's
+id is the same 404, with the same message.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from typing import Any
 
 import orjson
 
-from meshllm.errors import InvalidArgument, MeshError, NotFound, openai_error_body
+from meshllm.errors import InvalidArgument, MeshError, NotFound, openai_error_body, shorten
+from meshllm.frontend.auth import ANONYMOUS
 from meshllm.frontend.inference import Completion
 from meshllm.frontend.postprocess import Delta
 from meshllm.frontend.responses import collect
@@ -65,8 +70,20 @@ MAX_STORED_CHARS = 32 * 1024 * 1024  # message text over all stored conversation
 STORED_TTL_S = 3600.0
 
 
+@dataclass(slots=True)
+class StoredResponse:
+    """One stored response: its owner, the conversation it ends, and the Response object as answered."""
+
+    tenant: str
+    messages: tuple[dict[str, Any], ...]
+    response: dict[str, Any]
+    size: int
+    expires: float
+
+
 class ResponseStore:
-    """Conversations by response id: an LRU bounded in entries and characters, each expiring `ttl_s` after last use."""
+    """Responses by id, each owned by a tenant: an LRU bounded in entries and characters, each expiring `ttl_s`
+    after last use. Another tenant's entry is never returned, touched or dropped: to it the id is unknown."""
 
     def __init__(
         self,
@@ -79,44 +96,51 @@ class ResponseStore:
         self.max_chars = max_chars
         self.ttl_s = ttl_s
         self._clock = clock
-        self._items: OrderedDict[str, tuple[tuple[dict[str, Any], ...], int, float]] = OrderedDict()
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self.chars = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, rid: str) -> tuple[dict[str, Any], ...] | None:
-        """The conversation (messages) of response `rid`, None when unknown or expired."""
+    def get(self, rid: str, tenant: str) -> StoredResponse | None:
+        """Response `rid` of `tenant` (its use renews it), None when unknown, expired or another tenant's."""
         self._expire()
         entry = self._items.get(rid)
-        if entry is None:
+        if entry is None or entry.tenant != tenant:
             return None
-        messages, size, _ = entry
-        self._items[rid] = (messages, size, self._clock() + self.ttl_s)
+        entry.expires = self._clock() + self.ttl_s
         self._items.move_to_end(rid)
-        return messages
+        return entry
 
-    def put(self, rid: str, messages: Sequence[dict[str, Any]]) -> None:
+    def put(self, rid: str, tenant: str, messages: Sequence[dict[str, Any]], response: dict[str, Any]) -> None:
         size = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in messages)
+        size += len(orjson.dumps(response["output"]))
         if size > self.max_chars:
             return  # larger than the whole store: not kept (a later previous_response_id gets a 404)
         self._drop(rid)
-        self._items[rid] = (tuple(messages), size, self._clock() + self.ttl_s)
+        self._items[rid] = StoredResponse(tenant, tuple(messages), response, size, self._clock() + self.ttl_s)
         self.chars += size
         while len(self._items) > self.max_entries or self.chars > self.max_chars:
             self._drop(next(iter(self._items)))
 
+    def delete(self, rid: str, tenant: str) -> bool:
+        """Forget response `rid` of `tenant`; False when unknown, expired or another tenant's."""
+        if self.get(rid, tenant) is None:
+            return False
+        self._drop(rid)
+        return True
+
     def _drop(self, rid: str) -> None:
         entry = self._items.pop(rid, None)
         if entry is not None:
-            self.chars -= entry[1]
+            self.chars -= entry.size
 
     def _expire(self) -> None:
         now = self._clock()
         # Entries are in last-use order and every use extends by the same TTL: expired ones lead.
         while self._items:
-            rid, (_, _, expires) = next(iter(self._items.items()))
-            if expires > now:
+            rid, entry = next(iter(self._items.items()))
+            if entry.expires > now:
                 return
             self._drop(rid)
 
@@ -130,6 +154,7 @@ class ResponseContext:
     model: str
     echo: ResponseEcho
     conversation: tuple[dict[str, Any], ...]  # history + new input (no instructions): stored with the output
+    tenant: str  # who owns the stored response
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,8 +180,8 @@ class ResponsesApi:
     def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store if store is not None else ResponseStore()
 
-    def parse(self, body: Any, *, strict: bool = False) -> ResponsesRequest:
-        """A validated Responses body as a chat request; 404 for an unknown `previous_response_id`.
+    def parse(self, body: Any, *, strict: bool = False, tenant: str = ANONYMOUS) -> ResponsesRequest:
+        """A validated Responses body of `tenant` as a chat request; 404 for an unknown `previous_response_id`.
 
         Unknown fields are always refused here (`strict` is for the chat parsers' signature): the chat body
         is built from known fields only.
@@ -164,20 +189,32 @@ class ResponsesApi:
         history: tuple[dict[str, Any], ...] = ()
         prev = body.get("previous_response_id") if isinstance(body, dict) else None
         if isinstance(prev, str):
-            found = self.store.get(prev)
+            found = self.store.get(prev, tenant)
             if found is None:
-                raise NotFound(f"Previous response with id '{prev}' not found.", param="previous_response_id")
-            history = found
+                raise NotFound(f"Previous response with id '{shorten(prev, 100)}' not found.", param="previous_response_id")
+            history = found.messages
         chat, new, echo = chat_body_of(body, history)
         try:
             req = parse_chat(chat, strict=True)
         except InvalidArgument as exc:
             raise remap_error(exc) from None
         rid = new_id("resp")
-        context = ResponseContext(rid, int(time.time()), req.model, echo, (*history, *new))
+        context = ResponseContext(rid, int(time.time()), req.model, echo, (*history, *new), tenant)
         values = {f.name: getattr(req, f.name) for f in fields(req)}
-        values["request_id"] = rid
         return ResponsesRequest(**values, context=context)
+
+    def retrieve(self, rid: str, tenant: str) -> dict[str, Any]:
+        """`GET /v1/responses/{id}`: the stored Response object of `tenant`, else NotFound."""
+        found = self.store.get(rid, tenant)
+        if found is None:
+            raise _unknown(rid)
+        return found.response
+
+    def delete(self, rid: str, tenant: str) -> dict[str, Any]:
+        """`DELETE /v1/responses/{id}`: OpenAI's deletion object, else NotFound."""
+        if not self.store.delete(rid, tenant):
+            raise _unknown(rid)
+        return {"id": rid, "object": "response", "deleted": True}
 
     # ------------------------------------------------------------ non-streaming
     async def collect(self, c: Completion) -> dict[str, Any]:
@@ -194,10 +231,11 @@ class ResponsesApi:
             fn = call["function"]
             output.append(function_call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"]))
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        self._remember(ctx, output)
-        return response_object(
+        final = response_object(
             ctx.id, ctx.created_at, ctx.model, ctx.echo, status=status, output=output, usage=responses_usage(body["usage"])
         )
+        self._remember(ctx, output, final)
+        return final
 
     # ------------------------------------------------------------ streaming
     async def events(self, c: Completion) -> AsyncIterator[bytes]:
@@ -250,11 +288,11 @@ class ResponsesApi:
             for b in _close(out, event):
                 yield b
         status = "incomplete" if finish == "length" else "completed"
-        self._remember(ctx, out.items)
         final = response(status, out.items, usage=responses_usage(c.usage()))
+        self._remember(ctx, out.items, final)
         yield event("response.incomplete" if status == "incomplete" else "response.completed", response=final)
 
-    def _remember(self, ctx: ResponseContext, output: Sequence[dict[str, Any]]) -> None:
+    def _remember(self, ctx: ResponseContext, output: Sequence[dict[str, Any]], response: dict[str, Any]) -> None:
         if not ctx.echo.store:
             return
         reply: list[dict[str, Any]] = []
@@ -271,10 +309,15 @@ class ResponsesApi:
                     reply[-1]["tool_calls"].append(call)
                 else:
                     reply.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        self.store.put(ctx.id, [*ctx.conversation, *reply])
+        self.store.put(ctx.id, ctx.tenant, [*ctx.conversation, *reply], response)
 
 
 Event = Callable[..., bytes]
+
+
+def _unknown(rid: str) -> NotFound:
+    """The one answer for an id this tenant cannot see: unknown, expired, deleted or another tenant's."""
+    return NotFound(f"Response with id '{shorten(rid, 100)}' not found.")
 
 
 def _context(c: Completion) -> ResponseContext:

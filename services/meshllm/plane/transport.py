@@ -30,6 +30,7 @@ from meshllm.errors import (
     MeshError,
     ResponseTimeout,
     StreamIncomplete,
+    Unimplemented,
     Unknown,
     error_from_status,
     log_unexpected,
@@ -185,6 +186,8 @@ async def translate_stream(call: AsyncIterator[T]) -> AsyncIterator[T]:
 def _to_mesh(exc: BaseException, method: str) -> MeshError:
     if isinstance(exc, MeshError):
         return exc
+    if type(exc) is NotImplementedError:  # a generated servicer's default body (e.g. grpc.health.v1.Health/List)
+        return Unimplemented(f"{method} is not implemented by this server")
     log_unexpected(log, f"unexpected error in {method}", exc)
     return Unknown(f"{type(exc).__name__}: {exc}")
 

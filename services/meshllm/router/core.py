@@ -21,6 +21,7 @@ class otherwise (before the first chunk; after it, the stream ends with an
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -129,6 +130,9 @@ class RouterCore(AsyncCloseable):
     ) -> None:
         self.config = config
         self.id = config.router_id
+        # Load charges, replica sync and in-flight entries are keyed by ids this router makes, never by a
+        # caller's request id: two requests that share an id (two clients, a retry) stay two charges.
+        self.leg_ids = itertools.count()
         self.channels = channels
         self.metrics = RouterMetrics(self.id)
         self.mode = config.mode

@@ -6,10 +6,17 @@ terms — the same terms `Router.Route` explains — and the last `EVENTS`
 notable events (migrations, KV index resyncs, event gaps, request errors).
 Recording is an append to a deque (the hot path pays nothing else); the
 decisions are turned into plain dicts only when a page asks.
+
+Nothing here shows a request's id: the page may be seen by others than the
+request's sender, and an id can be a handle (an abort, a stored response).
+Decisions and events name a request by `request_tag`, a short one-way
+digest of its id that an operator can compute from a log line to match
+the two.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,12 +28,17 @@ from meshllm.v1 import events_pb2
 if TYPE_CHECKING:
     from meshllm.router.core import Decision
 
-__all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict"]
+__all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict", "request_tag"]
 
 _TIER_NAMES: dict[int, str] = {events_pb2.KV_TIER_HOST: "host", events_pb2.KV_TIER_DISK: "disk"}
 
 DECISIONS = 64
 EVENTS = 128
+
+
+def request_tag(request_id: str) -> str:
+    """A request's name on the dashboard: `r-` + 10 hex digits of a BLAKE2b digest of its id (not usable as the id)."""
+    return "r-" + hashlib.blake2b(request_id.encode(), digest_size=5).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +122,8 @@ class RecentActivity:
         """The newest `limit` decisions, newest first."""
         out = []
         for r in list(self._decisions)[-limit:][::-1]:
-            out.append({"at": r.at, "request_id": r.request_id, "model": r.model, "leg": r.leg, **decision_dict(r.decision)})
+            tag = request_tag(r.request_id)
+            out.append({"at": r.at, "request": tag, "model": r.model, "leg": r.leg, **decision_dict(r.decision)})
         return out
 
     def events(self, limit: int = EVENTS) -> list[dict[str, Any]]:

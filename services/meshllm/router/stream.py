@@ -40,6 +40,7 @@ from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
 from meshllm.router.migration import MigrationState, migrating
+from meshllm.router.recent import request_tag
 from meshllm.router.workers import DECODE, role_name
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ def serve(
             return
         core.metrics.migrations.inc()
         core.metrics.recent.event(
-            "migration", f"request {request['request_id']}: worker {failed} failed after {len(state.generated)} tokens "
+            "migration",
+            f"request {request_tag(request['request_id'])}: worker {failed} failed after {len(state.generated)} tokens "
             f"({exc.code}); migrated", worker_id=failed,
         )  # fmt: skip
 
@@ -110,7 +112,8 @@ async def _disaggregated(
             "kv_handle": prefix_handle(plan.prefill.block_size, plan.hashes[:n]), "tier": pull.peer.tier,
         }  # fmt: skip
         core.metrics.recent.event(
-            "kv_pull", f"request {req['request_id']}: prefill on {plan.prefill.chosen.worker_id} pulls {n} blocks from "
+            "kv_pull",
+            f"request {request_tag(req['request_id'])}: prefill on {plan.prefill.chosen.worker_id} pulls {n} blocks from "
             f"{pull.peer.worker_id} ({pull.pull_ms:.1f} ms vs {pull.recompute_ms:.1f} ms recompute)",
             worker_id=pull.peer.worker_id,
         )  # fmt: skip
@@ -167,7 +170,7 @@ async def _leg(
     """
     cand = decision.chosen
     key = cand.key
-    leg_id = f"{req['request_id']}/{kind}"
+    leg_id = f"{next(core.leg_ids):x}/{kind}"  # the router's own key of this leg (RouterCore.leg_ids)
     prefill_tokens = 0 if kind == "decode" else cand.prefill_tokens
     source = req.get("disagg", {}).get("kv_source")
     if source:  # the pulled prefix is not computed there

@@ -117,12 +117,12 @@ function renderDecisions(state) {
     return;
   }
   const items = state.decisions.slice(0, 12).map((d, i) => {
-    const key = d.request_id + "/" + d.leg;
+    const key = d.request + "/" + d.leg;
     const head = el("tr", {}, el("th", {}, "worker"), ...TERMS.map(([, name]) => el("th", {}, name)));
     const rows = d.candidates.map((c) => el("tr", { class: c.chosen ? "chosen" : "" },
       el("td", {}, c.worker_id + (c.dp_rank ? `/${c.dp_rank}` : "")), ...TERMS.map(([k]) => (k === "lower_tiers" ? tiers(c[k]) : num(c[k])))));
-    const n = d.candidates.length, rid = d.request_id.length > 20 ? d.request_id.slice(0, 20) + "…" : d.request_id;
-    const summary = el("summary", { title: d.request_id }, el("span", { class: "dim" }, clock(d.at) + "  "),
+    const n = d.candidates.length, rid = d.request;  // a digest of the request id (router/recent.py request_tag)
+    const summary = el("summary", { title: "request " + d.request }, el("span", { class: "dim" }, clock(d.at) + "  "),
       `${d.model} · ${d.leg} → ${d.worker_id}`,
       el("span", { class: "dim" }, `  ${d.policy} · ${d.prompt_blocks} prompt blocks of ${d.block_size} · ${n} candidate${n === 1 ? "" : "s"} · ${rid}`));
     const details = el("details", { "data-decision": key }, summary, el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
