@@ -29,6 +29,7 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm.certs import make_dev_pki
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer
+from meshllm.testing.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -91,9 +92,11 @@ async def test_a_secured_mesh_logs_none_of_its_secrets(tmp_path: Path) -> None:
             url, ca = base.group(1), files["frontend"].ca
 
             chat = {"model": "sample", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-            async with asyncio.timeout(60):
-                while (await asyncio.to_thread(call, f"{url}/v1/models", None, KEY_A, ca))[1].get("data") == []:
-                    await asyncio.sleep(0.1)  # polls until the worker's model is known (bounded by the timeout)
+
+            async def served() -> bool:
+                return bool((await asyncio.to_thread(call, f"{url}/v1/models", None, KEY_A, ca))[1].get("data"))
+
+            await wait_until(served, timeout_s=60)
             status, body = await asyncio.to_thread(call, f"{url}/v1/chat/completions", chat, KEY_A, ca)
             assert status == 200, body
             resp = {"model": "sample", "input": "hello", "max_output_tokens": 4}
