@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,14 @@ def test_flags_build_a_config_and_env_variables_are_defaults(gguf: Path) -> None
     assert cfg.served_model_name == "tiny"
     env = parse(["--model-path", str(gguf)], env={"MESHLLM_N_SEQ_MAX": "3", "MESHLLM_ENABLE_PREFIX_CACHING": "false"})
     assert env.n_seq_max == 3 and not env.prefix_caching
+    # Decode and prompt threads are separate, as in llama.cpp: prompts default to every CPU, decode to half.
+    default = parse(["--model-path", str(gguf)])
+    cpus = os.cpu_count() or 1
+    assert default.n_threads_batch == min(16, cpus) and default.n_threads == max(1, min(8, cpus // 2))
+    both = parse(["--model-path", str(gguf), "--n-threads", "1"], env={"MESHLLM_N_THREADS_BATCH": "3"})
+    assert (both.n_threads, both.n_threads_batch) == (1, 3)
+    with pytest.raises(ConfigError, match="--n-threads-batch"):
+        parse(["--model-path", str(gguf), "--n-threads-batch", "0"])
     assert parse(["--model-path", str(gguf), "--model-name", "smol"]).served_model_name == "smol"
 
 

@@ -115,7 +115,7 @@ class LlamaBackend:
         cparams.n_ubatch = cfg.n_ubatch
         cparams.n_seq_max = cfg.n_seq_max
         cparams.kv_unified = False
-        cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
+        cparams.n_threads, cparams.n_threads_batch = cfg.n_threads, cfg.n_threads_batch
         cparams.no_perf = True
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._type_k, self._type_v = cparams.type_k, cparams.type_v
@@ -221,7 +221,7 @@ class LlamaBackend:
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = cfg.n_ctx  # pooling needs the whole prompt in one ubatch
         cparams.n_seq_max = 1
         cparams.embeddings = True
-        cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
+        cparams.n_threads, cparams.n_threads_batch = cfg.n_threads, cfg.n_threads_batch
         cparams.no_perf = True
         cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         ctx = L.llama_init_from_model(self._model, cparams)

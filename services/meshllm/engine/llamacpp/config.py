@@ -41,7 +41,13 @@ def default_model_path() -> Path | None:
 
 
 def _default_threads() -> int:
+    """Decode threads: half the CPUs (1..8), leaving the rest to prefill peaks, the event loop and gRPC."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _default_threads_batch() -> int:
+    """Prompt (batch) threads: every CPU (1..16), as llama-cpp-python's server; a prefill is one burst of matmuls."""
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +60,8 @@ class LlamaCppConfig:
     n_seq_max: int = 8
     n_batch: int = 512
     n_ubatch: int = 512
-    n_threads: int = 1
+    n_threads: int = 1  # decode steps (a few tokens per sequence)
+    n_threads_batch: int = 1  # steps that carry prompt tokens (prefill)
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_hold_timeout_s: float = 30.0
     flash_attn: bool = True
@@ -76,6 +83,7 @@ class LlamaCppConfig:
             ("--n-batch", self.n_batch),
             ("--n-ubatch", self.n_ubatch),
             ("--n-threads", self.n_threads),
+            ("--n-threads-batch", self.n_threads_batch),
             ("--block-size", self.block_size),
         ):
             if value <= 0:
@@ -135,6 +143,7 @@ class LlamaCppConfig:
             n_batch=ns.n_batch,
             n_ubatch=ns.n_ubatch if ns.n_ubatch is not None else min(512, ns.n_batch),
             n_threads=ns.n_threads if ns.n_threads is not None else _default_threads(),
+            n_threads_batch=ns.n_threads_batch if ns.n_threads_batch is not None else _default_threads_batch(),
             block_size=ns.block_size,
             kv_hold_timeout_s=ns.kv_hold_timeout,
             flash_attn=_flag(ns.flash_attn),
@@ -159,7 +168,13 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
     g.add_argument("--n-seq-max", type=int, default=8, help="sequence slots: requests running at once")
     g.add_argument("--n-batch", type=int, default=512, help="tokens per step (decodes + prompt chunks)")
     g.add_argument("--n-ubatch", type=int, default=None, help="physical micro-batch (default: min(512, --n-batch))")
-    g.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: half the CPUs, 1..8)")
+    g.add_argument(
+        "--n-threads", type=int, default=None, help="CPU threads of decode steps (default: half the CPUs, 1..8)"
+    )
+    g.add_argument(
+        "--n-threads-batch", type=int, default=None,
+        help="CPU threads of steps that carry prompt tokens (default: every CPU, 1..16)",
+    )  # fmt: skip
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block in KV events")
     g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill's KV waits to be pulled")
     g.add_argument(

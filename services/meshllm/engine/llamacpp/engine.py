@@ -173,8 +173,9 @@ class LlamaCppEngine(LLMEngine):
             write_model_files, cfg.model_path, self._files_dir, context_length=cfg.n_ctx, eos_token_ids=info.eos_token_ids
         )
         log.info(
-            "llamacpp %s loaded in %.1f s: %d slots x %d tokens, %d threads, layout %s",
-            cfg.served_model_name, time.monotonic() - t0, cfg.n_seq_max, cfg.n_ctx, cfg.n_threads, self.layout,
+            "llamacpp %s loaded in %.1f s: %d slots x %d tokens, %d decode / %d prompt threads, layout %s",
+            cfg.served_model_name, time.monotonic() - t0, cfg.n_seq_max, cfg.n_ctx, cfg.n_threads, cfg.n_threads_batch,
+            self.layout,
         )  # fmt: skip
         return EngineConfig(
             model=cfg.served_model_name,
