@@ -104,7 +104,8 @@ def exported() -> dict[str, set[str]]:
             body = {"model": "mocker", "messages": [{"role": "user", "content": f"grafana {i} " * 30}], "max_tokens": 8}
             assert post(mesh.http_url + "/v1/chat/completions", body, KEY) == 200
         assert post(mesh.http_url + "/v1/chat/completions", {"model": "mocker"}, "sk-wrong") == 401
-        with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
+        scrape = urllib.request.Request(mesh.http_url + "/metrics", headers={"authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(scrape, timeout=10) as resp:  # with keys set, /metrics needs one too
             text = resp.read().decode()
     assert "_created" not in text
     labels: dict[str, set[str]] = {}
