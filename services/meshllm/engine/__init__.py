@@ -15,6 +15,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "mocker": "meshllm.engine.mocker.engine:MockerEngine",
     "llamacpp": "meshllm.engine.llamacpp.engine:LlamaCppEngine",
     "trtllm": "meshllm.engine.trtllm.engine:TrtllmEngine",
+    "vllm": "meshllm.engine.vllm.engine:VllmEngine",
 }
 
 
