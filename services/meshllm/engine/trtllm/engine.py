@@ -29,7 +29,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
 
-from meshllm.config import ConfigError
 from meshllm.engine.base import (
     Context,
     EngineConfig,
@@ -41,6 +40,7 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
+from meshllm.engine.optional import first_line, import_engine_library
 from meshllm.engine.trtllm import translate as tr
 from meshllm.engine.trtllm.config import TrtllmConfig, add_trtllm_args, build_llm_kwargs
 from meshllm.engine.trtllm.kv_events import KvEventConverter, block_size_from_stats, load_from_stats, total_blocks_from_stats
@@ -70,24 +70,9 @@ _MODEL_FILES = (
 )
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def import_tensorrt_llm() -> ModuleType:
     """`import tensorrt_llm`, or a one-line ConfigError saying what is missing."""
-    try:
-        return importlib.import_module("tensorrt_llm")
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "tensorrt_llm":
-            raise ConfigError(f"the trtllm engine needs TensorRT-LLM: {INSTALL_HINT}") from None
-        raise ConfigError(f"TensorRT-LLM is installed but needs the missing module {exc.name!r}: {INSTALL_HINT}") from None
-    except Exception as exc:  # missing CUDA libraries, driver mismatch, the PyPI placeholder, ...
-        raise ConfigError(
-            f"TensorRT-LLM is installed but cannot be imported ({type(exc).__name__}: {_one_line(exc)}); "
-            "see docs/engines/trtllm.md"
-        ) from None
+    return import_engine_library("tensorrt_llm", "TensorRT-LLM", "trtllm", INSTALL_HINT)
 
 
 @dataclass(slots=True)
@@ -140,7 +125,7 @@ class TrtllmEngine(LLMEngine):
             llm = await asyncio.shield(self._loading)
         except Exception as exc:
             log.error("TensorRT-LLM failed to load %s", self.config.model_path, exc_info=True)
-            raise FailedPrecondition(f"TensorRT-LLM could not load {self.config.model_path}: {_one_line(exc)}") from exc
+            raise FailedPrecondition(f"TensorRT-LLM could not load {self.config.model_path}: {first_line(exc)}") from exc
         if self._closing:
             raise EngineShutdown("the trtllm engine was cleaned up while loading")  # cleanup shuts it down
         self._llm = llm
@@ -181,7 +166,7 @@ class TrtllmEngine(LLMEngine):
             async for stat in llm.get_stats_async(timeout=2):
                 samples.append(stat)
         except Exception as exc:
-            log.warning("could not read TensorRT-LLM stats after a warm-up request: %s", _one_line(exc))
+            log.warning("could not read TensorRT-LLM stats after a warm-up request: %s", first_line(exc))
         for stat in samples:
             self._check_block_size(stat)
         return total_blocks_from_stats(samples)
@@ -199,7 +184,7 @@ class TrtllmEngine(LLMEngine):
             except (TimeoutError, asyncio.QueueEmpty):
                 pass
             except Exception as exc:
-                log.warning("TensorRT-LLM %s polling failed: %s", getattr(fetch, "__name__", "event"), _one_line(exc))
+                log.warning("TensorRT-LLM %s polling failed: %s", getattr(fetch, "__name__", "event"), first_line(exc))
             if had:
                 sleep = low
                 await asyncio.sleep(0)
@@ -284,7 +269,7 @@ class TrtllmEngine(LLMEngine):
                 disaggregated_params=dparams,
             )
         except (ValueError, TypeError) as exc:
-            raise InvalidArgument(f"TensorRT-LLM refused the request: {_one_line(exc)}") from exc
+            raise InvalidArgument(f"TensorRT-LLM refused the request: {first_line(exc)}") from exc
         return result, kw
 
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
@@ -388,7 +373,7 @@ class TrtllmEngine(LLMEngine):
         try:
             flight.result.abort()
         except Exception as exc:
-            log.warning("TensorRT-LLM abort failed: %s", _one_line(exc))
+            log.warning("TensorRT-LLM abort failed: %s", first_line(exc))
 
     async def _abort_after_first(self, result: Any) -> None:
         with contextlib.suppress(Exception):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import json
 import logging
@@ -52,6 +51,7 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
+from meshllm.engine.optional import first_line, import_engine_library
 from meshllm.engine.vllm.config import VllmConfig, add_vllm_args, cpu_environment, engine_kwargs
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.model import default_model_dir
@@ -75,14 +75,7 @@ _MODEL_FILES = (
 
 def import_vllm() -> ModuleType:
     """`import vllm`, or a one-line ConfigError saying what is missing."""
-    try:
-        return importlib.import_module("vllm")
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "vllm":
-            raise ConfigError(f"the vllm engine needs vLLM: {INSTALL_HINT}") from None
-        raise ConfigError(f"vLLM is installed but needs the missing module {exc.name!r}: {INSTALL_HINT}") from None
-    except Exception as exc:  # a torch build that does not match, missing CUDA libraries, ...
-        raise ConfigError(f"vLLM is installed but cannot be imported ({type(exc).__name__}: {exc}); {INSTALL_HINT}") from None
+    return import_engine_library("vllm", "vLLM", "vllm", INSTALL_HINT)
 
 
 def _on_cpu() -> bool:
@@ -153,7 +146,7 @@ class VllmEngine(LLMEngine):
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[_load_logger(self)])
         except Exception as exc:
             log.error("vLLM failed to load %s", self.model_dir, exc_info=True)
-            raise FailedPrecondition(f"vLLM could not load {self.model_dir}: {_one_line(exc)}") from exc
+            raise FailedPrecondition(f"vLLM could not load {self.model_dir}: {first_line(exc)}") from exc
         self._tasks.append(asyncio.create_task(self.kv.run(), name="vllm-kv-events"))
         cache = self._llm.vllm_config.cache_config
         self.block_size = int(getattr(cache, "block_size", 0) or self.block_size)
@@ -271,7 +264,7 @@ class VllmEngine(LLMEngine):
                 except StopAsyncIteration:
                     raise Unknown("vLLM ended the stream without a final output") from None
                 except ValueError as exc:  # vLLM validates requests when they are added
-                    raise InvalidArgument(f"vLLM refused the request: {_one_line(exc)}") from None
+                    raise InvalidArgument(f"vLLM refused the request: {first_line(exc)}") from None
                 output = res.outputs[0] if res.outputs else None
                 tokens = list(output.token_ids) if output is not None else []
                 chunk: TokenChunk = {"token_ids": tokens}
@@ -317,7 +310,7 @@ class VllmEngine(LLMEngine):
         try:
             return SamplingParams(output_kind=RequestOutputKind.DELTA, detokenize=False, **kw)
         except (ValueError, TypeError) as exc:
-            raise InvalidArgument(f"vLLM refused the sampling parameters: {_one_line(exc)}") from None
+            raise InvalidArgument(f"vLLM refused the sampling parameters: {first_line(exc)}") from None
 
     def _final(self, request: TokenRequest, res: Any, output: Any, chunk: TokenChunk, produced: int) -> TokenChunk:
         disagg = request.get("disagg", {})
@@ -370,11 +363,6 @@ def check_role(role: DisaggregationMode, config: VllmConfig) -> None:
 
 def _usage(prompt: int, completion: int, cached: int) -> Any:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _load_logger(engine: VllmEngine) -> Any:
