@@ -150,7 +150,10 @@ async def split(model: Path, threads: int) -> AsyncIterator[Running]:
     )
     frontend = None
     try:
-        address = await worker.address(180)
+        line = ""
+        while "serving on" not in line:  # an engine may print its own log lines on stdout first
+            line = await worker.line(180)
+        address = line.rsplit(" ", 1)[-1]
         frontend = MeshllmProcess(
             "frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--static-workers", address,
             "--static-endpoint", "meshllm.worker.generate", "--model-name", MODEL, "--model-path", str(model),

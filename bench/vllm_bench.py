@@ -101,6 +101,7 @@ async def serve() -> AsyncIterator[Running]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model_dir.name, "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
         "--max-num-seqs", "8", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+        "--enable-prompt-tokens-details",  # else vLLM's server reports no cached tokens
         stdout=asyncio.subprocess.DEVNULL, stderr=log, stdin=asyncio.subprocess.DEVNULL,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
              "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"},
@@ -136,8 +137,9 @@ async def split(workers: int, mode: str) -> AsyncIterator[Running]:
         procs = [MeshllmProcess("worker", "--engine", "vllm", "--port", "0", *planes, *ENGINE) for _ in range(workers)]
         frontend = None
         try:
-            for p in procs:
-                await p.address(400)
+            for p in procs:  # vLLM prints its own log lines on stdout before the worker's "serving on" line
+                while "serving on" not in await p.line(400):
+                    pass
             frontend = MeshllmProcess("frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
                                       "--router-mode", mode, *planes)  # fmt: skip
             url = await ready_url(frontend)
