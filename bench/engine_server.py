@@ -135,7 +135,7 @@ async def meshllm_run(model: Path, threads: int) -> AsyncIterator[Running]:
     try:
         url = ""
         while not url:
-            m = re.search(r"OpenAI HTTP API\s+(\S+)/v1", await proc.line(180))
+            m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await proc.line(180))
             url = m[1] if m else ""
         await until_models(url)
         yield Running(url, {"meshllm run": proc.proc.pid})
@@ -160,7 +160,7 @@ async def split(model: Path, threads: int) -> AsyncIterator[Running]:
         )  # fmt: skip
         url = ""
         while not url:
-            m = re.search(r"OpenAI HTTP API\s+(\S+)/v1", await frontend.line(120))
+            m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await frontend.line(120))
             url = m[1] if m else ""
         await until_models(url)
         yield Running(url, {"worker": worker.proc.pid, "frontend": frontend.proc.pid})

@@ -84,7 +84,7 @@ async def until_served(url: str, timeout_s: float = 400.0) -> str:
 
 async def ready_url(proc: MeshllmProcess) -> str:
     while True:
-        m = re.search(r"OpenAI HTTP API\s+(\S+)/v1", await proc.line(400))
+        m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await proc.line(400))
         if m:
             return m[1]
 
