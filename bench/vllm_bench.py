@@ -18,7 +18,7 @@ Dynamo 1.6.1 with its vLLM worker (../shared/engines/vllm-cpu.md, section 5) is 
 (6.6 GB, --no-deps surgery); its row is absent unless a later run adds it.
 
 Load (the `openai` SDK, streaming with usage, `ignore_eos`, 32 output tokens): random prompts (~500 tokens,
-every prompt different) and shared-preamble documents (4 documents of ~700 tokens, 4 questions each,
+every prompt different) and shared-preamble documents (5 documents of ~700 tokens, 4 questions each,
 interleaved), each at c=1 and c=4, after one unrecorded request. TTFT = first streamed token, ITL = gaps
 between later ones; cached-token ratio = cached ÷ prompt tokens as each system reports them; CPU seconds per
 request of every process tree from /proc.
@@ -178,7 +178,9 @@ def random_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(480))}] for _ in range(n)]
 
 
-def preamble_prompts(seed: int, docs: int = 4, questions: int = 4) -> list[list[dict[str, str]]]:
+def preamble_prompts(seed: int, docs: int = 5, questions: int = 4) -> list[list[dict[str, str]]]:
+    """`docs` documents × `questions`, interleaved. `docs` must not be a multiple of the worker count: with 4 documents
+    and 2 workers, round-robin itself keeps every document on one worker and the kv/rr comparison measures nothing."""
     rng = random.Random(seed)
     texts = [" ".join(rng.choice(WORDS) for _ in range(680)) for _ in range(docs)]
     return [
@@ -264,7 +266,7 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
         f"`bench/vllm_bench.py` ({today()}, {machine()}): SmolLM2-135M-Instruct bf16, vLLM 0.32.0 CPU build, eager, prefix "
         f"caching, block size 128, 2,048-token context; {OSL} output tokens (ignore_eos), temperature 0, one run per "
         f"cell after one unrecorded request. Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
-        f"Preamble: 4 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
+        f"Preamble: 5 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
         "",
         "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached-token ratio "
         "| CPU ms per request |",
