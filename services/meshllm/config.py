@@ -30,6 +30,7 @@ __all__ = [
     "add_plane_args",
     "add_tracing_args",
     "env_name",
+    "flag_value",
     "parse_byte_size",
     "parse_host_port",
 ]
@@ -68,6 +69,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             return action.help
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def flag_value(value: object) -> bool:
+    """A BooleanOptionalAction flag's value: a bool from the command line, or a MESHLLM_* variable's string."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 class EnvArgumentParser(argparse.ArgumentParser):

@@ -104,6 +104,10 @@ class KvEventConverter:
         self._max_window: int | None = None
         self._initial_created = True
 
+    def known_blocks(self) -> int:
+        """Full blocks the engine holds as the events so far leave them (every rank)."""
+        return sum(len(rank.known) for rank in self._ranks.values())
+
     def apply(self, event: KvCacheEvent) -> None:
         self.stats.events += 1
         rank = self._ranks.setdefault(event.dp_rank, _Rank())

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshllm.config import ConfigError, EnvArgumentParser, parse_byte_size
+from meshllm.config import ConfigError, EnvArgumentParser, flag_value, parse_byte_size
 from meshllm.engine.base import worker_arg_parser
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path", "per_worker_disk_dir"]
@@ -146,18 +146,12 @@ class LlamaCppConfig:
             n_threads_batch=ns.n_threads_batch if ns.n_threads_batch is not None else _default_threads_batch(),
             block_size=ns.block_size,
             kv_hold_timeout_s=ns.kv_hold_timeout,
-            flash_attn=_flag(ns.flash_attn),
-            prefix_caching=_flag(ns.enable_prefix_caching),
+            flash_attn=flag_value(ns.flash_attn),
+            prefix_caching=flag_value(ns.enable_prefix_caching),
             kv_host_bytes=ns.kv_host_bytes,
             kv_disk_dir=Path(ns.kv_disk_dir).expanduser() if ns.kv_disk_dir else None,
             kv_disk_bytes=ns.kv_disk_bytes,
         )
-
-
-def _flag(value: object) -> bool:
-    if isinstance(value, str):  # from a MESHLLM_* variable
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
 
 
 def add_llamacpp_args(parser: EnvArgumentParser) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.config import ConfigError, EnvArgumentParser, flag_value
 
 __all__ = ["CPU_BLOCK_MULTIPLE", "VllmConfig", "add_vllm_args", "engine_kwargs"]
 
@@ -78,7 +78,7 @@ class VllmConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, bfloat16, float16 or float32")
-        if self.model_name is not None and self.model_name != self.model_name.strip():
+        if self.model_name != self.model_name.strip():
             raise ConfigError("--model-name must not start or end with spaces")
 
     @property
@@ -111,8 +111,8 @@ class VllmConfig:
             max_num_seqs=ns.max_num_seqs,
             max_num_batched_tokens=ns.max_num_batched_tokens,
             dtype=ns.dtype,
-            enforce_eager=_flag(ns.enforce_eager),
-            prefix_caching=_flag(ns.enable_prefix_caching),
+            enforce_eager=flag_value(ns.enforce_eager),
+            prefix_caching=flag_value(ns.enable_prefix_caching),
             seed=ns.seed,
             kv_cache_space_gib=ns.kv_cache_space,
             gpu_memory_utilization=ns.gpu_memory_utilization,
@@ -121,12 +121,6 @@ class VllmConfig:
             kv_transfer=transfer,
             extra=extra,
         )
-
-
-def _flag(value: object) -> bool:
-    if isinstance(value, str):  # from a MESHLLM_* variable
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
 
 
 def engine_kwargs(cfg: VllmConfig, model_dir: Path, served_name: str, kv_events_endpoint: str) -> dict[str, Any]:

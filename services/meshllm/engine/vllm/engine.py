@@ -214,7 +214,7 @@ class VllmEngine(LLMEngine):
     async def clear_kv_blocks(self) -> int:
         if self._llm is None:
             raise FailedPrecondition("the vllm engine is not started")
-        known = sum(len(r.known) for r in self.kv.converter._ranks.values()) if self.kv is not None else 0
+        known = self.kv.converter.known_blocks() if self.kv is not None else 0
         await self._llm.reset_prefix_cache()
         return known
 

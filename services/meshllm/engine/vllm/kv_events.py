@@ -39,20 +39,12 @@ _DEVICE_MEDIA = (None, "GPU")
 
 
 def _tag(event: Any) -> str:
-    if isinstance(event, dict):
-        return str(event.get("type", ""))
-    if isinstance(event, list | tuple) and event and isinstance(event[0], str):
-        return event[0]
-    return type(event).__name__
+    return str(event.get("type", "")) if isinstance(event, dict) else type(event).__name__
 
 
-def _get(event: Any, name: str, index: int, default: Any = None) -> Any:
-    """A field of an event decoded typed (attribute), as a map, or as msgspec's tagged array (position)."""
-    if isinstance(event, dict):
-        return event.get(name, default)
-    if isinstance(event, list | tuple):
-        return event[index] if len(event) > index else default
-    return getattr(event, name, default)
+def _get(event: Any, name: str, default: Any = None) -> Any:
+    """A field of an event decoded typed (an attribute) or as a plain map."""
+    return event.get(name, default) if isinstance(event, dict) else getattr(event, name, default)
 
 
 def events_of_batch(events: Sequence[Any], dp_rank: int, first_id: int) -> list[KvCacheEvent]:
@@ -62,24 +54,24 @@ def events_of_batch(events: Sequence[Any], dp_rank: int, first_id: int) -> list[
         eid = first_id + offset
         tag = _tag(ev)
         if tag == "BlockStored":
-            medium, group = _get(ev, "medium", 6), _get(ev, "group_idx", 9)
+            medium, group = _get(ev, "medium"), _get(ev, "group_idx")
             if medium not in _DEVICE_MEDIA or group not in (None, 0):
                 out.append(KvCacheEvent(event_id=eid, kind="skipped", dp_rank=dp_rank))
                 continue
-            hashes = list(_get(ev, "block_hashes", 1, ()))
-            tokens = list(_get(ev, "token_ids", 3, ()))
-            size = int(_get(ev, "block_size", 4, 0) or 0)
-            parent = _get(ev, "parent_block_hash", 2)
+            hashes = list(_get(ev, "block_hashes", ()))
+            tokens = list(_get(ev, "token_ids", ()))
+            size = int(_get(ev, "block_size", 0) or 0)
+            parent = _get(ev, "parent_block_hash")
             blocks = tuple(
                 StoredBlock(engine_hash=_hash(h), tokens=tuple(tokens[i * size : (i + 1) * size])) for i, h in enumerate(hashes)
             )
             out.append(KvCacheEvent(event_id=eid, kind="stored", dp_rank=dp_rank, parent_hash=_hash(parent), blocks=blocks))
         elif tag == "BlockRemoved":
-            medium, group = _get(ev, "medium", 2), _get(ev, "group_idx", 3)
+            medium, group = _get(ev, "medium"), _get(ev, "group_idx")
             if medium not in _DEVICE_MEDIA or group not in (None, 0):
                 out.append(KvCacheEvent(event_id=eid, kind="skipped", dp_rank=dp_rank))
                 continue
-            removed = tuple(h for h in (_hash(x) for x in _get(ev, "block_hashes", 1, ())) if h is not None)
+            removed = tuple(h for h in (_hash(x) for x in _get(ev, "block_hashes", ())) if h is not None)
             out.append(KvCacheEvent(event_id=eid, kind="removed", dp_rank=dp_rank, removed=removed))
         elif tag == "AllBlocksCleared":
             out.append(KvCacheEvent(event_id=eid, kind="cleared", dp_rank=dp_rank))
