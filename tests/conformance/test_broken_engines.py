@@ -17,10 +17,12 @@ def test_every_clause_has_a_broken_engine() -> None:
     assert set(BROKEN) == set(CHECKS) == set(Clause)
 
 
+@pytest.mark.parametrize("share_engine", [False, True], ids=["fresh engines", "shared engine"])
 @pytest.mark.parametrize("clause", list(Clause), ids=str)
-async def test_a_broken_engine_fails_exactly_its_clause_with_a_message_naming_it(clause: Clause) -> None:
-    """Locks: the engine that breaks one clause fails that clause, and only that one."""
-    report = await run_conformance(factory_for(BROKEN[clause]), FAST)
+async def test_a_broken_engine_fails_exactly_its_clause_with_a_message_naming_it(clause: Clause, share_engine: bool) -> None:
+    """Locks: the engine that breaks one clause fails that clause, and only that one, also when the serving clauses
+    share one started engine."""
+    report = await run_conformance(factory_for(BROKEN[clause]), FAST, share_engine=share_engine)
     assert report.failed == [clause], report.summary()
     error = report.result(clause).error
     assert error is not None and error.clause is clause

@@ -32,6 +32,32 @@ async def test_sample_with_a_token_delay_passes_the_whole_kit() -> None:
     assert [r.clause for r in report.results] == list(CHECKS)
 
 
+async def test_a_shared_engine_passes_the_whole_kit_with_four_starts_instead_of_thirteen() -> None:
+    """Locks: share_engine runs the serving clauses on one started engine; only drain and the cleanup clauses (two
+    engines) start their own, and the tier clauses skip without starting one."""
+    starts: list[str] = []
+
+    async def factory() -> SampleEngine:
+        engine = SampleEngine()
+        original_start = engine.start
+
+        async def start(worker_id: str):  # type: ignore[no-untyped-def]
+            starts.append(worker_id)
+            return await original_start(worker_id)
+
+        engine.start = start  # type: ignore[method-assign]
+        return engine
+
+    report = await run_conformance(factory, share_engine=True)
+    assert report.passed, report.summary()
+    assert [r.clause for r in report.results] == list(CHECKS)
+    assert {r.clause for r in report.results if r.skipped} == set(TIER_CLAUSES)
+    assert len(starts) == 4, starts
+    starts.clear()
+    assert (await run_conformance(factory)).passed
+    assert len(starts) == 13, starts
+
+
 async def test_the_builtin_name_resolves_to_the_sample_engine() -> None:
     """Locks: `--engine sample` is the engine the kit checks here."""
     assert load_engine_class("sample") is SampleEngine

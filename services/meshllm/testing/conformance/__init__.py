@@ -12,7 +12,9 @@ or through the pytest plugin, `pytest --meshllm-engine mypkg.engine:MyEngine`.
 Every check takes an *engine factory* (an async callable returning a fresh,
 constructed-but-not-started engine), builds its own engine, gives it a
 `RecordingSink`, and cleans it up afterwards, so a broken clause fails only its
-own check. A check raises `ConformanceError(clause, message)`; every engine call
+own check. `run_conformance(..., share_engine=True)` instead runs the clauses
+that only serve requests (`SHAREABLE_CLAUSES`) in turn on one started engine, as
+a server uses it, for engines that take long to start. A check raises `ConformanceError(clause, message)`; every engine call
 runs under a timeout, so a hanging engine fails a check instead of hanging the kit.
 
 Assumption about outputs: the kit never predicts token ids. It requests greedy
@@ -31,6 +33,7 @@ with tiers needs (a device cache small enough for the kit to fill).
 
 from meshllm.testing.conformance.checks import CHECKS
 from meshllm.testing.conformance.kit import (
+    SHAREABLE_CLAUSES,
     TIER_CLAUSES,
     Clause,
     ConformanceError,
@@ -38,6 +41,7 @@ from meshllm.testing.conformance.kit import (
     EngineFactory,
     NotApplicable,
     RecordingSink,
+    SharedEngine,
     Stream,
     factory_for,
 )
@@ -51,6 +55,7 @@ from meshllm.testing.conformance.runner import (
 
 __all__ = [
     "CHECKS",
+    "SHAREABLE_CLAUSES",
     "TIER_CLAUSES",
     "CheckResult",
     "Clause",
@@ -60,6 +65,7 @@ __all__ = [
     "EngineFactory",
     "NotApplicable",
     "RecordingSink",
+    "SharedEngine",
     "Stream",
     "factory_for",
     "options_from_strings",

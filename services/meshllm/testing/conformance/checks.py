@@ -23,11 +23,14 @@ from meshllm.testing.conformance.tier_checks import check_kv_tier_restore, check
 
 
 async def check_start_config(factory: EngineFactory, p: _Probe) -> None:
-    engine = await p.new_engine(factory)
-    try:
-        cfg = await p.call("start()", engine.start("conformance-start"), p.options.start_timeout_s)
-    finally:
-        await p.cleanup_quietly(engine)
+    if p.shared is not None:
+        cfg = p.shared.config
+    else:
+        engine = await p.new_engine(factory)
+        try:
+            cfg = await p.call("start()", engine.start("conformance-start"), p.options.start_timeout_s)
+        finally:
+            await p.cleanup_quietly(engine)
     if not isinstance(cfg, EngineConfig):
         raise p.fail(f"start() returned {type(cfg).__name__} ({cfg!r:.80}), not an EngineConfig")
     if not isinstance(cfg.model, str) or not cfg.model.strip():

@@ -58,6 +58,20 @@ _CLAUSE_TEXT = {
 #: Clauses that run only on engines declaring `EngineConfig.kv_tiers` (others skip them).
 TIER_CLAUSES = (Clause.KV_TIER_RESTORE, Clause.KV_TIER_RESTORE_OUTPUT)
 
+#: Clauses that only start an engine and serve requests, so `run_conformance(share_engine=True)` can run them one
+#: after another on one started engine (each still uses its own request ids). The others start, drain or clean up
+#: engines of their own; the tier clauses skip on a shared engine that declares no tiers, without starting one.
+SHAREABLE_CLAUSES = (
+    Clause.START_CONFIG,
+    Clause.BASIC_GENERATE,
+    Clause.NOTHING_AFTER_TERMINAL,
+    Clause.MAX_TOKENS_LENGTH,
+    Clause.STOP_TOKEN_IDS_STOP,
+    Clause.CANCELLATION,
+    Clause.CONCURRENT_STREAMS,
+    Clause.EMPTY_PROMPT_INVALID_ARGUMENT,
+)
+
 
 class NotApplicable(Exception):
     """A clause does not apply to this engine (it lacks the optional feature the clause checks)."""
@@ -206,13 +220,24 @@ def factory_for(cls: type[LLMEngine], argv: Sequence[str] = ()) -> EngineFactory
 # ------------------------------------------------------------------ helpers
 
 
+@dataclass(frozen=True, slots=True)
+class SharedEngine:
+    """One started engine (with a RecordingSink) that several clauses' checks use in turn, and what start() returned."""
+
+    engine: LLMEngine
+    config: Any
+
+
 class _Probe:
     """One check's view of one engine: every call timed out and attributed to `clause`."""
 
-    def __init__(self, clause: Clause, options: ConformanceOptions, notes: list[str]) -> None:
+    def __init__(
+        self, clause: Clause, options: ConformanceOptions, notes: list[str], shared: SharedEngine | None = None
+    ) -> None:
         self.clause = clause
         self.options = options
         self.notes = notes
+        self.shared = shared
         self._n = 0
 
     def fail(self, message: str) -> ConformanceError:
@@ -267,7 +292,10 @@ class _Probe:
 
     @asynccontextmanager
     async def started(self, factory: EngineFactory) -> AsyncIterator[LLMEngine]:
-        """A fresh engine with a RecordingSink, started, and cleaned up afterwards."""
+        """A fresh engine with a RecordingSink, started, and cleaned up afterwards (or the shared engine, left running)."""
+        if self.shared is not None:
+            yield self.shared.engine
+            return
         engine = await self.new_engine(factory)
         try:
             await self.call("start()", engine.start(f"conformance-{self.clause}"), self.options.start_timeout_s)

@@ -9,13 +9,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from meshllm.engine.base import EngineConfig
 from meshllm.testing.conformance.checks import CHECKS
 from meshllm.testing.conformance.kit import (
+    SHAREABLE_CLAUSES,
+    TIER_CLAUSES,
     Clause,
     ConformanceError,
     ConformanceOptions,
     EngineFactory,
     NotApplicable,
+    SharedEngine,
     _Probe,
     factory_for,
 )
@@ -70,11 +74,19 @@ class ConformanceReport:
             raise ExceptionGroup(f"{len(errors)} conformance clause(s) failed", errors)
 
 
-async def run_check(clause: Clause | str, factory: EngineFactory, options: ConformanceOptions | None = None) -> CheckResult:
-    """Run one clause's check; failures are returned, never raised."""
+async def run_check(
+    clause: Clause | str,
+    factory: EngineFactory,
+    options: ConformanceOptions | None = None,
+    *,
+    shared: SharedEngine | None = None,
+) -> CheckResult:
+    """Run one clause's check; failures are returned, never raised. `shared`, a started engine, serves the clauses
+    of SHAREABLE_CLAUSES (and tells the tier clauses whether tiers apply); the others ignore it."""
     clause = Clause(clause)
     notes: list[str] = []
-    probe = _Probe(clause, options or ConformanceOptions(), notes)
+    usable = shared if clause in SHAREABLE_CLAUSES or clause in TIER_CLAUSES else None
+    probe = _Probe(clause, options or ConformanceOptions(), notes, usable)
     t0 = time.monotonic()
     error: ConformanceError | None = None
     skipped = ""
@@ -94,10 +106,47 @@ async def run_conformance(
     options: ConformanceOptions | None = None,
     *,
     clauses: Sequence[Clause | str] | None = None,
+    share_engine: bool = False,
 ) -> ConformanceReport:
-    """Run the checks of `clauses` (default: all) one after another against fresh engines."""
+    """Run the checks of `clauses` (default: all) one after another against fresh engines.
+
+    With `share_engine`, the clauses of SHAREABLE_CLAUSES run in turn on one started engine, as a server would use
+    it (an engine that loads slowly then starts about a third as often). If that engine does not start, they run on
+    fresh engines, where each reports the failure itself."""
     chosen = list(CHECKS) if clauses is None else [Clause(c) for c in clauses]
-    return ConformanceReport(tuple([await run_check(c, factory, options) for c in chosen]))
+    options = options or ConformanceOptions()
+    results: dict[Clause, CheckResult] = {}
+    if share_engine and any(c in SHAREABLE_CLAUSES for c in chosen):
+        shared = await _start_shared(factory, options)
+        if shared is not None:
+            try:
+                for c in chosen:
+                    if c in SHAREABLE_CLAUSES:
+                        results[c] = await run_check(c, factory, options, shared=shared)
+            finally:
+                await _Probe(Clause.START_CONFIG, options, []).cleanup_quietly(shared.engine)
+            if isinstance(shared.config, EngineConfig) and not shared.config.kv_tiers:
+                for c in chosen:
+                    if c in TIER_CLAUSES:  # they skip, knowing from the shared engine's config that no tiers apply
+                        results[c] = await run_check(c, factory, options, shared=shared)
+    for c in chosen:
+        if c not in results:
+            results[c] = await run_check(c, factory, options)
+    return ConformanceReport(tuple(results[c] for c in chosen))
+
+
+async def _start_shared(factory: EngineFactory, options: ConformanceOptions) -> SharedEngine | None:
+    probe = _Probe(Clause.START_CONFIG, options, [])
+    try:
+        engine = await probe.new_engine(factory)
+    except ConformanceError:
+        return None
+    try:
+        config = await probe.call("start()", engine.start("conformance-shared"), options.start_timeout_s)
+    except ConformanceError:
+        await probe.cleanup_quietly(engine)
+        return None
+    return SharedEngine(engine, config)
 
 
 def options_from_strings(pairs: Sequence[str], base: ConformanceOptions | None = None) -> ConformanceOptions:

@@ -63,6 +63,8 @@ def _config_for_tiers(p: _Probe, cfg: EngineConfig) -> tuple[int, int, int]:
 
 
 async def _evict_and_restore(factory: EngineFactory, p: _Probe) -> _Restored:
+    if p.shared is not None and isinstance(p.shared.config, EngineConfig) and not p.shared.config.kv_tiers:
+        _config_for_tiers(p, p.shared.config)  # skips: no tiers, so no engine of its own is started to learn that
     engine: LLMEngine = await p.new_engine(factory)
     try:
         cfg = await p.call("start()", engine.start(f"conformance-{p.clause}"), p.options.start_timeout_s)
