@@ -14,6 +14,7 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 from test_llamacpp_support import SYSTEM, chat_tokens, require_model
 
+from meshllm.engine.llamacpp.openmp import ENV as OMP_ENV
 from meshllm.plane.transport import ChannelCache
 from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess
@@ -35,6 +36,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     proc = MeshllmProcess(
         "run", "--engine", "llamacpp", "--workers", "2", "--http-port", "0", "--router-port", "0",
         "--", "--n-ctx", "1024", "--n-seq-max", "4",
+        env={OMP_ENV: ""},  # the suite's own PASSIVE (tests/conftest.py) would decide instead of --omp-wait auto
     )  # fmt: skip
     try:
         lines: list[str] = []
@@ -80,3 +82,22 @@ async def test_a_repeated_system_prompt_is_routed_to_the_worker_that_caches_it(m
         assert (reply.usage.prompt_tokens_details.cached_tokens or 0) >= 16 * overlaps[decision.worker_id]
     finally:
         await channels.aclose()
+
+
+async def test_two_engines_in_one_process_make_llamacpp_threads_sleep_at_barriers(mesh: Mesh) -> None:
+    """Locks: `--omp-wait auto` with two engines whose threads (each: every CPU for prompts) overfill the CPUs picks
+    passive waiting, logged once per engine."""
+    log = mesh.proc.stderr_tail(1_000_000)
+    assert log.count("(OpenMP passive)") == 2, log[-3000:]
+
+
+async def test_one_engine_whose_threads_fit_the_cpus_spins() -> None:
+    """Locks: a lone worker with the default threads (decode half, prompts every CPU) keeps OpenMP's spinning
+    default, as llama.cpp's own servers run (docs/engines/llamacpp.md, "Threads")."""
+    proc = MeshllmProcess("worker", "--engine", "llamacpp", "--static", "--port", "0", env={OMP_ENV: ""})
+    try:
+        await proc.address(120)
+        log = proc.stderr_tail(1_000_000)
+        assert "(OpenMP spin)" in log, log[-3000:]
+    finally:
+        await proc.stop()

@@ -1,6 +1,7 @@
 """The llamacpp engine: real CPU inference on GGUF models through llama.cpp (llama-cpp-python).
 
 `config` (flags), `sampling` (validated sampling options and grammars),
+`openmp` (how llama.cpp's threads wait, set before it loads),
 `sequence` (one request on the engine thread), `slots` (per-slot resident
 KV, prefix matching, KV events), `scheduler` (continuous batching over
 slots), `backend` (the llama.cpp model, context and calls), `runner` (the

@@ -6,10 +6,8 @@ batch neighbours and a sequence's tokens do not depend on who else runs.
 Every method runs on the engine thread (ctypes releases the GIL during
 llama.cpp calls, so the event loop keeps running meanwhile).
 
-`OMP_WAIT_POLICY` defaults to PASSIVE before llama.cpp loads: OpenMP's
-busy-waiting threads otherwise collapse throughput on a shared CPU
-(measured: 4.5 vs 63 tokens/s with 2 threads on a loaded 2-core machine).
-An operator's own setting wins.
+How llama.cpp's OpenMP threads wait (`OMP_WAIT_POLICY`) is decided before
+this module is first imported: `openmp.decide`, called by the engine's start.
 """
 
 from __future__ import annotations
@@ -17,15 +15,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import llama_cpp as L  # after the OpenMP default above
+import llama_cpp as L  # after openmp.decide (the engine imports this module in start)
 import numpy as np
 
 from meshllm.config import ConfigError

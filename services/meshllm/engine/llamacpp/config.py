@@ -69,6 +69,7 @@ class LlamaCppConfig:
     kv_host_bytes: int = 0  # 0 = no host-memory tier
     kv_disk_dir: Path | None = None  # None = no disk tier
     kv_disk_bytes: int = 0
+    omp_wait: str = "auto"  # how llama.cpp's OpenMP threads wait: auto | spin | passive (openmp.py)
 
     @property
     def tiers_on(self) -> bool:
@@ -96,6 +97,8 @@ class LlamaCppConfig:
             raise ConfigError(f"--block-size ({self.block_size}) must be <= --n-ctx ({self.n_ctx})")
         if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
             raise ConfigError(f"--kv-hold-timeout must be a finite number of seconds > 0, got {self.kv_hold_timeout_s}")
+        if self.omp_wait not in ("auto", "spin", "passive"):
+            raise ConfigError(f"--omp-wait must be auto, spin or passive, got {self.omp_wait!r}")
         if self.model_name and not self.model_name.strip():
             raise ConfigError("--model-name must not be empty")
         self._check_tiers()
@@ -151,6 +154,7 @@ class LlamaCppConfig:
             kv_host_bytes=ns.kv_host_bytes,
             kv_disk_dir=Path(ns.kv_disk_dir).expanduser() if ns.kv_disk_dir else None,
             kv_disk_bytes=ns.kv_disk_bytes,
+            omp_wait=ns.omp_wait,
         )
 
 
@@ -166,6 +170,11 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
     g.add_argument(
         "--n-threads-batch", type=int, default=None,
         help="CPU threads of steps that carry prompt tokens (default: every CPU, 1..16)",
+    )  # fmt: skip
+    g.add_argument(
+        "--omp-wait", choices=("auto", "spin", "passive"), default="auto",
+        help="how llama.cpp's threads wait at barriers: spin (fast on cores of their own), passive (sleep: cores"
+        " shared with busy threads), auto = spin when every engine's threads fit this process's CPUs",
     )  # fmt: skip
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block in KV events")
     g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill's KV waits to be pulled")

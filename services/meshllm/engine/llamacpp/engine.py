@@ -50,6 +50,7 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
+from meshllm.engine.llamacpp import openmp
 from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, per_worker_disk_dir
 from meshllm.engine.llamacpp.files import write_model_files
 from meshllm.engine.llamacpp.runner import Runner
@@ -141,6 +142,9 @@ class LlamaCppEngine(LLMEngine):
         self._files: dict[str, Path] = {}
         self._files_dir: Path | None = None
         self._closing: asyncio.Future[None] | None = None
+        #: How llama.cpp's threads wait, once started ("spin" or "passive"; openmp.py).
+        self.omp_wait = ""
+        openmp.register(self, max(config.n_threads, config.n_threads_batch))
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -160,6 +164,7 @@ class LlamaCppEngine(LLMEngine):
     async def start(self, worker_id: str) -> EngineConfig:
         if self._closing is not None:
             raise EngineShutdown("the llamacpp engine was cleaned up")
+        self.omp_wait = openmp.decide(self.config.omp_wait)  # before llama.cpp (and OpenMP) loads
         from meshllm.engine.llamacpp.backend import LlamaBackend  # imports llama_cpp
 
         self.worker_id = worker_id
@@ -173,9 +178,9 @@ class LlamaCppEngine(LLMEngine):
             write_model_files, cfg.model_path, self._files_dir, context_length=cfg.n_ctx, eos_token_ids=info.eos_token_ids
         )
         log.info(
-            "llamacpp %s loaded in %.1f s: %d slots x %d tokens, %d decode / %d prompt threads, layout %s",
+            "llamacpp %s loaded in %.1f s: %d slots x %d tokens, %d decode / %d prompt threads (OpenMP %s), layout %s",
             cfg.served_model_name, time.monotonic() - t0, cfg.n_seq_max, cfg.n_ctx, cfg.n_threads, cfg.n_threads_batch,
-            self.layout,
+            self.omp_wait, self.layout,
         )  # fmt: skip
         return EngineConfig(
             model=cfg.served_model_name,
@@ -199,6 +204,7 @@ class LlamaCppEngine(LLMEngine):
         await asyncio.shield(self._closing)
 
     async def _cleanup(self) -> None:
+        openmp.unregister(self)
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.stop()
