@@ -16,7 +16,7 @@ from test_llamacpp_support import MODEL, SYSTEM, chat_tokens, greedy, question, 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
-from meshllm.errors import FailedPrecondition, NotFound
+from meshllm.errors import FailedPrecondition, InvalidArgument, NotFound
 from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import stored_blocks
@@ -156,6 +156,22 @@ async def test_logprobs_describe_the_greedy_choice(eng: LlamaCppEngine) -> None:
         top = e["top"]
         assert len(top) == 3 and top[0][0] == e["token_id"] and abs(top[0][1] - e["logprob"]) < 1e-6
         assert all(a[1] >= b[1] for a, b in itertools.pairwise(top)) and e["logprob"] <= 0.0
+
+
+async def test_logit_bias_bans_and_forces_tokens_and_an_id_beyond_the_vocabulary_is_refused(eng: LlamaCppEngine) -> None:
+    """Locks: logit_bias reaches llama.cpp's sampler: -100 on the greedy first token changes it, +100 on a token makes
+    greedy decoding emit only that token; a token id past the model's vocabulary is an InvalidArgument, not a crash."""
+    prompt = question("What is 2 + 2?")
+    plain, _ = await run(eng, greedy("lb0", prompt, 4))
+    banned, _ = await run(eng, greedy("lb1", prompt, 4, sampling={"temperature": 0.0, "logit_bias": {plain[0]: -100.0}}))
+    assert banned[0] != plain[0]
+    forced, end = await run(eng, greedy("lb2", prompt, 4, sampling={"temperature": 0.0, "logit_bias": {1000: 100.0}}))
+    assert forced == [1000] * 4 and end["finish_reason"] == "length"
+    n_vocab = eng._info.n_vocab  # what start() reported as EngineConfig.vocab_size
+    with pytest.raises(InvalidArgument, match="not in the model's vocabulary"):
+        await run(eng, greedy("lb3", prompt, 4, sampling={"temperature": 0.0, "logit_bias": {n_vocab: 1.0}}))
+    after, _ = await run(eng, greedy("lb4", prompt, 4))
+    assert after == plain  # the engine serves on
 
 
 async def test_model_files_rebuild_the_gguf_tokenizer_and_template(eng: LlamaCppEngine) -> None:

@@ -131,6 +131,10 @@ async def test_sampling_and_output_options_reach_vllm(engine: VllmEngine) -> Non
     assert [i["token_id"] for i in items] == tokens_of(lp) and all(len(i["top"]) == 2 and i["logprob"] <= 0 for i in items)
     prompt_items = next(c["prompt_logprobs"] for c in lp if "prompt_logprobs" in c)
     assert [i["token_id"] for i in prompt_items] == base["token_ids"][1:]
+    forced = await run(engine, {**base, "request_id": "bias", "sampling": {"temperature": 0.0, "logit_bias": {1000: 100.0}}})
+    assert tokens_of(forced) == [1000] * 6
+    with pytest.raises(InvalidArgument, match="logit_bias"):
+        await run(engine, {**base, "request_id": "bias-oov", "sampling": {"logit_bias": {10**7: 1.0}}})
     schema: dict[str, Any] = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 1, "maximum": 9}},

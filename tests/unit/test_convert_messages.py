@@ -19,7 +19,8 @@ from meshllm.v1 import generate_pb2 as pb
 
 # Values float32 holds exactly (the wire type of the sampling floats).
 SAMPLING = SamplingSettings(temperature=0.5, top_p=0.75, top_k=40, min_p=0.0625, seed=7, frequency_penalty=0.125,
-                           presence_penalty=0.25, repetition_penalty=1.5, guided=GuidedSettings(regex="a+"))  # fmt: skip
+                           presence_penalty=0.25, repetition_penalty=1.5, guided=GuidedSettings(regex="a+"),
+                           logit_bias={5: -100.0, 42: 2.5})  # fmt: skip
 STOP = StopSettings(max_tokens=16, min_tokens=2, stop_token_ids=[5, 6], ignore_eos=True)
 OUTPUT = OutputSettings(logprobs=3, prompt_logprobs=1, skip_special_tokens=True)
 HINTS = RouteHints(backend_instance_id="w1", dp_rank=2, lora_name="l", priority=3, allowed_worker_ids=["w1", "w2"])

@@ -147,6 +147,14 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {**CHAT, "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
     ("chat", {**CHAT, "seed": "x"}, "seed"),
     ("chat", {**CHAT, "tools": "none"}, "tools"),
+    ("chat", {**CHAT, "logit_bias": []}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"hello": 1}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"5": "up"}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {"5": float("nan")}}, "logit_bias"),
+    ("chat", {**CHAT, "logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+    ("completion", {**COMPLETION, "logit_bias": {"5": True}}, "logit_bias"),
     ("completion", {"model": "m"}, "prompt"),
     ("completion", {"model": "m", "prompt": []}, "prompt"),
     ("completion", {"model": "m", "prompt": [1, "a"]}, "prompt"),
@@ -165,6 +173,13 @@ def test_bad_values_name_their_field(kind: str, body: dict[str, Any], param: str
         parse(body)
     assert info.value.param == param
     assert param in info.value.message
+
+
+def test_logit_bias_maps_token_id_strings_to_numbers_for_the_engine() -> None:
+    """Locks: OpenAI's {"id": bias} (ids as JSON keys) becomes sampling.logit_bias {int: float}; empty is absent."""
+    req = parse_chat({**CHAT, "logit_bias": {"42": 100, " 7 ": -100, "9": 0.5}})
+    assert req.sampling["logit_bias"] == {42: 100.0, 7: -100.0, 9: 0.5}
+    assert "logit_bias" not in parse_completion({**COMPLETION, "logit_bias": {}}).sampling
 
 
 @pytest.mark.parametrize("body", [[], "x", 5, None])

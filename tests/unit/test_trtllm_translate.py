@@ -279,3 +279,10 @@ def test_bad_disaggregated_params_are_refused_with_typed_errors() -> None:
         tr.decode_handle(tr.encode_handle({"evil": 1}))
     with pytest.raises(FailedPrecondition):
         tr.disagg_from_trtllm(DisaggregatedParams(request_type="context_only"))
+
+
+def test_logit_bias_is_refused_with_its_field_named() -> None:
+    """Locks: TensorRT-LLM's SamplingParams has no per-token bias map, so the engine refuses it instead of ignoring it."""
+    with pytest.raises(InvalidArgument, match="logit_bias is not supported by the trtllm engine") as info:
+        kwargs(req(sampling={"temperature": 0.0, "logit_bias": {5: 1.0}}))
+    assert info.value.param == "logit_bias"

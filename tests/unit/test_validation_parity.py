@@ -74,6 +74,17 @@ def test_token_level_sampling_is_refused_with_the_http_message(key: str, value: 
         assert err.message == http.message.replace(f"'{key}'", f"'sampling.{key}'")
 
 
+def test_token_level_logit_bias_is_checked_against_the_vocabulary_with_the_http_rules() -> None:
+    """Locks: a mesh peer's logit_bias gets the HTTP API's checks, and token ids beyond the model's vocabulary."""
+    base: TokenRequest = {"request_id": "r", "token_ids": [1]}
+    validate_generate({**base, "sampling": {"logit_bias": {99: 100.0}}}, Limits(vocab_size=100))
+    err = token_error({**base, "sampling": {"logit_bias": {100: 1.0}}}, Limits(vocab_size=100))
+    assert err.param == "sampling.logit_bias" and "token 100 is not in the model's vocabulary (0..99)" in err.message
+    err = token_error({**base, "sampling": {"logit_bias": {3: 150.0}}})
+    http = chat_error(logit_bias={"3": 150})
+    assert err.message == http.message.replace("'logit_bias'", "'sampling.logit_bias'")
+
+
 @pytest.mark.parametrize(("top_k", "ok"), [(-2, False), (-1, True), (0, True), (40, True), (-(2**31), False)])
 def test_top_k_minus_one_and_zero_mean_disabled_other_negatives_are_refused(top_k: int, ok: bool) -> None:
     req: TokenRequest = {"request_id": "r", "token_ids": [1], "sampling": {"top_k": top_k}}

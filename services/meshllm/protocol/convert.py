@@ -202,12 +202,16 @@ def sampling_into_proto(m: pb.SamplingOptions, s: SamplingSettings) -> None:
     _set_present(m, s, _SAMPLING)
     if g := s.get("guided"):
         guided_into_proto(m.guided, g)
+    if bias := s.get("logit_bias"):
+        m.logit_bias.update(bias)
 
 
 def sampling_from_proto(m: pb.SamplingOptions) -> SamplingSettings:
     s = cast(SamplingSettings, {k: getattr(m, k) for k in _SAMPLING if m.HasField(k)})
     if m.HasField("guided") and (g := guided_from_proto(m.guided)) is not None:
         s["guided"] = g
+    if m.logit_bias:
+        s["logit_bias"] = dict(m.logit_bias)
     return s
 
 

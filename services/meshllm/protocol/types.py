@@ -61,6 +61,7 @@ class SamplingSettings(TypedDict, total=False):
     presence_penalty: float
     repetition_penalty: float
     guided: GuidedSettings
+    logit_bias: dict[int, float]  # token id -> bias added to its logit, in [-100, 100]
 
 
 class StopSettings(TypedDict, total=False):

@@ -17,7 +17,7 @@ vLLM's convention); any other negative value is refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "bad",
     "check_float",
     "check_int",
+    "check_logit_bias",
     "check_top_k",
     "validate_generate",
     "validate_prompt",
@@ -50,6 +51,7 @@ UINT64_MAX = (1 << 64) - 1
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_COUNT = INT32_MAX  # max_tokens, min_tokens, top_k: what every engine takes as a C int
 MAX_PROMPT_TOKENS = 1 << 20  # the hard cap where the model's context length is unknown
 MAX_REQUEST_ID_CHARS = 1024  # token level; the HTTP API allows 256 (the frontend appends a choice suffix)
@@ -131,12 +133,26 @@ def validate_prompt(token_ids: Sequence[int], limits: Limits = Limits(), *, para
     _check_ids(param, token_ids, limits.vocab_size)
 
 
-def _check_sampling(s: dict[str, Any]) -> None:
+def check_logit_bias(param: str, bias: Mapping[int, float], vocab_size: int = 0) -> None:
+    """OpenAI's rules: at most MAX_LOGIT_BIAS entries, each a bias in [-100, 100] of a token id of the model."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad(param, f"{len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    for token, value in bias.items():
+        v = float(value)
+        if math.isnan(v) or not -100.0 <= v <= 100.0:
+            raise bad(param, f"the bias of token {token} is {_num(v)}, outside [-100, 100]")
+        if token < 0 or (vocab_size and token >= vocab_size):
+            raise bad(param, f"token {token} is not in the model's vocabulary (0..{vocab_size - 1})")
+
+
+def _check_sampling(s: dict[str, Any], vocab_size: int = 0) -> None:
     for key in FLOAT_RANGES:
         if key in s:
             check_float(f"sampling.{key}", s[key], key)
     if "top_k" in s:
         check_top_k("sampling.top_k", s["top_k"])
+    if "logit_bias" in s:
+        check_logit_bias("sampling.logit_bias", s["logit_bias"], vocab_size)
 
 
 def validate_generate(req: TokenRequest, limits: Limits = Limits()) -> None:
@@ -152,7 +168,7 @@ def validate_generate(req: TokenRequest, limits: Limits = Limits()) -> None:
         validate_prompt(req["token_ids"], limits)
     elif not req["token_ids"]:
         raise bad("token_ids", "must not be empty")
-    _check_sampling(dict(req.get("sampling", {})))
+    _check_sampling(dict(req.get("sampling", {})), limits.vocab_size)
     stop = req.get("stop", {})
     max_tokens = stop.get("max_tokens")
     if max_tokens is not None:

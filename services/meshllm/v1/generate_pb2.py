@@ -26,47 +26,51 @@ _sym_db = _symbol_database.Default()
 from meshllm.v1 import events_pb2 as meshllm_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meshllm/v1/generate.proto\x12\nmeshllm.v1\x1a\x17meshllm/v1/events.proto\"\xbb\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x03 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\".meshllm.v1.GuidedDecoding.ChoicesH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\tB\x06\n\x04kind\"\xff\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12*\n\x06guided\x18\t \x01(\x0b\x32\x1a.meshllm.v1.GuidedDecodingB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penalty\"x\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\x95\x01\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x11\n\tembedding\x18\x04 \x01(\x08\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x95\x02\n\x0cRoutingHints\x12 \n\x13\x62\x61\x63kend_instance_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1e\n\x11prefill_worker_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x1d\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x1a\n\x12\x61llowed_worker_ids\x18\x07 \x03(\tB\x16\n\x14_backend_instance_idB\x14\n\x12_prefill_worker_idB\x13\n\x11_decode_worker_idB\n\n\x08_dp_rank\"\xa3\x02\n\x0c\x44isaggParams\x12\x33\n\x0crequest_type\x18\x01 \x01(\x0e\x32\x1d.meshllm.v1.DisaggRequestType\x12\x11\n\tkv_handle\x18\x02 \x01(\x0c\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x16\n\x0e\x63tx_request_id\x18\x06 \x01(\t\x12\x14\n\x0copaque_state\x18\x07 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\'\n\tkv_source\x18\n \x01(\x0b\x32\x14.meshllm.v1.KvSource\"\x87\x01\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tkv_handle\x18\x03 \x01(\x0c\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12 \n\x04tier\x18\x06 \x01(\x0e\x32\x12.meshllm.v1.KvTier\"\xae\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.meshllm.v1.SamplingOptions\x12(\n\x04stop\x18\x05 \x01(\x0b\x32\x1a.meshllm.v1.StopConditions\x12)\n\x06output\x18\x06 \x01(\x0b\x32\x19.meshllm.v1.OutputOptions\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.meshllm.v1.RoutingHints\x12(\n\x06\x64isagg\x18\t \x01(\x0b\x32\x18.meshllm.v1.DisaggParams\x12\x41\n\x0b\x61nnotations\x18\n \x03(\x0b\x32,.meshllm.v1.GenerateRequest.AnnotationsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.meshllm.v1.TopLogprob\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd7\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.meshllm.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.meshllm.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.meshllm.v1.TokenLogprob\x12(\n\x06\x64isagg\x18\x07 \x01(\x0b\x32\x18.meshllm.v1.DisaggParams\x12 \n\x05\x65rror\x18\x08 \x01(\x0b\x32\x11.meshllm.v1.Error\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.meshllm.v1.TokenLogprob\x12\x11\n\tembedding\x18\n \x03(\x02*\x87\x01\n\x11\x44isaggRequestType\x12#\n\x1f\x44ISAGG_REQUEST_TYPE_UNSPECIFIED\x10\x00\x12$\n DISAGG_REQUEST_TYPE_CONTEXT_ONLY\x10\x01\x12\'\n#DISAGG_REQUEST_TYPE_GENERATION_ONLY\x10\x02*\xce\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meshllm/v1/generate.proto\x12\nmeshllm.v1\x1a\x17meshllm/v1/events.proto\"\xbb\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x03 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\".meshllm.v1.GuidedDecoding.ChoicesH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\tB\x06\n\x04kind\"\xf1\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12*\n\x06guided\x18\t \x01(\x0b\x32\x1a.meshllm.v1.GuidedDecoding\x12>\n\nlogit_bias\x18\n \x03(\x0b\x32*.meshllm.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penalty\"x\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\x95\x01\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x11\n\tembedding\x18\x04 \x01(\x08\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x95\x02\n\x0cRoutingHints\x12 \n\x13\x62\x61\x63kend_instance_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x1e\n\x11prefill_worker_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x1d\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x1a\n\x12\x61llowed_worker_ids\x18\x07 \x03(\tB\x16\n\x14_backend_instance_idB\x14\n\x12_prefill_worker_idB\x13\n\x11_decode_worker_idB\n\n\x08_dp_rank\"\xa3\x02\n\x0c\x44isaggParams\x12\x33\n\x0crequest_type\x18\x01 \x01(\x0e\x32\x1d.meshllm.v1.DisaggRequestType\x12\x11\n\tkv_handle\x18\x02 \x01(\x0c\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x16\n\x0e\x63tx_request_id\x18\x06 \x01(\t\x12\x14\n\x0copaque_state\x18\x07 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\'\n\tkv_source\x18\n \x01(\x0b\x32\x14.meshllm.v1.KvSource\"\x87\x01\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tkv_handle\x18\x03 \x01(\x0c\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12 \n\x04tier\x18\x06 \x01(\x0e\x32\x12.meshllm.v1.KvTier\"\xae\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.meshllm.v1.SamplingOptions\x12(\n\x04stop\x18\x05 \x01(\x0b\x32\x1a.meshllm.v1.StopConditions\x12)\n\x06output\x18\x06 \x01(\x0b\x32\x19.meshllm.v1.OutputOptions\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12)\n\x07routing\x18\x08 \x01(\x0b\x32\x18.meshllm.v1.RoutingHints\x12(\n\x06\x64isagg\x18\t \x01(\x0b\x32\x18.meshllm.v1.DisaggParams\x12\x41\n\x0b\x61nnotations\x18\n \x03(\x0b\x32,.meshllm.v1.GenerateRequest.AnnotationsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.meshllm.v1.TopLogprob\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd7\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.meshllm.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.meshllm.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.meshllm.v1.TokenLogprob\x12(\n\x06\x64isagg\x18\x07 \x01(\x0b\x32\x18.meshllm.v1.DisaggParams\x12 \n\x05\x65rror\x18\x08 \x01(\x0b\x32\x11.meshllm.v1.Error\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.meshllm.v1.TokenLogprob\x12\x11\n\tembedding\x18\n \x03(\x02*\x87\x01\n\x11\x44isaggRequestType\x12#\n\x1f\x44ISAGG_REQUEST_TYPE_UNSPECIFIED\x10\x00\x12$\n DISAGG_REQUEST_TYPE_CONTEXT_ONLY\x10\x01\x12\'\n#DISAGG_REQUEST_TYPE_GENERATION_ONLY\x10\x02*\xce\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshllm.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._serialized_options = b'8\001'
-  _globals['_DISAGGREQUESTTYPE']._serialized_start=2667
-  _globals['_DISAGGREQUESTTYPE']._serialized_end=2802
-  _globals['_FINISHREASON']._serialized_start=2805
-  _globals['_FINISHREASON']._serialized_end=3011
+  _globals['_DISAGGREQUESTTYPE']._serialized_start=2781
+  _globals['_DISAGGREQUESTTYPE']._serialized_end=2916
+  _globals['_FINISHREASON']._serialized_start=2919
+  _globals['_FINISHREASON']._serialized_end=3125
   _globals['_GUIDEDDECODING']._serialized_start=67
   _globals['_GUIDEDDECODING']._serialized_end=254
   _globals['_GUIDEDDECODING_CHOICES']._serialized_start=221
   _globals['_GUIDEDDECODING_CHOICES']._serialized_end=246
   _globals['_SAMPLINGOPTIONS']._serialized_start=257
-  _globals['_SAMPLINGOPTIONS']._serialized_end=640
-  _globals['_STOPCONDITIONS']._serialized_start=642
-  _globals['_STOPCONDITIONS']._serialized_end=762
-  _globals['_OUTPUTOPTIONS']._serialized_start=765
-  _globals['_OUTPUTOPTIONS']._serialized_end=914
-  _globals['_ROUTINGHINTS']._serialized_start=917
-  _globals['_ROUTINGHINTS']._serialized_end=1194
-  _globals['_DISAGGPARAMS']._serialized_start=1197
-  _globals['_DISAGGPARAMS']._serialized_end=1488
-  _globals['_KVSOURCE']._serialized_start=1491
-  _globals['_KVSOURCE']._serialized_end=1626
-  _globals['_GENERATEREQUEST']._serialized_start=1629
-  _globals['_GENERATEREQUEST']._serialized_end=2059
-  _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._serialized_start=2009
-  _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._serialized_end=2059
-  _globals['_USAGE']._serialized_start=2061
-  _globals['_USAGE']._serialized_end=2141
-  _globals['_TOPLOGPROB']._serialized_start=2143
-  _globals['_TOPLOGPROB']._serialized_end=2190
-  _globals['_TOKENLOGPROB']._serialized_start=2192
-  _globals['_TOKENLOGPROB']._serialized_end=2278
-  _globals['_ERROR']._serialized_start=2280
-  _globals['_ERROR']._serialized_end=2318
-  _globals['_GENERATECHUNK']._serialized_start=2321
-  _globals['_GENERATECHUNK']._serialized_end=2664
+  _globals['_SAMPLINGOPTIONS']._serialized_end=754
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=585
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=633
+  _globals['_STOPCONDITIONS']._serialized_start=756
+  _globals['_STOPCONDITIONS']._serialized_end=876
+  _globals['_OUTPUTOPTIONS']._serialized_start=879
+  _globals['_OUTPUTOPTIONS']._serialized_end=1028
+  _globals['_ROUTINGHINTS']._serialized_start=1031
+  _globals['_ROUTINGHINTS']._serialized_end=1308
+  _globals['_DISAGGPARAMS']._serialized_start=1311
+  _globals['_DISAGGPARAMS']._serialized_end=1602
+  _globals['_KVSOURCE']._serialized_start=1605
+  _globals['_KVSOURCE']._serialized_end=1740
+  _globals['_GENERATEREQUEST']._serialized_start=1743
+  _globals['_GENERATEREQUEST']._serialized_end=2173
+  _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._serialized_start=2123
+  _globals['_GENERATEREQUEST_ANNOTATIONSENTRY']._serialized_end=2173
+  _globals['_USAGE']._serialized_start=2175
+  _globals['_USAGE']._serialized_end=2255
+  _globals['_TOPLOGPROB']._serialized_start=2257
+  _globals['_TOPLOGPROB']._serialized_end=2304
+  _globals['_TOKENLOGPROB']._serialized_start=2306
+  _globals['_TOKENLOGPROB']._serialized_end=2392
+  _globals['_ERROR']._serialized_start=2394
+  _globals['_ERROR']._serialized_end=2432
+  _globals['_GENERATECHUNK']._serialized_start=2435
+  _globals['_GENERATECHUNK']._serialized_end=2778
 # @@protoc_insertion_point(module_scope)

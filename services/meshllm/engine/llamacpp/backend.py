@@ -234,9 +234,16 @@ class LlamaBackend:
     def new_sampler(self, spec: SamplingSpec, suppress: Seq[int]) -> Sampler:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = L.llama_sampler_chain_add
-        if suppress:
-            bias = (L.llama_logit_bias * len(suppress))(*[L.llama_logit_bias(t, float("-inf")) for t in suppress])
-            add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(suppress), bias))
+        biases = dict(spec.logit_bias) | dict.fromkeys(suppress, float("-inf"))
+        if biases:
+            if (outside := max(biases)) >= self.n_vocab:  # llama.cpp would index past its logits
+                L.llama_sampler_free(chain)
+                raise InvalidArgument(
+                    f"'logit_bias': token {outside} is not in the model's vocabulary (0..{self.n_vocab - 1})",
+                    param="logit_bias",
+                )
+            entries = (L.llama_logit_bias * len(biases))(*[L.llama_logit_bias(t, b) for t, b in biases.items()])
+            add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(biases), entries))
         if spec.grammar:
             grammar = L.llama_sampler_init_grammar(self._vocab, spec.grammar.encode(), b"root")
             if not grammar:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshllm.engine.llamacpp.json_gbnf import JSON_OBJECT_GBNF, SchemaUnsupported, regex_grammar, schema_grammar
 from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import GuidedSettings, SamplingSettings
+from meshllm.protocol.validate import check_logit_bias
 
 __all__ = ["DEFAULT_TEMPERATURE", "PENALTY_LAST_N", "SamplingSpec", "guided_grammar"]
 
@@ -37,6 +38,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     grammar: str = ""  # GBNF with a `root` rule; "" = unconstrained
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
     def greedy(self) -> bool:
@@ -78,7 +80,15 @@ class SamplingSpec:
             frequency_penalty=freq,
             presence_penalty=pres,
             grammar=guided_grammar(opts.get("guided")),
+            logit_bias=_logit_bias(opts.get("logit_bias")),
         )
+
+
+def _logit_bias(bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    check_logit_bias("logit_bias", bias)  # the token ids against the vocabulary: LlamaBackend.new_sampler
+    return tuple(sorted((int(t), float(v)) for t, v in bias.items()))
 
 
 def _literal(text: str) -> str:

@@ -117,6 +117,8 @@ def sampling_kwargs(request: TokenRequest, *, default_max_tokens: int, context_l
         kw["logprobs"] = max(1, logprobs)  # 0 top alternatives still returns the chosen token's logprob
     if guided := s.get("guided"):
         kw["guided_decoding"] = _guided_kwargs(guided)
+    if s.get("logit_bias"):  # SamplingParams has no per-token bias map (embedding_bias is a dense tensor)
+        raise InvalidArgument("logit_bias is not supported by the trtllm engine", param="logit_bias")
     return kw
 
 

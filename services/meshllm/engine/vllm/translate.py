@@ -47,6 +47,8 @@ def sampling_kwargs(request: TokenRequest, *, context_length: int, prompt_len: i
         kw["skip_special_tokens"] = out["skip_special_tokens"]
     if guided := s.get("guided"):
         kw["structured_outputs"] = _structured(guided)
+    if bias := s.get("logit_bias"):
+        kw["logit_bias"] = {int(t): float(b) for t, b in bias.items()}  # vLLM refuses ids outside its vocabulary
     return kw
 
 

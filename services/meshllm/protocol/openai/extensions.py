@@ -38,7 +38,7 @@ _SHARED = frozenset(
         "model", "n", "stream", "stream_options", "max_tokens", "stop", "temperature", "top_p", "top_k", "min_p",
         "seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "response_format", "guided_json",
         "guided_regex", "guided_grammar", "guided_choice", "structured_outputs", "min_tokens", "stop_token_ids",
-        "ignore_eos", "skip_special_tokens", "request_id", "logprobs", "prompt_logprobs", "echo",
+        "ignore_eos", "skip_special_tokens", "request_id", "logprobs", "prompt_logprobs", "echo", "logit_bias",
     }
 )  # fmt: skip
 #: The fields each endpoint acts on.
@@ -51,7 +51,7 @@ COMPLETION_FIELDS = _SHARED | {"prompt"}
 #: never refused (any other unknown field is refused under --strict-params, as OpenAI does).
 IGNORED_FIELDS = frozenset(
     {
-        "user", "store", "metadata", "service_tier", "logit_bias", "functions", "function_call", "modalities",
+        "user", "store", "metadata", "service_tier", "functions", "function_call", "modalities",
         "audio", "prediction", "reasoning_effort", "web_search_options", "safety_identifier", "prompt_cache_key",
         "verbosity", "suffix", "best_of", "use_beam_search", "length_penalty", "include_stop_str_in_output",
         "spaces_between_special_tokens", "truncate_prompt_tokens", "priority", "add_special_tokens", "documents",

@@ -39,6 +39,7 @@ from meshllm.protocol.validate import (
     bad,
     check_float,
     check_int,
+    check_logit_bias,
     check_top_k,
 )
 
@@ -132,6 +133,26 @@ def _object(body: Mapping[str, Any], key: str) -> dict[str, Any] | None:
     return v
 
 
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: {"token id": bias}; the ids arrive as JSON object keys, so as strings."""
+    raw = _object(body, "logit_bias")
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        text = str(key).strip()
+        if not text.lstrip("-").isdigit():
+            raise _bad("logit_bias", f"key {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad("logit_bias", f"the bias of token {text} must be a number, got {_type_name(value)}")
+        try:
+            bias[int(text)] = float(value)
+        except OverflowError:
+            raise _bad("logit_bias", f"the bias of token {text} is out of range") from None
+    check_logit_bias("logit_bias", bias)
+    return bias
+
+
 def _model(body: Mapping[str, Any]) -> str:
     v = body.get("model")
     if not isinstance(v, str) or not v.strip():
@@ -211,6 +232,8 @@ def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
         sampling["seed"] = seed % _UINT64
     if (guided := _guided(body)) is not None:
         sampling["guided"] = guided
+    if (bias := _logit_bias(body)) is not None:
+        sampling["logit_bias"] = bias
 
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_key, 1, MAX_COUNT)
