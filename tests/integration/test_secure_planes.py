@@ -222,7 +222,7 @@ async def test_nats_refuses_wrong_credentials_with_one_clear_line(pki: Pki, case
         t0 = time.monotonic()
         with pytest.raises(CannotConnect) as info:
             await open_events(events_plane(nats, credentials))
-        assert time.monotonic() - t0 < 5  # refused at once, not after the 10 s connect timeout
+        assert time.monotonic() - t0 < 8  # refused, not after the 10 s connect timeout (~1-5 s on 2 busy cores)
     message = info.value.message
     assert expected in message and "\n" not in message, message
     assert "wrong" not in message and TOKEN not in message  # no secret in the line
