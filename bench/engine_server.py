@@ -1,7 +1,7 @@
 """Each real engine against its own OpenAI server, thread for thread (issue 42).
 
     .venv/bin/pip install fastapi sse-starlette starlette-context pydantic-settings   # llama_cpp.server's dependencies
-    .venv/bin/python bench/engine_server.py                    # T = 2 and 1, then vLLM; writes "## Engine against its own server: llama.cpp" and ": vLLM"
+    .venv/bin/python bench/engine_server.py          # T = 2 and 1, then vLLM; writes "## Engine against its own server: ..."
     .venv/bin/python bench/engine_server.py --threads 2 --requests 4 --no-write
 
 Systems of the llama.cpp group, in one run, each at the same threads for decode and for prompts (T), the same
@@ -246,6 +246,9 @@ async def measure(systems: dict[str, Running], model: Path, label: str, requests
                 row = {k: math.nan if v is None else v for k, v in row.items()}
                 done = max(1, row.get("completed", 0))
                 row["cpu_ms"] = {name: 1000 * sec / done for name, sec in cpu[kind].items()}
+                ok = [r for r in records[kind] if r.error is None]
+                prompt = sum(r.prompt_tokens for r in ok)
+                row["cached_ratio"] = sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan
                 rows[kind][w.name] = row
                 print(
                     f"  {label} {kind:6} {w.name:32} TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 "
@@ -308,10 +311,13 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
         )
     lines += [
         "",
-        "Ratios are meshllm ÷ the engine's own server (below 1 favours meshllm).",
+        "Ratios are meshllm ÷ the engine's own server (below 1 favours meshllm). Cached tokens = the share of prompt "
+        "tokens each system reported as cached (`usage.prompt_tokens_details.cached_tokens`; llama-cpp-python's "
+        "server reports none, so 0.00 there says nothing about its cache).",
         "",
-        "| group | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | CPU ms per request |",
-        "|---|---|---|---|---|---:|---|",
+        "| group | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached tokens "
+        "| CPU ms per request |",
+        "|---|---|---|---|---|---:|---:|---|",
     ]
     for group, systems in results.items():
         for w in WORKLOADS:
@@ -321,7 +327,7 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
                 lines.append(
                     f"| {group} | {w.name} | {kind} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
                     f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p90_ms']:.2f} / {r['itl_p99_ms']:.2f} "
-                    f"| {r['req_per_s']:.3f} | {cpu} |"
+                    f"| {r['req_per_s']:.3f} | {r.get('cached_ratio', math.nan):.2f} | {cpu} |"
                 )
     lines += ["", "Targets (issue 42), meshllm ÷ the engine's own server, same group:", ""]
     lines += [

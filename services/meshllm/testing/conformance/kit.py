@@ -231,9 +231,7 @@ class SharedEngine:
 class _Probe:
     """One check's view of one engine: every call timed out and attributed to `clause`."""
 
-    def __init__(
-        self, clause: Clause, options: ConformanceOptions, notes: list[str], shared: SharedEngine | None = None
-    ) -> None:
+    def __init__(self, clause: Clause, options: ConformanceOptions, notes: list[str], shared: SharedEngine | None = None) -> None:
         self.clause = clause
         self.options = options
         self.notes = notes
