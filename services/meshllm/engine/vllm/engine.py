@@ -73,6 +73,15 @@ _MODEL_FILES = (
 )  # fmt: skip
 
 
+def _refusal_types() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: ValueError, and (0.32) its VLLMClientError, not a ValueError."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 def import_vllm() -> ModuleType:
     """`import vllm`, or a one-line ConfigError saying what is missing."""
     return import_engine_library("vllm", "vLLM", "vllm", INSTALL_HINT)
@@ -102,6 +111,7 @@ class VllmEngine(LLMEngine):
         self.total_blocks = 0
         self._llm: Any = None
         self._vllm: ModuleType | None = None
+        self._refusals: tuple[type[Exception], ...] = (ValueError,)
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir: Path | None = None
         self._ids = itertools.count()
@@ -127,6 +137,7 @@ class VllmEngine(LLMEngine):
         if self._closing:
             raise EngineShutdown("the vllm engine was cleaned up")
         vllm = self._vllm = import_vllm()
+        self._refusals = _refusal_types()
         check_role(self.role, self.config)
         if self.model_dir is None:
             self.model_dir = await asyncio.to_thread(default_model_dir)
@@ -263,7 +274,7 @@ class VllmEngine(LLMEngine):
                     res = step.result()
                 except StopAsyncIteration:
                     raise Unknown("vLLM ended the stream without a final output") from None
-                except ValueError as exc:  # vLLM validates requests when they are added
+                except self._refusals as exc:  # vLLM validates requests when they are added
                     raise InvalidArgument(f"vLLM refused the request: {first_line(exc)}") from None
                 output = res.outputs[0] if res.outputs else None
                 tokens = list(output.token_ids) if output is not None else []
@@ -307,9 +318,10 @@ class VllmEngine(LLMEngine):
             except ValueError:
                 raise InvalidArgument("disagg.opaque_state is not the prefill leg's kv_transfer_params") from None
             kw["extra_args"] = {"kv_transfer_params": transfer}
+        refused: tuple[type[Exception], ...] = (*self._refusals, TypeError)
         try:
             return SamplingParams(output_kind=RequestOutputKind.DELTA, detokenize=False, **kw)
-        except (ValueError, TypeError) as exc:
+        except refused as exc:
             raise InvalidArgument(f"vLLM refused the sampling parameters: {first_line(exc)}") from None
 
     def _final(self, request: TokenRequest, res: Any, output: Any, chunk: TokenChunk, produced: int) -> TokenChunk:
