@@ -85,6 +85,20 @@ async def test_a_shared_system_prompt_is_reused_and_its_blocks_are_not_stored_ag
     assert not {bh for blocks, _, _ in sink.stored[mark:] for bh, _ in blocks} & shared_blocks
 
 
+async def test_a_health_check_canary_between_two_chats_leaves_their_shared_prefix_cached(eng: LlamaCppEngine) -> None:
+    """Locks: the worker's idle canary (token ids 1-4; 1 is SmolLM2's <|im_start|>, which every chat starts with) takes
+    another slot instead of truncating the cached chat to its one shared token (every later chat recomputed its
+    prompt when a canary ran in between: bench/engine_server.py's repeated-prefix outliers)."""
+    system = SYSTEM + " " + " ".join(f"Rule {i}: be brief, be kind, be correct." for i in range(8))
+    first = chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": "What is 2 + 2?"}])
+    second = chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": "What is 3 + 3?"}])
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    await run(eng, greedy("chat-1", first, 2))
+    await run(eng, greedy("canary", [1, 2, 3, 4], 1))
+    _, end = await run(eng, greedy("chat-2", second, 2))
+    assert end["usage"]["cached_tokens"] >= shared > 100
+
+
 async def test_cancellation_frees_the_slot() -> None:
     """Locks: a stopped request ends "cancelled"; its only slot then serves the next request."""
     e = await engine("--n-seq-max", "1")

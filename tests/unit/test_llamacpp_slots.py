@@ -101,3 +101,30 @@ def test_without_caching_nothing_is_reused_or_reported() -> None:
     assert t.drain_events() == []
     p = t.place(list(range(12)), min_copy_gain=BS)
     assert p is not None and p.reuse == 0
+
+
+def test_a_short_match_never_truncates_a_cached_prefix_it_would_mostly_drop() -> None:
+    """Locks: a 1-token health-check canary between two requests sharing a long prefix goes to another slot, so the
+    second request still finds the prefix (the canary [1, 2, 3, 4] shares only <|im_start|> with every chat)."""
+    t = SlotTable(4, BS)
+
+    def serve(tokens: list[int], out: int) -> int:
+        p = t.place(tokens, min_copy_gain=BS)
+        assert p is not None
+        t.claim(p.target)
+        if p.source is not None:
+            t.copy(p.source, p.target, p.reuse)
+        else:
+            t.truncate(p.target, p.reuse)
+        t.extend(p.target, tokens[p.reuse :])
+        t.extend(p.target, list(range(900, 900 + out)))
+        t.release(p.target)
+        return p.reuse
+
+    prefix = [1, *range(100, 160)]
+    assert serve([*prefix, 7, 8], 5) == 0
+    assert serve([1, 2, 3, 4], 1) == 0  # an empty slot, not the chat's
+    assert serve([*prefix, 9, 10], 5) == len(prefix)
+    assert serve([1, 2, 3, 4], 1) == 3  # its own slot again
+    assert serve([1, *range(200, 260)], 5) == 0  # shares one token: an empty slot, the prefix stays
+    assert serve([*prefix, 11, 12], 5) == len(prefix)

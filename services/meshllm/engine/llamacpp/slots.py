@@ -151,9 +151,13 @@ class SlotTable:
 
         The prompt's last token is always recomputed (its logits are needed), so
         at most `len(tokens) - 1` tokens are reused. A free slot holding a prefix
-        within `min_copy_gain` tokens of the best is reused in place; a longer
-        prefix elsewhere (busy slots included) is copied into the least recently
-        used free slot, preferring empty ones.
+        within `min_copy_gain` tokens of the best is reused in place, when that
+        reuses at least as many tokens as it drops from the slot; a longer prefix
+        elsewhere (busy slots included) is copied into the least recently used
+        free slot, preferring empty ones. So a prompt sharing only a few tokens
+        with a slot (a 1-token health-check canary, a new chat sharing only the
+        system prompt) goes elsewhere instead of truncating that slot's cached
+        prefix.
         """
         free = self.free()
         if not free:
@@ -167,9 +171,11 @@ class SlotTable:
         assert victim is not None
         if best_n - own_n > min_copy_gain:
             return Placement(victim, best_n, best)
-        if own_n > 0:
+        if own is victim or own_n >= len(own.tokens) - own_n:
             return Placement(own, own_n)
-        return Placement(victim, 0)
+        if own_n > min_copy_gain:  # keep own's longer tail: copy the shared prefix instead
+            return Placement(victim, own_n, own)
+        return Placement(victim, matches.get(victim.index, 0))
 
     # ------------------------------------------------------------ changes
     def claim(self, slot: Slot) -> None:
