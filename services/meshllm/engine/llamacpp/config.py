@@ -21,6 +21,7 @@ from pathlib import Path
 
 from meshllm.config import ConfigError, EnvArgumentParser, flag_value, parse_byte_size
 from meshllm.engine.base import worker_arg_parser
+from meshllm.engine.llamacpp.openmp import CHOICES as OMP_WAIT_CHOICES
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path", "per_worker_disk_dir"]
 
@@ -97,7 +98,7 @@ class LlamaCppConfig:
             raise ConfigError(f"--block-size ({self.block_size}) must be <= --n-ctx ({self.n_ctx})")
         if not math.isfinite(self.kv_hold_timeout_s) or self.kv_hold_timeout_s <= 0:
             raise ConfigError(f"--kv-hold-timeout must be a finite number of seconds > 0, got {self.kv_hold_timeout_s}")
-        if self.omp_wait not in ("auto", "spin", "passive"):
+        if self.omp_wait not in OMP_WAIT_CHOICES:
             raise ConfigError(f"--omp-wait must be auto, spin or passive, got {self.omp_wait!r}")
         if self.model_name and not self.model_name.strip():
             raise ConfigError("--model-name must not be empty")
@@ -172,7 +173,7 @@ def add_llamacpp_args(parser: EnvArgumentParser) -> None:
         help="CPU threads of steps that carry prompt tokens (default: every CPU, 1..16)",
     )  # fmt: skip
     g.add_argument(
-        "--omp-wait", choices=("auto", "spin", "passive"), default="auto",
+        "--omp-wait", choices=OMP_WAIT_CHOICES, default="auto",
         help="how llama.cpp's threads wait at barriers: spin (fast on cores of their own), passive (sleep: cores"
         " shared with busy threads), auto = spin when every engine's threads fit this process's CPUs",
     )  # fmt: skip
