@@ -14,7 +14,8 @@ with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (
   distribution named `vllm`, which vllm-cpu is not);
 - `run`: `meshllm run --engine vllm --workers 1`;
 - `split-1`: a `meshllm worker --engine vllm` and a `meshllm frontend` (etcd and nats-server as processes);
-- `split-2 kv` and `split-2 rr`: two vLLM workers behind the frontend's `kv` router, then `round-robin`.
+- `split-2 kv` and `split-2 rr`: two vLLM workers behind the frontend's `kv` router, then `round-robin`, each
+  worker pinned to its own half of the CPUs (`--cpu-bind`; both on every CPU, each token cost ~4x more).
 
 Dynamo 1.6.1 with its vLLM worker (../shared/engines/vllm-cpu.md, section 5) is not installed by this script
 (6.6 GB, --no-deps surgery); its row is absent unless a later run adds it.
@@ -51,6 +52,7 @@ from openai import AsyncOpenAI
 from runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.report import percentile
+from meshllm.engine.vllm.config import cpu_shares, usable_cpus
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
@@ -137,7 +139,10 @@ async def run(name: str = "") -> AsyncIterator[Running]:
 async def split(workers: int, mode: str) -> AsyncIterator[Running]:
     async with EtcdServer() as etcd, NatsServer() as nats:
         planes = ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url]
-        procs = [MeshllmProcess("worker", "--engine", "vllm", "--port", "0", *planes, *ENGINE) for _ in range(workers)]
+        # Several workers on one host each get their own CPUs, as `meshllm run --workers N` gives them.
+        shares = cpu_shares(usable_cpus(), workers)
+        binds = [["--cpu-bind", share] for share in shares] if shares else [[] for _ in range(workers)]
+        procs = [MeshllmProcess("worker", "--engine", "vllm", "--port", "0", *planes, *ENGINE, *b) for b in binds]
         frontend = None
         try:
             for p in procs:  # vLLM prints its own log lines on stdout before the worker's "serving on" line

@@ -5,14 +5,17 @@
 - `kv` routing: a repeated document (with a new question each time) goes to the worker that caches it, so every
   repeat reports the document's full blocks as cached tokens (round-robin would alternate, and miss every other time);
 - after a burst, the router's index holds exactly the blocks each worker reports it holds (`Worker.GetKvSnapshot`):
-  vLLM's KV events reached the router, re-hashed.
+  vLLM's KV events reached the router, re-hashed;
+- the two workers' vLLM engine processes pin their threads to disjoint CPUs (each its share, `--cpu-bind`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -119,3 +122,39 @@ async def test_kv_routing_sends_a_repeated_document_to_the_worker_that_caches_it
             return True
 
         await wait_until(agree, timeout_s=20, what="the router's index to equal every worker's blocks")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _pinned_cpus(pid: int) -> set[int]:
+    """CPUs that threads of `pid` bound to fewer than all usable CPUs are allowed on (vLLM pins its OpenMP threads)."""
+    every = os.sched_getaffinity(0)
+    pinned: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpus = os.sched_getaffinity(int(task.name))
+        except OSError:
+            continue
+        if cpus < every:
+            pinned |= cpus
+    return pinned
+
+
+async def test_each_vllm_worker_pins_its_threads_to_its_own_cpus(mesh: MeshRun) -> None:
+    pinned = [cpus for child in _children(mesh.proc.pid) if (cpus := _pinned_cpus(child))]
+    if len(os.sched_getaffinity(0)) < 2:  # fewer CPUs than workers: they share the one there is
+        assert pinned == [], pinned
+    else:
+        assert len(pinned) == 2 and not pinned[0] & pinned[1], pinned
+    assert "vLLM's threads bind to CPUs" in mesh.log_path.read_text()

@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 
 from meshllm.config import ConfigError, EnvArgumentParser
-from meshllm.engine.vllm.config import VllmConfig, add_vllm_args, engine_kwargs
+from meshllm.engine.vllm import config as vllm_config
+from meshllm.engine.vllm import engine as vllm_engine
+from meshllm.engine.vllm.config import (
+    BIND_ENV,
+    VllmConfig,
+    add_vllm_args,
+    cpu_environment,
+    cpu_shares,
+    engine_kwargs,
+    format_cpu_list,
+)
+from meshllm.engine.vllm.engine import VllmEngine
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs
 from meshllm.errors import InvalidArgument
@@ -95,3 +106,38 @@ def test_flags_are_checked_with_one_line_errors(tmp_path: Path) -> None:
         engine_kwargs(cfg, tmp_path, "m", "ipc:///x")
     kw = engine_kwargs(parse(["--block-size", "64"]), tmp_path, "m", "ipc:///x")
     assert kw["block_size"] == 64 and kw["kv_events_config"]["endpoint"] == "ipc:///x" and kw["enforce_eager"]
+
+
+def test_cpu_bind_sets_vllms_thread_binding_and_bad_lists_stop_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: --cpu-bind wins over the operator's VLLM_CPU_OMP_THREADS_BIND, which wins over auto (every usable CPU,
+    not vLLM's own auto that keeps one free); a malformed list or a CPU outside the affinity mask is a ConfigError."""
+    monkeypatch.setattr(vllm_config, "usable_cpus", lambda: [0, 1, 2, 3])
+    assert cpu_environment(parse([]), operator={})[BIND_ENV] == "0-3"
+    assert cpu_environment(parse([]), operator={BIND_ENV: "2"})[BIND_ENV] == "2"
+    assert cpu_environment(parse(["--cpu-bind", "1,3"]), operator={BIND_ENV: "2"})[BIND_ENV] == "1,3"
+    env = cpu_environment(parse(["--cpu-bind", "0-1", "--kv-cache-space", "2"]), operator={"VLLM_HOST_IP": "10.0.0.1"})
+    assert env == {BIND_ENV: "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "10.0.0.1"}
+    for bad in ("x", "3-1", "-1", "0,,1"):
+        with pytest.raises(ConfigError, match="give auto or a CPU list"):
+            parse(["--cpu-bind", bad])
+    with pytest.raises(ConfigError, match=r"CPU\(s\) 4-5 are not among the CPUs this process may use \(0-3\)"):
+        parse(["--cpu-bind", "3-5"])
+
+
+def test_several_vllm_workers_of_one_process_get_disjoint_cpu_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: meshllm run's workers split the usable CPUs (two engines pinned to the same cores oversubscribe them);
+    flags or the operator's binding are left alone, as are more workers than CPUs."""
+    assert cpu_shares([0, 1], 2) == ["0", "1"]
+    assert cpu_shares([0, 1, 2, 3, 4], 2) == ["0-2", "3-4"]
+    assert cpu_shares([0, 2, 4, 6], 2) == ["0,2", "4,6"]
+    assert cpu_shares([0, 1], 3) is None and cpu_shares([0, 1], 1) is None
+    assert format_cpu_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    monkeypatch.setattr(vllm_engine, "usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(vllm_engine, "operator_env", dict)
+    monkeypatch.delenv("MESHLLM_CPU_BIND", raising=False)
+    argv = ["--max-num-seqs", "4"]
+    assert [VllmEngine.instance_args(argv, i, 2) for i in range(2)] == [[*argv, "--cpu-bind", "0"], [*argv, "--cpu-bind", "1"]]
+    assert VllmEngine.instance_args(argv, 0, 1) == argv
+    assert VllmEngine.instance_args([*argv, "--cpu-bind=0-1"], 1, 2) == [*argv, "--cpu-bind=0-1"]
+    monkeypatch.setattr(vllm_engine, "operator_env", lambda: {BIND_ENV: "0-1"})
+    assert VllmEngine.instance_args(argv, 1, 2) == argv

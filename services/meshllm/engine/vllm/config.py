@@ -8,6 +8,12 @@ KV cache size comes from `--kv-cache-space` (GiB, vLLM's
 `VLLM_CPU_KVCACHE_SPACE`); on a GPU, `--gpu-memory-utilization` applies.
 `--extra-engine-args` is a JSON object of further `AsyncEngineArgs` fields
 (a field also set by a flag must agree with it).
+
+On CPU, vLLM pins one OpenMP thread to each CPU of `VLLM_CPU_OMP_THREADS_BIND`.
+`--cpu-bind` sets it: `auto` is every CPU this process may use, unless the
+operator's environment names its own; `meshllm run` with several vLLM workers
+gives each its own share (`instance_args`), since two engines pinned to the
+same cores each spin threads on both and every token costs several times more.
 """
 
 from __future__ import annotations
@@ -21,10 +27,14 @@ from typing import Any
 
 from meshllm.config import ConfigError, EnvArgumentParser, flag_value
 
-__all__ = ["CPU_BLOCK_MULTIPLE", "VllmConfig", "add_vllm_args", "engine_kwargs"]
+__all__ = ["CPU_BLOCK_MULTIPLE", "VllmConfig", "add_vllm_args", "cpu_environment", "cpu_shares", "engine_kwargs"]
 
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend: "MultipleOf(32)"
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# The operator's own vLLM CPU settings, as the process started: an engine's start sets them for the vLLM
+# process it spawns, so a later engine of the same process must not mistake them for the operator's.
+_OPERATOR_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_") or k == "VLLM_HOST_IP"}
 _FLAG_FIELDS = (
     "model", "served_model_name", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
     "enforce_eager", "enable_prefix_caching", "seed", "gpu_memory_utilization", "tensor_parallel_size",
@@ -51,6 +61,7 @@ class VllmConfig:
     tensor_parallel_size: int = 1
     cpu: bool = True  # the installed vLLM runs on CPU (vllm-cpu): decided by the caller from the platform
     kv_transfer: dict[str, Any] | None = None  # --kv-transfer-config (disaggregation, GPU: NixlConnector)
+    cpu_bind: str = "auto"  # CPU: "auto" or a CPU list ("0-3", "0,2") for VLLM_CPU_OMP_THREADS_BIND
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,6 +91,13 @@ class VllmConfig:
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, bfloat16, float16 or float32")
         if self.model_name != self.model_name.strip():
             raise ConfigError("--model-name must not start or end with spaces")
+        if self.cpu_bind != "auto":
+            cpus = parse_cpu_list(self.cpu_bind)
+            if outside := sorted(set(cpus) - set(usable_cpus())):
+                raise ConfigError(
+                    f"--cpu-bind {self.cpu_bind}: CPU(s) {format_cpu_list(outside)} are not among the CPUs this process "
+                    f"may use ({format_cpu_list(usable_cpus())})"
+                )
 
     @property
     def effective_block_size(self) -> int:
@@ -119,6 +137,7 @@ class VllmConfig:
             tensor_parallel_size=ns.tensor_parallel_size,
             cpu=cpu,
             kv_transfer=transfer,
+            cpu_bind=ns.cpu_bind,
             extra=extra,
         )
 
@@ -160,15 +179,72 @@ def engine_kwargs(cfg: VllmConfig, model_dir: Path, served_name: str, kv_events_
     return kw
 
 
-def cpu_environment(cfg: VllmConfig) -> dict[str, str]:
-    """vLLM's CPU settings (an operator's own environment wins): KV cache size, loopback, thread binding."""
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """`"0-3,6"` -> [0, 1, 2, 3, 6]; a ConfigError (one line) for anything else."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if hi else int(lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ConfigError(f"--cpu-bind {text!r}: give auto or a CPU list such as 0-3 or 0,2") from None
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the form VLLM_CPU_OMP_THREADS_BIND and /proc use)."""
+    runs: list[str] = []
+    for c in sorted(cpus):
+        if runs and int(runs[-1].rsplit("-", 1)[-1]) == c - 1:
+            runs[-1] = f"{runs[-1].split('-')[0]}-{c}"
+        else:
+            runs.append(str(c))
+    return ",".join(runs)
+
+
+def cpu_shares(cpus: list[int], count: int) -> list[str] | None:
+    """`count` disjoint CPU lists covering `cpus` (the first ones one CPU larger when it does not divide), or None
+    when there are fewer CPUs than workers (they then share all of them)."""
+    if count <= 1 or len(cpus) < count:
+        return None
+    size, extra = divmod(len(cpus), count)
+    shares, at = [], 0
+    for i in range(count):
+        n = size + (1 if i < extra else 0)
+        shares.append(format_cpu_list(cpus[at : at + n]))
+        at += n
+    return shares
+
+
+def operator_env() -> dict[str, str]:
+    """The vLLM CPU variables the operator set before this process started."""
+    return dict(_OPERATOR_ENV)
+
+
+def cpu_environment(cfg: VllmConfig, operator: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's CPU settings for the engine process `cfg`'s worker spawns: KV cache size and loopback (the operator's
+    own environment wins), and its thread binding (`--cpu-bind` wins, then the operator's, then every usable CPU;
+    vLLM's own "auto" keeps one CPU free, which halves a 2-core machine)."""
+    own = _OPERATOR_ENV if operator is None else operator
     env = {
-        "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_space_gib:g}",
-        "VLLM_HOST_IP": "127.0.0.1",
-        # every CPU (vLLM's "auto" keeps one free for its own process, which halves a 2-core machine)
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(1, os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": own.get("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_space_gib:g}"),
+        "VLLM_HOST_IP": own.get("VLLM_HOST_IP", "127.0.0.1"),
+        BIND_ENV: own.get(BIND_ENV, format_cpu_list(usable_cpus())),
     }
-    return {k: v for k, v in env.items() if k not in os.environ}
+    if cfg.cpu_bind != "auto":
+        env[BIND_ENV] = format_cpu_list(parse_cpu_list(cfg.cpu_bind))
+    return env
 
 
 def add_vllm_args(parser: EnvArgumentParser) -> None:
@@ -187,6 +263,11 @@ def add_vllm_args(parser: EnvArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse cached prefixes")
     g.add_argument("--seed", type=int, default=0, help="the engine's random seed")
     g.add_argument("--kv-cache-space", type=float, default=1.0, help="CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    g.add_argument(
+        "--cpu-bind", default="auto",
+        help="CPU: the CPUs vLLM's threads are pinned to (VLLM_CPU_OMP_THREADS_BIND), e.g. 0-3 or 0,2; auto = every "
+        "CPU this process may use, or VLLM_CPU_OMP_THREADS_BIND when set (meshllm run gives each vLLM worker its share)",
+    )  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: fraction of memory vLLM may use")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker")
     g.add_argument(

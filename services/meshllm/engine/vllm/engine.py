@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
 
-from meshllm.config import ConfigError
+from meshllm.config import ConfigError, env_name
 from meshllm.engine.base import (
     Context,
     DisaggregationMode,
@@ -52,7 +52,16 @@ from meshllm.engine.base import (
     worker_arg_parser,
 )
 from meshllm.engine.optional import first_line, import_engine_library
-from meshllm.engine.vllm.config import VllmConfig, add_vllm_args, cpu_environment, engine_kwargs
+from meshllm.engine.vllm.config import (
+    BIND_ENV,
+    VllmConfig,
+    add_vllm_args,
+    cpu_environment,
+    cpu_shares,
+    engine_kwargs,
+    operator_env,
+    usable_cpus,
+)
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs
@@ -131,6 +140,17 @@ class VllmEngine(LLMEngine):
         check_role(worker.role, config)
         return cls(config, role=worker.role), worker
 
+    @classmethod
+    def instance_args(cls, argv: Sequence[str], index: int, count: int) -> list[str]:
+        """Each of several workers built from the same flags gets its own share of the CPUs (`--cpu-bind`), unless
+        the flags or the operator's environment bind them already, or there are fewer CPUs than workers."""
+        args = list(argv)
+        given = any(a == "--cpu-bind" or a.startswith("--cpu-bind=") for a in args)
+        if given or env_name("--cpu-bind") in os.environ or BIND_ENV in operator_env():
+            return args
+        shares = cpu_shares(usable_cpus(), count)
+        return args if shares is None else [*args, "--cpu-bind", shares[index]]
+
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, worker_id: str) -> EngineConfig:
@@ -143,7 +163,9 @@ class VllmEngine(LLMEngine):
             self.model_dir = await asyncio.to_thread(default_model_dir)
         self.served_name = self.config.model_name or self.model_dir.name
         if self.config.cpu:
-            os.environ.update(cpu_environment(self.config))
+            env = cpu_environment(self.config)
+            os.environ.update(env)  # read by the engine process vLLM spawns below
+            log.info("vllm worker %s: vLLM's threads bind to CPUs %s", worker_id, env[BIND_ENV])
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="meshllm-vllm-"))
         endpoint = f"ipc://{self._ipc_dir / 'kv-events'}"
         self.kv = VllmKvEvents(self.sink, self.block_size, endpoint)
