@@ -27,6 +27,7 @@ __all__ = [
     "EventsKind",
     "PlaneConfig",
     "ServerConfig",
+    "add_coalesce_arg",
     "add_plane_args",
     "add_tracing_args",
     "env_name",
@@ -282,6 +283,15 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
     g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
     add_etcd_args(parser.add_argument_group("etcd TLS and authentication"))
     add_nats_args(parser.add_argument_group("NATS TLS and authentication"))
+
+
+def add_coalesce_arg(group: Any) -> None:
+    """`--no-coalesce` (env MESHLLM_NO_COALESCE=1), the same on every command (`meshllm.protocol.chunks`)."""
+    group.add_argument(
+        "--no-coalesce", action="store_true",
+        help="never merge a stream's chunks: every engine step of every stream is its own message and SSE event "
+        "(for comparisons at one event per token; costs CPU per token)",
+    )  # fmt: skip
 
 
 def add_tracing_args(parser: EnvArgumentParser) -> None:

@@ -34,6 +34,7 @@ from meshllm.config import (
     EventsKind,
     PlaneConfig,
     ServerConfig,
+    add_coalesce_arg,
     add_tracing_args,
 )
 from meshllm.engine import load_engine_class
@@ -81,6 +82,7 @@ class RunConfig:
     namespace: str = "meshllm"
     max_inflight: int = 4096
     otlp_endpoint: str | None = None
+    coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks), for the whole process
     frontend_workers: int = 1
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/auth.py)
     open_metrics: bool = False
@@ -117,6 +119,7 @@ class RunConfig:
             model_name=self.model_name,
             api_keys=self.api_keys,
             open_metrics=self.open_metrics,
+            coalesce=self.coalesce,
             security=self.security,
             **self.frontend_extra,
         )
@@ -138,6 +141,8 @@ class RunConfig:
             argv += ["--tls-ca", str(tls.ca)] if tls.ca is not None else []
         if self.security.token is not None:
             argv += ["--mesh-token", self.security.token]  # parsed in this process, never on a command line
+        if not self.coalesce:
+            argv += ["--no-coalesce"]
         return argv + list(self.engine_args)
 
 
@@ -165,6 +170,7 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
         help="frontend processes (only 1: the in-memory planes cannot be shared; see meshllm frontend --workers)",
     )  # fmt: skip
     add_output_args(parser)
+    add_coalesce_arg(g)
     add_api_key_args(parser)
     add_security_args(parser)
     add_tracing_args(parser)
@@ -198,6 +204,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         namespace=ns.namespace,
         max_inflight=ns.max_inflight,
         otlp_endpoint=ns.otlp_endpoint or None,
+        coalesce=not ns.no_coalesce,
         api_keys=api_keys_from_namespace(ns),
         open_metrics=ns.open_metrics,
         frontend_workers=ns.frontend_workers,
@@ -241,6 +248,10 @@ class Mesh(AsyncCloseable):
             await engine_cls.from_args(engine_cls.instance_args(cfg.worker_argv(role, simulate=simulate), i, len(roles)))
             for i, role in enumerate(roles)
         ]
+        # The in-process plane and the Router service pace streams as the workers' flags say (--stream-interval-ms
+        # after --; all workers of a run get the same flags).
+        interval_s = built[0][1].server.stream_interval_ms / 1000.0
+        self.local.set_interval(interval_s)
         for engine, wcfg in built:
             self.workers.append(
                 await Worker.start(engine, wcfg, memory_store=self.store, memory_broker=self.broker, local=self.local)
@@ -248,7 +259,7 @@ class Mesh(AsyncCloseable):
         self.frontend = await Frontend.start(
             cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker, local=self.local
         )
-        self.router_server = await _serve_router(self.frontend.router, cfg.router_port, cfg.security)
+        self.router_server = await _serve_router(self.frontend.router, cfg.router_port, cfg.security, interval_s)
         # One /metrics for the whole process: the frontend's, the routing core's and every worker's.
         if self.frontend.router is not None:
             self.frontend.metrics.include(self.frontend.router.metrics.registry)
@@ -322,17 +333,22 @@ async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
     return flags
 
 
-async def _serve_router(router: RouterCore | None, port: int, security: MeshSecurity) -> GrpcServer | None:
+async def _serve_router(router: RouterCore | None, port: int, security: MeshSecurity, interval_s: float) -> GrpcServer | None:
     """Serve the frontend's embedded routing core as the Router gRPC service too (grpcurl's view of routing)."""
     if router is None:
         return None
-    binding = router_binding(router)
+    binding = router_binding(router, stream_interval_s=interval_s)
     return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding], port_flag="--router-port", security=security)
 
 
 async def serve(config: RunConfig) -> int:
     return await serve_until_signal(
-        "run", lambda: Mesh.start(config), Mesh.lines, service_name="meshllm", otlp_endpoint=config.otlp_endpoint
+        "run",
+        lambda: Mesh.start(config),
+        Mesh.lines,
+        service_name="meshllm",
+        otlp_endpoint=config.otlp_endpoint,
+        coalesce=config.coalesce,
     )
 
 

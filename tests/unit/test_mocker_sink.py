@@ -19,6 +19,7 @@ from test_mocker_engine import PROMPT, disagg_req, req, run, started
 from meshllm.engine.base import Context
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.errors import Unknown
+from meshllm.protocol import chunks
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
 
@@ -178,3 +179,25 @@ async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
         await engine.cleanup()
     assert order and all(woke >= 1 for _, woke in order)
     assert writer_ran[0] == order[0][0]  # the writer saw the step's token before the step's hook ran
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+async def test_a_lagging_consumer_gets_one_token_per_chunk_without_coalescing(
+    engine: MockerEngine, monkeypatch: pytest.MonkeyPatch, coalesce: bool
+) -> None:
+    """Locks: a consumer slower than the steps (no sink: the in-process plane) gets the tokens made meanwhile as
+    one chunk, or, with --no-coalesce, one chunk per step (one token each, the terminal holding at most one);
+    the tokens are the same either way."""
+    monkeypatch.setattr(chunks, "_coalescing", coalesce)
+    expected, _ = await run(engine, req(PROMPT, "plain", max_tokens=30, ignore_eos=True))
+    sizes, tokens = [], []
+    async for c in engine.generate(req(PROMPT, "slow", max_tokens=30, ignore_eos=True), Context("slow")):
+        sizes.append(len(c.get("token_ids", ())))
+        tokens += c.get("token_ids", ())
+        for _ in range(20):
+            await asyncio.sleep(0)  # the behaviour under test: steps run while the consumer is away
+    assert tokens == expected and len(expected) == 30
+    if coalesce:
+        assert max(sizes) > 1, sizes
+    else:
+        assert max(sizes) == 1, sizes

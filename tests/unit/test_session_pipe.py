@@ -8,10 +8,13 @@ logprob in order, never merge across streams, and never merge a terminal.
 
 from __future__ import annotations
 
+import pytest
+
 from meshllm import errors
 from meshllm.engine.base import terminal
 from meshllm.plane.session import SessionServer, _ServerSession
 from meshllm.plane.session_client import _Pipe
+from meshllm.protocol import chunks
 from meshllm.protocol.types import TokenChunk, TokenUsage
 
 USAGE: TokenUsage = {"prompt_tokens": 1, "completion_tokens": 3, "cached_tokens": 0}
@@ -92,3 +95,20 @@ def test_outbox_puts_terminals_and_errors_after_the_pending_chunk() -> None:
     ]
     first = s.items[0][1]
     assert isinstance(first, dict) and first["usage"]["completion_tokens"] == 2
+
+
+def test_without_coalescing_neither_buffer_merges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: --no-coalesce (`set_coalescing(False)`): each chunk stays an item of its own in the outbox and in
+    the pipe, so every engine step reaches the caller as its own chunk."""
+    monkeypatch.setattr(chunks, "_coalescing", False)
+    s = outbox()
+    for i in range(3):
+        s.push(1, tok(i))
+    assert s.items == [(1, tok(0)), (1, tok(1)), (1, tok(2))]
+    pipe = _Pipe()
+    for i in range(3):
+        pipe.put(tok(i, logprob=True))
+    assert list(pipe.queue) == [tok(i, logprob=True) for i in range(3)]
+    monkeypatch.setattr(chunks, "_coalescing", True)
+    pipe.put(tok(3))
+    assert list(pipe.queue)[-1]["token_ids"] == [2, 3]

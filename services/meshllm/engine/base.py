@@ -27,6 +27,7 @@ from meshllm.config import (
     EnvArgumentParser,
     PlaneConfig,
     ServerConfig,
+    add_coalesce_arg,
     add_plane_args,
     add_tracing_args,
 )
@@ -453,6 +454,7 @@ class WorkerConfig:
     metrics_port: int | None = None
     otlp_endpoint: str | None = None
     validate_streams: bool = False
+    coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks)
     security: MeshSecurity = field(default_factory=MeshSecurity)
 
     def __post_init__(self) -> None:
@@ -503,6 +505,7 @@ class WorkerConfig:
             metrics_port=ns.metrics_port,
             otlp_endpoint=ns.otlp_endpoint or None,
             validate_streams=ns.validate_streams,
+            coalesce=not ns.no_coalesce,
             security=MeshSecurity.from_namespace(ns),
         )
 
@@ -530,6 +533,7 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
         help="least time between two stream messages to one client; faster engine steps are sent together "
         "(0 = every step; a stream's first chunk never waits)",
     )
+    add_coalesce_arg(g)
     g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
     g.add_argument("--static", action="store_true", help="do not register in discovery")
     g.add_argument("--instance-id", default="", help="instance id (default: random)")

@@ -25,6 +25,7 @@ from meshllm.config import (
     EnvArgumentParser,
     PlaneConfig,
     ServerConfig,
+    add_coalesce_arg,
     add_plane_args,
     add_tracing_args,
     parse_host_port,
@@ -99,6 +100,7 @@ class FrontendConfig:
     tokenizer_cache_dir: Path | None = None
     metrics_enabled: bool = True
     otlp_endpoint: str | None = None
+    coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks)
     # `--workers N`: N processes serve the same ports (meshllm.frontend.procs supervises them).
     workers: int = 1
     # Set only in the processes a `--workers N` supervisor starts: the process's index, and the
@@ -222,6 +224,7 @@ class FrontendConfig:
             static_workers=workers,
             tokenizer_cache_dir=Path(ns.tokenizer_cache_dir) if ns.tokenizer_cache_dir else None,
             otlp_endpoint=ns.otlp_endpoint or None,
+            coalesce=not ns.no_coalesce,
             workers=ns.workers,
             stall_timeout_s=ns.stall_timeout,
             stream_stall_timeout_s=ns.stream_stall_timeout,
@@ -298,6 +301,7 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     )  # fmt: skip
     g.add_argument("--http-body-timeout", type=float, default=30.0, help="seconds a client has to send a request body (408)")
     add_output_args(parser)
+    add_coalesce_arg(parser)
     add_api_key_args(parser)
     add_liveness_args(parser, health=True)
     s = parser.add_argument_group("static mode (no etcd, no NATS)")

@@ -308,7 +308,12 @@ async def serve(config: FrontendConfig) -> int:
         return lines
 
     return await serve_until_signal(
-        "frontend", lambda: Frontend.start(config), ready, service_name=FRONTEND_SERVICE, otlp_endpoint=config.otlp_endpoint
+        "frontend",
+        lambda: Frontend.start(config),
+        ready,
+        service_name=FRONTEND_SERVICE,
+        otlp_endpoint=config.otlp_endpoint,
+        coalesce=config.coalesce,
     )
 
 

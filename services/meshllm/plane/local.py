@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind
 
 from meshllm.errors import MeshError, StreamIncomplete, Unknown, log_unexpected
 from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, GenerateHandler
+from meshllm.protocol.chunks import coalescing
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import tracer, tracing_enabled
 
@@ -77,6 +78,10 @@ class LocalPeers:
     def __init__(self, *, min_interval_s: float = DEFAULT_STREAM_INTERVAL_S) -> None:
         self._handlers: dict[str, LocalPeer] = {}
         self.ticker = Ticker(min_interval_s) if min_interval_s > 0 else None
+
+    def set_interval(self, interval_s: float) -> None:
+        """Pace later streams by `interval_s` (0 = every chunk at once); `meshllm run` sets its workers' value."""
+        self.ticker = Ticker(interval_s) if interval_s > 0 else None
 
     def register(self, address: str, handler: LocalHandler, method: str, *, service: str | None = None) -> None:
         """Serve `address` in process; `method` names its spans (e.g. "/meshllm.v1.Worker/Generate").
@@ -145,7 +150,7 @@ async def local_generate(
                     return
                 sent_at = loop.time()
                 yield chunk
-                if ticker is not None and loop.time() - sent_at < ticker.interval_s:
+                if ticker is not None and loop.time() - sent_at < ticker.interval_s and coalescing():
                     await ticker.next()  # tokens made meanwhile merge into the next chunk
                 chunk = await anext(stream, None)
         raise StreamIncomplete("the in-process stream ended without a terminal chunk")

@@ -55,7 +55,7 @@ from meshllm.plane.local import LocalPeers
 from meshllm.plane.session_client import SessionClient
 from meshllm.plane.session_client import wake as _wake
 from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, ChunkSink, GenerateHandler
-from meshllm.protocol.chunks import merge_into, mergeable
+from meshllm.protocol.chunks import coalescing, merge_into, mergeable
 from meshllm.protocol.convert import chunk_into_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.tracing import tracer, tracing_enabled
@@ -201,7 +201,7 @@ class _ServerSession:
                     self._waiter = waiter = loop.create_future()
                     await waiter
                     continue
-                if interval > 0 and not self.urgent and (wait := sent_at + interval - loop.time()) > 0:
+                if interval > 0 and not self.urgent and coalescing() and (wait := sent_at + interval - loop.time()) > 0:
                     await asyncio.sleep(wait)  # a fast engine's next steps merge into this message
                 sent_at = loop.time()
                 items, self.items, self.last, self.urgent = self.items, [], {}, False

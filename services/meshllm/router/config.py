@@ -23,6 +23,7 @@ from meshllm.config import (
     EnvArgumentParser,
     PlaneConfig,
     ServerConfig,
+    add_coalesce_arg,
     add_plane_args,
     add_tracing_args,
     parse_host_port,
@@ -84,6 +85,7 @@ class RouterConfig:
     model_name: str | None = None
     metrics_port: int | None = None
     otlp_endpoint: str | None = None
+    coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks)
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")
     component: str = "router"
     # Resync: how long a snapshot call may take, and the first retry delay.
@@ -174,6 +176,7 @@ class RouterConfig:
             model_name=ns.model_name,
             metrics_port=ns.metrics_port,
             otlp_endpoint=ns.otlp_endpoint or None,
+            coalesce=not ns.no_coalesce,
             router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}",
             component=ns.component,
             stall_timeout_s=ns.stall_timeout,
@@ -201,6 +204,7 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
         help="least time between two stream messages to one client; faster engine steps are sent together "
         "(0 = every step; a stream's first chunk never waits)",
     )
+    add_coalesce_arg(g)
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
     g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")

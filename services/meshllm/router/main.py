@@ -138,6 +138,7 @@ async def serve(config: RouterConfig) -> int:
         lambda server: [f"meshllm router {config.router_id} ({config.mode.value}) serving on {server.address}"],
         service_name="meshllm-router",
         otlp_endpoint=config.otlp_endpoint,
+        coalesce=config.coalesce,
     )
 
 

@@ -41,6 +41,7 @@ async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
         lambda w: [f"meshllm worker {w.id} ({config.engine}, {config.role.value}) serving on {w.address}"],
         service_name=worker_service_name(config.role.value),
         otlp_endpoint=config.otlp_endpoint,
+        coalesce=config.coalesce,
         closing=Worker.wait_closing,
     )
 

@@ -69,6 +69,7 @@ from meshllm.errors import (
     Unimplemented,
     Unknown,
 )
+from meshllm.protocol.chunks import coalescing
 from meshllm.protocol.kv import PREFIX_MAGIC, block_hashes, kv_source_prefix, parse_prefix_handle
 from meshllm.protocol.types import DisaggInfo, KvSourceInfo, TokenChunk, TokenRequest, TokenUsage
 
@@ -242,15 +243,20 @@ class MockerEngine(LLMEngine):
                 if seq.sink_error is not None:
                     err = seq.sink_error
                     raise Unknown(f"the stream's chunk sink failed: {type(err).__name__}: {err}")
+                # Without coalescing (--no-coalesce) a consumer that lags still gets one chunk per step (one token).
+                step = None if coalescing() else 1
                 reason = seq.finish_reason
                 if reason is not None and seq.status is SequenceStatus.FINISHED:
                     if reason == "error":
                         raise Unknown(self._failure)
+                    if step is not None and seq.unsent > step:
+                        yield {"token_ids": seq.take_output(step)}
+                        continue
                     disagg = self._disagg(seq) if seq.context_only and reason == "length" else None
                     delivered = True
                     yield terminal(reason, self._usage(seq), token_ids=seq.take_output(), disagg=disagg)
                     return
-                fresh = seq.take_output()
+                fresh = seq.take_output(step)
                 if fresh:
                     yield {"token_ids": fresh}
                     continue

@@ -168,12 +168,17 @@ class Sequence:
                     self.sink, self.sink_error = None, exc
         self.wake()
 
-    def take_output(self) -> list[int]:
-        """The output tokens not handed to the consumer yet (none: empty), now counted as handed."""
+    def take_output(self, limit: int | None = None) -> list[int]:
+        """The output tokens not handed to the consumer yet (none: empty; at most `limit`), now counted as handed."""
         start = self.num_prompt + self.sent
-        fresh = self.tokens[start:]
+        fresh = self.tokens[start:] if limit is None else self.tokens[start : start + limit]
         self.sent += len(fresh)
         return fresh
+
+    @property
+    def unsent(self) -> int:
+        """Output tokens not handed to the consumer yet."""
+        return len(self.tokens) - self.num_prompt - self.sent
 
     def wake(self) -> None:
         """Wake the consumer waiting for new output, if any."""
