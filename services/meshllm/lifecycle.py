@@ -227,13 +227,11 @@ async def serve_until_signal(
     *,
     service_name: str,
     otlp_endpoint: str | None,
-    coalesce: bool = True,
     closing: Callable[[C], Awaitable[object]] | None = None,
 ) -> int:
     """The body of every long-running `meshllm` command.
 
-    Enable tracing, set whether the process merges stream chunks (`--no-coalesce`: `meshllm.protocol.chunks`),
-    install SIGTERM/SIGINT handlers, `start()` the service (a
+    Enable tracing, install SIGTERM/SIGINT handlers, `start()` the service (a
     MeshError becomes one line on stderr: exit 2 for a ConfigError, else 1;
     any other startup failure is one line too, exit 1, its traceback logged
     at DEBUG only), print its ready lines, wait for a signal (or for
@@ -243,11 +241,9 @@ async def serve_until_signal(
     """
     from meshllm.config import ConfigError
     from meshllm.errors import MeshError
-    from meshllm.protocol.chunks import set_coalescing
     from meshllm.tracing import setup_tracing, shutdown_tracing
 
     setup_tracing(service_name, otlp_endpoint=otlp_endpoint)
-    set_coalescing(coalesce)
     stop = asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:

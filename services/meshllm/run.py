@@ -55,6 +55,7 @@ from meshllm.plane.events import MemoryBroker
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import GrpcServer, start_server
 from meshllm.ports import check_free_all
+from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterCore
 from meshllm.router.service import router_binding
 from meshllm.worker.runtime import Worker
@@ -342,13 +343,13 @@ async def _serve_router(router: RouterCore | None, port: int, security: MeshSecu
 
 
 async def serve(config: RunConfig) -> int:
+    set_coalescing(config.coalesce)  # --no-coalesce: a property of the whole process
     return await serve_until_signal(
         "run",
         lambda: Mesh.start(config),
         Mesh.lines,
         service_name="meshllm",
         otlp_endpoint=config.otlp_endpoint,
-        coalesce=config.coalesce,
     )
 
 

@@ -50,6 +50,7 @@ from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.ports import check_free_all
+from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
 from meshllm.router.config import StaticEndpoint
 from meshllm.tracing import FRONTEND_SERVICE
@@ -307,13 +308,13 @@ async def serve(config: FrontendConfig) -> int:
             lines.append(f"meshllm frontend: Inference gRPC on {frontend.grpc_address}")
         return lines
 
+    set_coalescing(config.coalesce)  # --no-coalesce: a property of the whole process
     return await serve_until_signal(
         "frontend",
         lambda: Frontend.start(config),
         ready,
         service_name=FRONTEND_SERVICE,
         otlp_endpoint=config.otlp_endpoint,
-        coalesce=config.coalesce,
     )
 
 

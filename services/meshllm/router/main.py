@@ -25,6 +25,7 @@ from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
 from meshllm.ports import bind_error, check_free_all
+from meshllm.protocol.chunks import set_coalescing
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.router.core import RouterCore
 from meshllm.router.service import router_binding
@@ -132,13 +133,13 @@ class RouterServer(AsyncCloseable):
 
 async def serve(config: RouterConfig) -> int:
     """Start, serve until SIGTERM/SIGINT, shut down in order."""
+    set_coalescing(config.coalesce)  # --no-coalesce: a property of the whole process
     return await serve_until_signal(
         "router",
         lambda: RouterServer.start(config),
         lambda server: [f"meshllm router {config.router_id} ({config.mode.value}) serving on {server.address}"],
         service_name="meshllm-router",
         otlp_endpoint=config.otlp_endpoint,
-        coalesce=config.coalesce,
     )
 
 

@@ -14,6 +14,7 @@ from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
 from meshllm.lifecycle import run_loop, serve_until_signal
 from meshllm.ports import check_free_all
+from meshllm.protocol.chunks import set_coalescing
 from meshllm.tracing import worker_service_name
 from meshllm.worker.runtime import Worker
 
@@ -35,13 +36,13 @@ async def serve(engine_cls: type[LLMEngine], argv: Sequence[str]) -> int:
         check_free_all([(host, config.server.port, "--port"), (host, config.metrics_port, "--metrics-port")])
         return await Worker.start(engine, config)
 
+    set_coalescing(config.coalesce)  # --no-coalesce: a property of the whole process
     return await serve_until_signal(
         "worker",
         start,
         lambda w: [f"meshllm worker {w.id} ({config.engine}, {config.role.value}) serving on {w.address}"],
         service_name=worker_service_name(config.role.value),
         otlp_endpoint=config.otlp_endpoint,
-        coalesce=config.coalesce,
         closing=Worker.wait_closing,
     )
 
