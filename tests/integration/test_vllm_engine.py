@@ -7,13 +7,16 @@ One engine in this process for the module (vLLM starts in ~20-30 s on CPU):
   describe exactly the blocks of that prompt (`meshllm.protocol.kv.block_hashes`);
 - sampling and output options reach vLLM: a stop token id ends the stream without being emitted, logprobs and
   prompt logprobs come back, guided JSON parses and validates;
-- bad input is a clear InvalidArgument; a prefill role on CPU stops the worker at startup with one line.
+- bad input is a clear InvalidArgument; a prefill role on CPU stops the worker at startup with one line;
+- starting the engine leaves this process's environment as it found it (the CPU settings are for vLLM's engine
+  process only: a process started from here later must not take them for the operator's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -33,12 +36,15 @@ from meshllm.testing.conformance.kit import RecordingSink
 from meshllm.testing.waiting import wait_until
 
 require_vllm()
-from meshllm.engine.vllm.engine import VllmEngine  # noqa: E402  (after the check: imports need vLLM present)
+from meshllm.engine.vllm.config import cpu_environment  # noqa: E402  (after the check: imports need vLLM present)
+from meshllm.engine.vllm.engine import VllmEngine  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--max-model-len", "1024", "--max-num-seqs", "4"]
+SPAWN_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_HOST_IP")
+ENV_BEFORE = {k: os.environ.get(k) for k in SPAWN_VARS}  # read at import, before the fixture starts the engine
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -48,6 +54,11 @@ async def engine() -> AsyncIterator[VllmEngine]:
     await eng.start("vllm-test")
     yield eng
     await eng.cleanup()
+
+
+async def test_starting_the_engine_leaves_this_processs_environment_as_it_was(engine: VllmEngine) -> None:
+    assert engine.total_blocks > 0  # started, so its engine process was spawned with the CPU settings
+    assert {k: os.environ.get(k) for k in SPAWN_VARS} == ENV_BEFORE
 
 
 async def run(engine: VllmEngine, req: TokenRequest) -> list[TokenChunk]:
@@ -82,6 +93,7 @@ async def test_a_greedy_stream_is_token_exact_against_vllms_offline_generate(eng
         subprocess.run,
         [sys.executable, "-c", OFFLINE, str(engine.model_dir), json.dumps(prompt), "24"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, **cpu_environment(engine.config)},  # vLLM's CPU settings as our engine's
     )  # fmt: skip
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")), None)
     assert line is not None, proc.stderr[-3000:]

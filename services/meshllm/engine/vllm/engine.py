@@ -33,7 +33,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
@@ -162,9 +162,8 @@ class VllmEngine(LLMEngine):
         if self.model_dir is None:
             self.model_dir = await asyncio.to_thread(default_model_dir)
         self.served_name = self.config.model_name or self.model_dir.name
-        if self.config.cpu:
-            env = cpu_environment(self.config)
-            os.environ.update(env)  # read by the engine process vLLM spawns below
+        env = cpu_environment(self.config) if self.config.cpu else {}
+        if env:
             log.info("vllm worker %s: vLLM's threads bind to CPUs %s", worker_id, env[BIND_ENV])
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="meshllm-vllm-"))
         endpoint = f"ipc://{self._ipc_dir / 'kv-events'}"
@@ -176,7 +175,8 @@ class VllmEngine(LLMEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         try:
-            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[_load_logger(self)])
+            with _spawn_environment(env):
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[_load_logger(self)])
         except Exception as exc:
             log.error("vLLM failed to load %s", self.model_dir, exc_info=True)
             raise FailedPrecondition(f"vLLM could not load {self.model_dir}: {first_line(exc)}") from exc
@@ -414,3 +414,19 @@ def _load_logger(engine: VllmEngine) -> Any:
             pass
 
     return LoadLogger
+
+
+@contextlib.contextmanager
+def _spawn_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """`env` in os.environ while vLLM spawns its engine process (which reads it), restored afterwards: a later
+    process started from this one (a test's subprocess, another worker) must not take it for the operator's."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
