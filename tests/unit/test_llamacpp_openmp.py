@@ -31,7 +31,7 @@ def test_decide_sets_the_environment_before_llama_cpp_loads(monkeypatch: pytest.
     """Locks: decide() writes OMP_WAIT_POLICY (or removes a blank / contrary one) only while llama_cpp is not loaded,
     and counts the threads of every registered engine."""
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
-    monkeypatch.setattr(openmp, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(openmp, "usable_cpus", lambda: [0, 1])
     monkeypatch.setattr(openmp, "_threads", type(openmp._threads)())
 
     class Engine:

@@ -26,7 +26,9 @@ import sys
 import weakref
 from typing import Literal
 
-__all__ = ["CHOICES", "ENV", "decide", "register", "usable_cpus"]
+from meshllm.engine.cpus import usable_cpus
+
+__all__ = ["CHOICES", "ENV", "decide", "register"]
 
 log = logging.getLogger("meshllm.engine.llamacpp")
 
@@ -36,14 +38,6 @@ Wait = Literal["spin", "passive"]
 
 # Engines built in this process -> the most llama.cpp threads each runs at once.
 _threads: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def register(engine: object, threads: int) -> None:
@@ -74,7 +68,7 @@ def decide(asked: str) -> Wait:
     """Set `OMP_WAIT_POLICY` for llama.cpp, unless it is loaded already; what its threads will do."""
     total = sum(_threads.values()) or 1
     current = os.environ.get(ENV)
-    wait, why = choose(asked, total, usable_cpus(), current)
+    wait, why = choose(asked, total, len(usable_cpus()), current)
     if "llama_cpp" in sys.modules:  # OpenMP read its policy when llama.cpp loaded; it stays
         loaded = _from_env(current or "")
         if asked != "auto" and loaded != wait:
