@@ -17,8 +17,9 @@ with eager mode, prefix caching, a 2,048-token context and vLLM's CPU defaults (
 - `split-2 kv` and `split-2 rr`: two vLLM workers behind the frontend's `kv` router, then `round-robin`, each
   worker pinned to its own half of the CPUs (`--cpu-bind`; both on every CPU, each token cost ~4x more).
 
-Dynamo 1.6.1 with its vLLM worker (../shared/engines/vllm-cpu.md, section 5) is not installed by this script
-(6.6 GB, --no-deps surgery); its row is absent unless a later run adds it.
+- `dynamo-2 kv`: Dynamo 1.6.1's frontend with its KV router and two of its vLLM workers, each on its own CPUs
+  (bench/anchors/dynamo_vllm_up.sh). This script does not install it (6.6 GB, --no-deps surgery:
+  bench/anchors/dynamo_vllm_install.sh); without it the system is left out and the report says so.
 
 Load (the `openai` SDK, streaming with usage, `ignore_eos`, 32 output tokens): random prompts (~500 tokens,
 every prompt different) and shared-preamble documents (5 documents of ~700 tokens, 4 questions each,
@@ -43,6 +44,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -52,7 +54,7 @@ from openai import AsyncOpenAI
 from runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.report import percentile
-from meshllm.engine.vllm.config import cpu_shares, usable_cpus
+from meshllm.engine.cpus import cpu_shares, format_cpu_list, usable_cpus
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
@@ -158,12 +160,63 @@ async def split(workers: int, mode: str) -> AsyncIterator[Running]:
                 await p.stop()
 
 
+ANCHORS = Path(__file__).resolve().parent / "anchors"
+
+
+def dynamo_venv() -> Path:
+    """Where bench/anchors/dynamo_vllm_install.sh puts Dynamo + vLLM ($DYN_VENV, else $ANCHOR_HOME/dynvllm)."""
+    if v := os.environ.get("DYN_VENV"):
+        return Path(v)
+    return Path(os.environ.get("ANCHOR_HOME", "/tmp/meshllm-anchor")) / "dynvllm"
+
+
+@contextlib.asynccontextmanager
+async def dynamo(workers: int, mode: str) -> AsyncIterator[Running]:
+    """Dynamo 1.6.1's frontend and `workers` of its vLLM workers (bench/anchors/dynamo_vllm_up.sh), each worker on
+    its own CPUs as ours get them."""
+    if not (dynamo_venv() / "bin" / "python").exists():
+        raise RuntimeError(f"Dynamo + vLLM is not installed at {dynamo_venv()} (run bench/anchors/dynamo_vllm_install.sh)")
+    model_dir = default_model_dir()
+    run_dir = Path(tempfile.mkdtemp(prefix="meshllm-bench-dynvllm-"))
+    shares = cpu_shares(usable_cpus(), workers) or [format_cpu_list(usable_cpus())] * workers
+    if any("," in share for share in shares):  # the script takes one comma-separated list, a range per worker
+        raise RuntimeError(f"CPU shares {shares} are not ranges: dynamo_vllm_up.sh cannot pass them")
+    env = {
+        **os.environ, "DYN_VENV": str(dynamo_venv()), "RUN_DIR": str(run_dir), "MODEL_DIR": str(model_dir),
+        "SERVED_NAME": model_dir.name, "HTTP_PORT": str(free_port()), "ROUTER_MODE": mode, "NUM_WORKERS": str(workers),
+        "CPU_BIND": ",".join(shares), "SYSTEM_PORT_BASE": str(free_port()),
+        "MAX_MODEL_LEN": "2048", "WORKER_EXTRA": "--max-num-seqs 8",
+    }  # fmt: skip
+    up = await asyncio.create_subprocess_exec(
+        "bash", str(ANCHORS / "dynamo_vllm_up.sh"), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    try:
+        out = (await up.communicate())[0].decode(errors="replace")
+        if up.returncode != 0:
+            raise RuntimeError(f"dynamo_vllm_up.sh failed ({up.returncode}): {out[-2000:]}")
+        groups = dict(line.split() for line in (run_dir / "pids").read_text().splitlines() if line.strip())
+        pids = {
+            ("frontend" if n == "frontend" else f"worker {int(n.removeprefix('worker')) + 1}"): int(g) for n, g in groups.items()
+        }
+        url = f"http://127.0.0.1:{env['HTTP_PORT']}"
+        yield Running(url, await until_served(url), pids)
+    finally:
+        down = await asyncio.create_subprocess_exec("bash", str(ANCHORS / "dynamo_vllm_down.sh"), env=env)
+        await down.wait()
+
+
+def _dynamo_name(name: str) -> str:
+    """up.sh's "frontend" / "worker0".. as the report names processes ("worker 1".., like meshllm's)."""
+    return name if name == "frontend" else f"worker {int(name.removeprefix('worker')) + 1}"
+
+
 SYSTEMS = {
     "serve": lambda: serve(),
     "run": lambda: run(),
     "split-1": lambda: split(1, "kv"),
     "split-2 kv": lambda: split(2, "kv"),
     "split-2 rr": lambda: split(2, "round-robin"),
+    "dynamo-2 kv": lambda: dynamo(2, "kv"),
 }
 
 
@@ -292,7 +345,14 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
         f"unrecorded request. `serve` and `run` ran at once, taking turns with the same prompts (one at a time at c=1, "
         f"blocks of 4 sent together at c=4); the split systems ran alone, one after another, in blocks the same way. "
         f"Random: 8 prompts at c=1, 16 at c=4, ~500 tokens each, all different. "
-        f"Preamble: 5 documents of ~700 tokens × 4 questions, interleaved. {load} Dynamo + vLLM did not run here.",
+        f"Preamble: 5 documents of ~700 tokens × 4 questions, interleaved. {load} "
+        + (
+            "`dynamo-2 kv` = Dynamo 1.6.1's frontend (`--router-mode kv`) and two of its vLLM workers (vllm-cpu 0.31.0, "
+            "the version Dynamo pins, on PyPI's CUDA torch build: ../shared/engines/vllm-cpu.md, section 5), each on "
+            "its own CPU like ours (bench/anchors/dynamo_vllm.md)."
+            if "dynamo-2 kv" in results
+            else "Dynamo + vLLM did not run here (bench/anchors/dynamo_vllm_install.sh installs it)."
+        ),
         "",
         "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached-token ratio "
         "| CPU ms per request |",
@@ -316,16 +376,21 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
             f"- c=1, random, `{who}` ÷ `serve`: TTFT p50 {t:.3f}× (target ≤ 1.03: {'met' if t <= 1.03 else '**missed**'}), "
             f"ITL p50 {i:.3f}× (target ≤ 1.02: {'met' if i <= 1.02 else '**missed**'})."
         )
-    kv, rr = results.get("split-2 kv"), results.get("split-2 rr")
+    kv, rr, dyn = results.get("split-2 kv"), results.get("split-2 rr"), results.get("dynamo-2 kv")
     if kv and rr:
         for c in (1, 4):
             a, b = kv[("preamble", c)], rr[("preamble", c)]
             cr = ratio_of(a) / ratio_of(b) if ratio_of(b) else math.inf
             p90 = pct(a.ttft_ms, 90) <= pct(b.ttft_ms, 90)
+            if dyn:
+                d = ratio_of(dyn[("preamble", c)])
+                versus = f"Dynamo + vLLM {d:.2f} (target kv ≥ it: {'met' if ratio_of(a) >= d else '**missed**'})"
+            else:
+                versus = "against Dynamo: not run"
             lines.append(
                 f"- preamble, c={c}, 2 workers: cached-token ratio kv {ratio_of(a):.2f} vs round-robin {ratio_of(b):.2f} "
-                f"({cr:.2f}×; target ≥ 1.5: {'met' if cr >= 1.5 else '**missed**'}); TTFT p90 kv {pct(a.ttft_ms, 90):.1f} vs "
-                f"rr {pct(b.ttft_ms, 90):.1f} ms (target ≤: {'met' if p90 else '**missed**'}); against Dynamo: not run."
+                f"({cr:.2f}×; target ≥ 1.5: {'met' if cr >= 1.5 else '**missed**'}), {versus}; TTFT p90 kv "
+                f"{pct(a.ttft_ms, 90):.1f} vs rr {pct(b.ttft_ms, 90):.1f} ms (target ≤: {'met' if p90 else '**missed**'})."
             )
     return "\n".join(lines)
 
@@ -337,6 +402,13 @@ async def main(argv: Sequence[str]) -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     chosen = args.systems.split(",")
+    if unknown := [n for n in chosen if n not in SYSTEMS]:
+        ap.error(f"unknown systems {unknown}: choose from {list(SYSTEMS)}")
+    if "dynamo-2 kv" in chosen and not (dynamo_venv() / "bin" / "python").exists():
+        if args.systems != ap.get_default("systems"):
+            ap.error(f"dynamo-2 kv needs Dynamo + vLLM at {dynamo_venv()}: run bench/anchors/dynamo_vllm_install.sh")
+        chosen.remove("dynamo-2 kv")
+        print(f"Dynamo + vLLM is not installed at {dynamo_venv()}: its system is left out", flush=True)
     together = [n for n in args.together.split(",") if n in chosen]
     results: dict[str, dict[tuple[str, int], Result]] = {}
     monitor = LoadMonitor()
