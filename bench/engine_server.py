@@ -389,7 +389,8 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 def batching_sentence(results: dict[str, dict[str, dict[str, dict[str, Any]]]], workload: str) -> str:
     """Why the decode-heavy c=4 case lands where it does, from this run: a meshllm step there decodes 4 sequences,
-    the server's one, so ITL (meshllm) ÷ ITL (server) is what one batched step costs in single steps."""
+    the server's one, so mean ITL (meshllm) ÷ mean ITL (server) is what one batched step costs in single steps
+    (means, not medians: throughput is what the target counts)."""
     parts = []
     for group, systems in results.items():
         base = systems.get("server")
@@ -398,11 +399,11 @@ def batching_sentence(results: dict[str, dict[str, dict[str, dict[str, Any]]]], 
         for kind, rows in systems.items():
             if kind == "server" or workload not in rows:
                 continue
-            step = rows[workload]["itl_p50_ms"] / base[workload]["itl_p50_ms"]
+            step = rows[workload]["itl_mean_ms"] / base[workload]["itl_mean_ms"]
             parts.append(f"{group} {kind} {step:.2f}× (decode gains at most {4 / step:.2f}×)")
     return (
         "In the decode-heavy c=4 workload one meshllm step decodes 4 sequences where the server's decodes one, so "
-        "meshllm's ITL p50 ÷ the server's says what batching can gain on this machine: "
+        "meshllm's mean ITL ÷ the server's says what one batched step costs in single ones: "
         + "; ".join(parts)
         + ". Batching beats 1.5× only where a step of 4 costs under 2.67 single steps; "
         '`bench/llamacpp_batch.py` measures that cost for llama.cpp alone (section "llama.cpp: what batching can '

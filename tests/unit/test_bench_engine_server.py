@@ -22,7 +22,7 @@ def test_every_system_goes_first_equally_often() -> None:
 def _row(ttft: float, itl: float, rps: float) -> dict[str, Any]:
     keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
     vals = (ttft, ttft, ttft, itl, itl, itl)
-    return dict(zip(keys, vals, strict=True)) | {"req_per_s": rps, "cpu_ms": {"p": 1.0}}
+    return dict(zip(keys, vals, strict=True)) | {"itl_mean_ms": itl, "req_per_s": rps, "cpu_ms": {"p": 1.0}}
 
 
 def test_each_engine_gets_its_own_section_with_targets_against_its_own_server(monkeypatch: pytest.MonkeyPatch) -> None:
