@@ -38,6 +38,7 @@ import math
 import os
 import random
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -184,7 +185,7 @@ async def dynamo(workers: int, mode: str) -> AsyncIterator[Running]:
     env = {
         **os.environ, "DYN_VENV": str(dynamo_venv()), "RUN_DIR": str(run_dir), "MODEL_DIR": str(model_dir),
         "SERVED_NAME": model_dir.name, "HTTP_PORT": str(free_port()), "ROUTER_MODE": mode, "NUM_WORKERS": str(workers),
-        "CPU_BIND": ",".join(shares), "SYSTEM_PORT_BASE": str(free_port()),
+        "CPU_BIND": ",".join(shares), "SYSTEM_PORT_BASE": str(_free_port_pair_below(32767)),
         "MAX_MODEL_LEN": "2048", "WORKER_EXTRA": "--max-num-seqs 8",
     }  # fmt: skip
     up = await asyncio.create_subprocess_exec(
@@ -203,6 +204,21 @@ async def dynamo(workers: int, mode: str) -> AsyncIterator[Running]:
     finally:
         down = await asyncio.create_subprocess_exec("bash", str(ANCHORS / "dynamo_vllm_down.sh"), env=env)
         await down.wait()
+
+
+def _free_port_pair_below(limit: int) -> int:
+    """A port p with p and p + 1 free and below `limit` (Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number)."""
+    for _ in range(200):
+        port = random.randrange(20000, limit - 1)
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in (port, port + 1):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no two free ports below {limit}")
 
 
 def _dynamo_name(name: str) -> str:
@@ -411,14 +427,22 @@ async def main(argv: Sequence[str]) -> int:
         print(f"Dynamo + vLLM is not installed at {dynamo_venv()}: its system is left out", flush=True)
     together = [n for n in args.together.split(",") if n in chosen]
     results: dict[str, dict[tuple[str, int], Result]] = {}
+    failed: dict[str, str] = {}
     monitor = LoadMonitor()
     with monitor:
         groups = [together] if together else []
         groups += [[n] for n in chosen if n not in together]
         for group in groups:
             print(f"{' + '.join(group)}:", flush=True)
-            results.update(await measure(group, seed=10))
-    publish(HEADING, report(results, load_sentence(monitor.samples, os.cpu_count())), write=not args.no_write)
+            try:
+                results.update(await measure(group, seed=10))
+            except RuntimeError as exc:  # a system that does not start: the others' figures still stand
+                print(f"  {' + '.join(group)} did not run: {exc}", file=sys.stderr, flush=True)
+                failed[" + ".join(group)] = str(exc).splitlines()[0]
+    text = report(results, load_sentence(monitor.samples, os.cpu_count()))
+    if failed:
+        text += "\n\n" + "\n".join(f"- `{name}` did not run: {why}" for name, why in failed.items())
+    publish(HEADING, text, write=not args.no_write)
     return 0
 
 
