@@ -408,6 +408,19 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
                 f"({cr:.2f}×; target ≥ 1.5: {'met' if cr >= 1.5 else '**missed**'}), {versus}; TTFT p90 kv "
                 f"{pct(a.ttft_ms, 90):.1f} vs rr {pct(b.ttft_ms, 90):.1f} ms (target ≤: {'met' if p90 else '**missed**'})."
             )
+    if kv and rr and ratio_of(kv[("preamble", 4)]) < 1.5 * ratio_of(rr[("preamble", 4)]):
+        lines += [
+            "",
+            f"Why c=4 falls short of 1.5× round-robin's hits: each worker has one CPU, and 4 requests arrive at once. "
+            f"Sending every repeat of a document to the worker that holds it would queue up to 4 prefills there while "
+            f"the other worker idles, and the `kv` cost counts that queue as load (docs/routing.md), so some repeats "
+            f"go to the idle worker and compute their document again: kv cached "
+            f"{ratio_of(kv[('preamble', 4)]):.2f} of prompt tokens at c=4 against {ratio_of(kv[('preamble', 1)]):.2f} "
+            f"at c=1, where nothing queues"
+            + (f"; Dynamo's KV router, on the same load, cached {ratio_of(dyn[('preamble', 4)]):.2f}." if dyn else ".")
+            + " Round-robin's TTFT p90 at c=4 can beat kv's: it spreads each block of 4 evenly, while kv's repeats "
+            "that do go to a document's worker wait behind each other there.",
+        ]
     return "\n".join(lines)
 
 

@@ -30,6 +30,9 @@ def test_kv_is_judged_against_round_robin_and_dynamo_and_the_report_says_which_r
     assert "Dynamo + vLLM 0.70 (target kv ≥ it: **missed**)" in text
     assert "TTFT p90 kv 90.0 vs rr 95.0 ms (target ≤: met)" in text
     assert "`dynamo-2 kv` = Dynamo 1.6.1" in text
+    assert "Why c=4 falls short" not in text  # 0.60 ≥ 1.5 × 0.30: nothing to explain
+    results["split-2 kv"] = _rows(vb, 90.0, 10.0, 40)
+    assert "Dynamo's KV router, on the same load, cached 0.70." in vb.report(results, "quiet machine")
     del results["dynamo-2 kv"]
     text = vb.report(results, "quiet machine")
     assert "against Dynamo: not run" in text and "Dynamo + vLLM did not run here" in text
