@@ -8,7 +8,7 @@ the live descendants too, so a service that forks helpers is charged for them.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +19,12 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True, slots=True)
 class ProcStat:
-    """One process: its parent and its CPU clock ticks (all threads, plus reaped children)."""
+    """One process: its parent and its CPU clock ticks (all threads, plus reaped children; `own`: its threads only)."""
 
     pid: int
     ppid: int
     ticks: int
+    own: int = 0
 
 
 def parse_stat(text: str) -> ProcStat:
@@ -33,7 +34,7 @@ def parse_stat(text: str) -> ProcStat:
     fields = rest.split()  # fields[0] is field 3 (state) of proc(5)
     ppid = int(fields[1])
     utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
-    return ProcStat(pid, ppid, utime + stime + cutime + cstime)
+    return ProcStat(pid, ppid, utime + stime + cutime + cstime, utime + stime)
 
 
 def read_stats(proc: Path = Path("/proc")) -> dict[int, ProcStat]:
@@ -68,15 +69,25 @@ def tree_ticks(root: int, stats: Mapping[int, ProcStat]) -> int:
 
 
 class CpuMeter:
-    """CPU seconds of named process trees; `sample()` before and after a level, subtract."""
+    """CPU seconds of named process trees; `sample()` before and after a level, subtract. Names in `alone` count
+    their process's own threads only (a front process apart from the engine processes it spawned)."""
 
-    def __init__(self, roots: Mapping[str, int], proc: Path = Path("/proc")) -> None:
+    def __init__(self, roots: Mapping[str, int], proc: Path = Path("/proc"), alone: Iterable[str] = ()) -> None:
         self.roots = dict(roots)
+        self.alone = frozenset(alone)
         self._proc = proc
 
     def sample(self) -> dict[str, float]:
         stats = read_stats(self._proc)
-        return {name: tree_ticks(pid, stats) / TICK for name, pid in self.roots.items()}
+        out = {}
+        for name, pid in self.roots.items():
+            if name in self.alone:
+                if pid not in stats:
+                    raise KeyError(f"process {pid} is gone")
+                out[name] = stats[pid].own / TICK
+            else:
+                out[name] = tree_ticks(pid, stats) / TICK
+        return out
 
     @staticmethod
     def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

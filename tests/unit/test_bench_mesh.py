@@ -88,6 +88,14 @@ def test_cpu_meter_samples_named_trees_in_seconds_and_subtracts(bench: tuple, tm
     assert delta == pytest.approx({"frontend": 40 / mesh_cpu.TICK, "worker 1": 10 / mesh_cpu.TICK})
 
 
+def test_a_process_counted_alone_leaves_out_its_children(bench: tuple, tmp_path: Path) -> None:
+    mesh_cpu = bench[0]
+    _fake_proc(tmp_path, [_stat(10, "front", 1, 100, 20, cutime=7), _stat(11, "engine core", 10, 500, 0)])
+    meter = mesh_cpu.CpuMeter({"tree": 10, "front": 10}, proc=tmp_path, alone=["front"])
+    got = meter.sample()
+    assert got == pytest.approx({"tree": 627 / mesh_cpu.TICK, "front": 120 / mesh_cpu.TICK})
+
+
 def test_short_frame_drops_the_line_and_the_install_prefix(bench: tuple) -> None:
     short = bench[1].short_frame
     assert short("_read (/v/lib/python3.11/site-packages/grpc/aio/_call.py:410)") == "grpc/aio/_call.py _read"
