@@ -425,12 +425,10 @@ def front_sentence(results: dict[str, dict[str, dict[str, dict[str, Any]]]], wor
     """What the process in front of vLLM's engine core costs per request in `workload`, on each side: on a machine
     whose cores vLLM's engine threads spin on, that work is taken from the engine's steps."""
     parts = []
-    for group, systems in results.items():
-        for kind, rows in systems.items():
+    for systems in results.values():
+        for rows in systems.values():
             cpu = rows.get(workload, {}).get("cpu_ms", {})
-            parts += [
-                f"{group} {kind} {name.removesuffix(' front')} {ms:.0f}" for name, ms in cpu.items() if name.endswith(" front")
-            ]
+            parts += [f"{name.removesuffix(' front')} {ms:.0f}" for name, ms in cpu.items() if name.endswith(" front")]
     return (
         "CPU-ms per request of the process in front of vLLM's engine core (vLLM's API server; `meshllm run`'s one "
         "process, holding frontend, router and worker) in the decode-heavy c=4 workload: "

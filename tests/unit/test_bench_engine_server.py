@@ -46,7 +46,7 @@ def test_each_engine_gets_its_own_section_with_targets_against_its_own_server(mo
     results["vLLM"]["serve"]["64 tokens, 256 out, c=4"]["cpu_ms"] = {"vllm serve": 900.0, "vllm serve front": 80.0}
     results["vLLM"]["run"]["64 tokens, 256 out, c=4"]["cpu_ms"] = {"meshllm run": 950.0, "meshllm run front": 120.0}
     vllm = es.report("vLLM", results, args, "quiet machine")
-    assert "workload: vLLM serve vllm serve 80; vLLM run meshllm run 120." in vllm
+    assert "workload: vllm serve 80; meshllm run 120." in vllm
     assert "| vLLM | run | 0.90× met | 0.90× met | 1.20× **missed** | 0.90× **missed** | 0.90× **missed** |" in vllm
     assert es.ratio(math.nan, 1.0) == "–"
 
