@@ -35,6 +35,7 @@ from mesh_systems import LABELS, MODEL_DIR, SystemSpec, start_system
 from runinfo import LoadMonitor, load_sentence, today
 
 from meshllm.bench.report import percentile
+from meshllm.config import scoped_environ
 from meshllm.frontend.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh TTFT by stage"
@@ -125,17 +126,9 @@ class Results:
 @contextlib.contextmanager
 def _probe_env(folder: str) -> Iterator[None]:
     """Processes started inside load bench/stage_probe/ and mark into `folder`; the environment is restored after."""
-    saved = {k: os.environ.get(k) for k in (ENV, "PYTHONPATH")}
-    os.environ[ENV] = folder
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_DIR), saved["PYTHONPATH"]) if p)
-    try:
+    path = os.pathsep.join(p for p in (str(PROBE_DIR), os.environ.get("PYTHONPATH")) if p)
+    with scoped_environ({ENV: folder, "PYTHONPATH": path}):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 async def measure(kind: str, args: argparse.Namespace, load: Load, seed: int) -> SystemStages:

@@ -9,9 +9,11 @@ below the entry points reads `os.environ`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -34,6 +36,7 @@ __all__ = [
     "flag_value",
     "parse_byte_size",
     "parse_host_port",
+    "scoped_environ",
 ]
 
 
@@ -303,3 +306,18 @@ def add_tracing_args(parser: EnvArgumentParser) -> None:
         help="OTLP gRPC endpoint for traces, or 'console' for one JSON line per span on stderr "
         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else console when $OTEL_TRACES_EXPORTER=console; empty = tracing off)",
     )
+
+
+@contextlib.contextmanager
+def scoped_environ(env: Mapping[str, str]) -> Iterator[None]:
+    """`env` in os.environ for the block (for processes started inside it), each variable restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

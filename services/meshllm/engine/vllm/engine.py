@@ -33,12 +33,12 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
 
-from meshllm.config import ConfigError, env_name
+from meshllm.config import ConfigError, env_name, scoped_environ
 from meshllm.engine.base import (
     Context,
     DisaggregationMode,
@@ -175,7 +175,9 @@ class VllmEngine(LLMEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         try:
-            with _spawn_environment(env):
+            # vLLM's engine process reads them when spawned; a later process started from this one (a test's
+            # subprocess, another worker) must not take them for the operator's.
+            with scoped_environ(env):
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[_load_logger(self)])
         except Exception as exc:
             log.error("vLLM failed to load %s", self.model_dir, exc_info=True)
@@ -414,19 +416,3 @@ def _load_logger(engine: VllmEngine) -> Any:
             pass
 
     return LoadLogger
-
-
-@contextlib.contextmanager
-def _spawn_environment(env: Mapping[str, str]) -> Iterator[None]:
-    """`env` in os.environ while vLLM spawns its engine process (which reads it), restored afterwards: a later
-    process started from this one (a test's subprocess, another worker) must not take it for the operator's."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
