@@ -196,9 +196,7 @@ async def dynamo(workers: int, mode: str) -> AsyncIterator[Running]:
         if up.returncode != 0:
             raise RuntimeError(f"dynamo_vllm_up.sh failed ({up.returncode}): {out[-2000:]}")
         groups = dict(line.split() for line in (run_dir / "pids").read_text().splitlines() if line.strip())
-        pids = {
-            ("frontend" if n == "frontend" else f"worker {int(n.removeprefix('worker')) + 1}"): int(g) for n, g in groups.items()
-        }
+        pids = {_dynamo_name(n): int(g) for n, g in groups.items()}
         url = f"http://127.0.0.1:{env['HTTP_PORT']}"
         yield Running(url, await until_served(url), pids)
     finally:

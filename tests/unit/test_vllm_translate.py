@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 
 from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.engine.cpus import cpu_shares, format_cpu_list
 from meshllm.engine.vllm import config as vllm_config
 from meshllm.engine.vllm import engine as vllm_engine
-from meshllm.engine.vllm.config import (
-    BIND_ENV,
-    VllmConfig,
-    add_vllm_args,
-    cpu_environment,
-    cpu_shares,
-    engine_kwargs,
-    format_cpu_list,
-)
+from meshllm.engine.vllm.config import BIND_ENV, VllmConfig, add_vllm_args, cpu_environment, engine_kwargs
 from meshllm.engine.vllm.engine import VllmEngine
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs

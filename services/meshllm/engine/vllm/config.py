@@ -26,26 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.config import ConfigError, EnvArgumentParser, flag_value
-from meshllm.engine.cpus import cpu_shares, format_cpu_list, parse_cpu_list, usable_cpus
+from meshllm.engine.cpus import format_cpu_list, parse_cpu_list, usable_cpus
 
-__all__ = [
-    "CPU_BLOCK_MULTIPLE",
-    "VllmConfig",
-    "add_vllm_args",
-    "cpu_environment",
-    "cpu_shares",
-    "engine_kwargs",
-    "format_cpu_list",
-    "parse_cpu_list",
-    "usable_cpus",
-]
+__all__ = ["BIND_ENV", "CPU_BLOCK_MULTIPLE", "VllmConfig", "add_vllm_args", "cpu_environment", "engine_kwargs", "operator_env"]
 
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend: "MultipleOf(32)"
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-# The operator's own vLLM CPU settings, as the process started: an engine's start sets them for the vLLM
-# process it spawns, so a later engine of the same process must not mistake them for the operator's.
-_OPERATOR_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_") or k == "VLLM_HOST_IP"}
 _FLAG_FIELDS = (
     "model", "served_model_name", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
     "enforce_eager", "enable_prefix_caching", "seed", "gpu_memory_utilization", "tensor_parallel_size",
@@ -191,15 +178,15 @@ def engine_kwargs(cfg: VllmConfig, model_dir: Path, served_name: str, kv_events_
 
 
 def operator_env() -> dict[str, str]:
-    """The vLLM CPU variables the operator set before this process started."""
-    return dict(_OPERATOR_ENV)
+    """The vLLM CPU variables the operator set (an engine sets its own only while vLLM spawns: `VllmEngine.start`)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_") or k == "VLLM_HOST_IP"}
 
 
 def cpu_environment(cfg: VllmConfig, operator: dict[str, str] | None = None) -> dict[str, str]:
     """vLLM's CPU settings for the engine process `cfg`'s worker spawns: KV cache size and loopback (the operator's
     own environment wins), and its thread binding (`--cpu-bind` wins, then the operator's, then every usable CPU;
     vLLM's own "auto" keeps one CPU free, which halves a 2-core machine)."""
-    own = _OPERATOR_ENV if operator is None else operator
+    own = operator_env() if operator is None else operator
     env = {
         "VLLM_CPU_KVCACHE_SPACE": own.get("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_space_gib:g}"),
         "VLLM_HOST_IP": own.get("VLLM_HOST_IP", "127.0.0.1"),

@@ -51,17 +51,9 @@ from meshllm.engine.base import (
     terminal,
     worker_arg_parser,
 )
+from meshllm.engine.cpus import cpu_shares, usable_cpus
 from meshllm.engine.optional import first_line, import_engine_library
-from meshllm.engine.vllm.config import (
-    BIND_ENV,
-    VllmConfig,
-    add_vllm_args,
-    cpu_environment,
-    cpu_shares,
-    engine_kwargs,
-    operator_env,
-    usable_cpus,
-)
+from meshllm.engine.vllm.config import BIND_ENV, VllmConfig, add_vllm_args, cpu_environment, engine_kwargs, operator_env
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs
