@@ -83,6 +83,30 @@ def test_a_snapshot_stops_counting_once_every_request_on_the_worker_ended() -> N
     assert t.get(("a", 0)).active_blocks == 0
 
 
+def test_a_snapshot_taken_before_the_last_request_ended_but_arriving_after_counts_nothing() -> None:
+    """Locks: a late snapshot does not resurrect the blocks of a finished request (kv routing would avoid the worker
+    that just cached the prompt until the next snapshot)."""
+    t = LoadTracker()
+    t.route("r", "q", ("a", 0), prefill_tokens=0, blocks=4, now=100.0)
+    t.complete("r", "q", now=100.05)
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=4, total_blocks=100, timestamp_ms=100_040), now=100.06)
+    assert t.get(("a", 0)).active_blocks == 0
+    # A snapshot taken after the end counts again: what it reports is the worker's own view.
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=2, total_blocks=100, timestamp_ms=100_070), now=100.08)
+    assert t.get(("a", 0)).active_blocks == 2
+
+
+def test_a_late_snapshot_loses_the_blocks_of_requests_that_ended_after_it_was_taken() -> None:
+    t = LoadTracker()
+    t.route("r", "long", ("a", 0), prefill_tokens=0, blocks=10, now=100.0)
+    t.route("r", "short", ("a", 0), prefill_tokens=0, blocks=4, now=100.0)
+    t.complete("r", "short", now=100.5)
+    t.apply_snapshot(events_pb2.LoadSnapshot(worker_id="a", active_blocks=13, total_blocks=100, timestamp_ms=100_400), now=100.6)
+    assert t.get(("a", 0)).active_blocks == 9  # the worker's 13 shared blocks, less the 4 freed since
+    t.complete("r", "long", now=100.7)
+    assert t.get(("a", 0)).active_blocks == 0
+
+
 def test_stale_charges_expire_and_removed_workers_are_forgotten() -> None:
     t = LoadTracker()
     t.route("other", "q1", ("a", 0), prefill_tokens=5, blocks=5, now=0)

@@ -13,7 +13,8 @@ Once a worker has published a LoadSnapshot it is the snapshot's
 `active_blocks` plus the blocks of requests charged after the snapshot was
 taken (its `timestamp_ms`, less `ADMISSION_S` for the request to reach the
 worker) — whether they were charged before or after the snapshot arrived —
-minus the blocks released since it arrived: the worker's own count (which
+minus the blocks of requests that ended after it was taken (a snapshot can
+arrive after the end of a request it counts): the worker's own count (which
 shares prefix blocks between requests) corrects the router's estimate every
 time it reports. Deciding by the snapshot's time rather than by arrival
 order keeps replicas in agreement: a sync event and a snapshot that reach
@@ -21,13 +22,16 @@ two replicas in opposite orders still give both the same view. Times are
 wall-clock seconds; a snapshot whose timestamp is implausible (clocks
 apart) counts as taken when it arrived. Snapshots of
 engines that do not page their cache (`total_blocks` 0) correct nothing, and
-a snapshot stops counting once every request on the worker has ended (the
-worker reports again within 100 ms, but short requests end sooner).
+a snapshot stops counting once every request on the worker has ended after
+it was taken (the worker reports again within 100 ms, but short requests end
+sooner).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from meshllm.router.kv_index import SlotKey
 from meshllm.v1 import events_pb2
@@ -58,6 +62,15 @@ class Charge:
 
 
 @dataclass(slots=True)
+class Release:
+    """A charge that ended: kept while a snapshot taken before its end can still arrive."""
+
+    at: float  # wall-clock seconds when released
+    charged_at: float
+    blocks: int
+
+
+@dataclass(slots=True)
 class SlotLoad:
     """The load of one (worker, dp rank)."""
 
@@ -68,6 +81,7 @@ class SlotLoad:
     reported: events_pb2.LoadSnapshot | None = None
     delta_blocks: int = 0  # charged − released since `reported` arrived
     stale: bool = False  # every request in the snapshot's view has ended since
+    released: deque[Release] = field(default_factory=deque)  # the last MAX_SNAPSHOT_AGE_S of releases
 
     @property
     def active_blocks(self) -> int:
@@ -120,8 +134,8 @@ class LoadTracker:
         load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
         load.prefilling = max(0, load.prefilling - 1)
 
-    def complete(self, origin: str, request_id: str) -> None:
-        """The request ended: release everything it was charged."""
+    def complete(self, origin: str, request_id: str, *, now: float | None = None) -> None:
+        """The request ended (at wall time `now`, by default the present): release everything it was charged."""
         c = self._charges.pop((origin, request_id), None)
         if c is None:
             return
@@ -137,12 +151,15 @@ class LoadTracker:
         load.in_flight = max(0, load.in_flight - 1)
         if load.in_flight == 0:
             load.stale = True
+        at = time.time() if now is None else now
+        _forget_releases(load.released, at)
+        load.released.append(Release(at, c.at, c.blocks))
 
     def expire(self, now: float, max_age_s: float = STALE_CHARGE_S) -> int:
         """Release charges older than `max_age_s` (their COMPLETED event was lost); returns how many."""
         stale = [k for k, c in self._charges.items() if now - c.at > max_age_s]
         for origin, rid in stale:
-            self.complete(origin, rid)
+            self.complete(origin, rid, now=now)
         return len(stale)
 
     # ------------------------------------------------------------ snapshots and workers
@@ -151,10 +168,15 @@ class LoadTracker:
         key = (snap.worker_id, snap.dp_rank)
         load = self.slot(key)
         load.reported = snap
-        cutoff = plausible_time(snap.timestamp_ms, now) - ADMISSION_S
+        taken = plausible_time(snap.timestamp_ms, now)
+        cutoff = taken - ADMISSION_S
         charges = self._charges
-        load.delta_blocks = sum(c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if c.at > cutoff)
-        load.stale = False
+        added = sum(c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if c.at > cutoff)
+        _forget_releases(load.released, now)
+        # Requests the snapshot counts that ended after it was taken: their blocks are free already.
+        ended = [r for r in load.released if r.at > taken and r.charged_at <= cutoff]
+        load.delta_blocks = added - sum(r.blocks for r in ended)
+        load.stale = load.in_flight == 0 and bool(ended)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker's load and the charges on it."""
@@ -184,3 +206,9 @@ class LoadTracker:
             agg.active_blocks = total.charged_blocks
             total.reported = agg
         return total
+
+
+def _forget_releases(released: deque[Release], now: float) -> None:
+    """Drop releases no plausible snapshot can predate (an older timestamp counts as taken on arrival)."""
+    while released and released[0].at < now - MAX_SNAPSHOT_AGE_S - CLOCK_SLACK_S:
+        released.popleft()
