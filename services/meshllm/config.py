@@ -179,10 +179,14 @@ class ServerConfig:
     # Least time between two messages of one Generate session (plane/session.py):
     # engine steps closer together than this travel as one message.
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
+    # Where Generate sessions are also served as frames on TCP (plane/tcp_session.py): None = not, 0 = ephemeral.
+    session_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} is out of range 0..65535")
+        if self.session_port is not None and not 0 <= self.session_port < 65536:
+            raise ConfigError(f"--session-port {self.session_port} is out of range 0..65535 (-1 = off)")
         if self.max_message_bytes <= 0:
             raise ConfigError("max message size must be positive")
         if not 0 <= self.stream_interval_ms <= 1000:
@@ -286,6 +290,36 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
     g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
     add_etcd_args(parser.add_argument_group("etcd TLS and authentication"))
     add_nats_args(parser.add_argument_group("NATS TLS and authentication"))
+
+
+def add_stream_args(group: Any, *, session_port: bool = True) -> None:
+    """The flags of a server of Generate streams (worker, router): pacing, merging and the TCP session port."""
+    group.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=DEFAULT_STREAM_INTERVAL_MS,
+        help="least time between two stream messages to one client; faster engine steps are sent together "
+        "(0 = every step; a stream's first chunk never waits)",
+    )
+    if session_port:
+        group.add_argument(
+            "--session-port",
+            type=int,
+            default=-1,
+            help="also serve Generate sessions as length-prefixed frames on this TCP port, advertised in discovery "
+            "(same TLS and mesh token as gRPC; ~10x less CPU per message; 0 = ephemeral, -1 = off)",
+        )
+    add_coalesce_arg(group)
+
+
+def server_config(ns: Any) -> ServerConfig:
+    """The ServerConfig of `--host`, `--port` and `add_stream_args`' flags."""
+    return ServerConfig(
+        host=ns.host,
+        port=ns.port,
+        stream_interval_ms=ns.stream_interval_ms,
+        session_port=None if getattr(ns, "session_port", -1) == -1 else ns.session_port,
+    )
 
 
 def add_coalesce_arg(group: Any) -> None:

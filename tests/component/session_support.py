@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from typing import Any
 
 import grpc
+import pytest
 
 from meshllm.config import ServerConfig
 from meshllm.engine.base import terminal
@@ -20,13 +22,41 @@ METHOD = "/meshllm.v1.Worker/Generate"
 WAIT_S = 10.0  # upper bound on any single awaited event (a failure, never a pace)
 
 
+# How the tests' sessions travel: "grpc" (GenerateSession calls) or "tcp" (plane/tcp_session.py). Test modules that
+# hold for both carriers parametrize it with the `carrier` fixture below.
+CARRIER = ["grpc"]
+
+
+@pytest.fixture(params=["grpc", "tcp"])
+def carrier(request: pytest.FixtureRequest) -> Iterator[str]:
+    CARRIER[0] = request.param
+    try:
+        yield request.param
+    finally:
+        CARRIER[0] = "grpc"
+
+
+class _Counted(SessionServer):
+    """A SessionServer that counts the sessions it serves, whichever carrier brings them."""
+
+    calls = 0
+
+    def serve(self, request_iterator: Any, context: Any) -> AsyncIterator[session_pb2.SessionDown]:
+        self.calls += 1
+        return super().serve(request_iterator, context)
+
+
 class SessionWorker(worker_pb2_grpc.WorkerServicer):
     """A Worker whose GenerateSession is a SessionServer over a handler the test sets."""
 
     def __init__(self, handler: SessionHandler, *, min_interval_s: float = 0.0) -> None:
         self.handler = handler
-        self.sessions = SessionServer(lambda req, call: self.handler(req, call), METHOD, min_interval_s=min_interval_s)
-        self.calls = 0  # GenerateSession calls served
+        self.sessions = _Counted(lambda req, call: self.handler(req, call), METHOD, min_interval_s=min_interval_s)
+
+    @property
+    def calls(self) -> int:
+        """Sessions served (GenerateSession calls, or TCP session connections)."""
+        return self.sessions.calls
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -38,14 +68,24 @@ class SessionWorker(worker_pb2_grpc.WorkerServicer):
     async def GenerateSession(
         self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[session_pb2.SessionDown]:
-        self.calls += 1
         async for down in self.sessions.serve(request_iterator, context):
             yield down
 
 
 async def serve(servicer: SessionWorker, *, port: int = 0) -> GrpcServer:
-    binding = ServiceBinding("meshllm.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server, servicer.sessions.close)
-    return await start_server(ServerConfig(host="127.0.0.1", port=port), [binding])
+    """A real gRPC server of `servicer`; under the "tcp" carrier it serves its sessions on a TCP port too."""
+    tcp = CARRIER[0] == "tcp"
+    binding = ServiceBinding(
+        "meshllm.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server, servicer.sessions.close,
+        sessions=servicer.sessions if tcp else None,
+    )  # fmt: skip
+    server = await start_server(ServerConfig(host="127.0.0.1", port=port, session_port=0 if tcp else None), [binding])
+    if tcp:
+        _SESSION_ADDRESSES[server.address] = f"127.0.0.1:{server.session_port}"
+    return server
+
+
+_SESSION_ADDRESSES: dict[str, str] = {}  # a test server's gRPC address → its TCP session address
 
 
 def unary(channels: ChannelCache, address: str, request: TokenRequest) -> AsyncIterator[TokenChunk]:
@@ -53,6 +93,15 @@ def unary(channels: ChannelCache, address: str, request: TokenRequest) -> AsyncI
 
 
 def session_client(channels: ChannelCache, address: str) -> SessionClient:
+    """The sessions of `channels` to the test server at `address`, on the carrier of the test."""
+    if CARRIER[0] == "tcp":
+        def open_call() -> Any:  # each new session where the server serves now (a restarted one: a new port)
+            channels.route_sessions(address, _SESSION_ADDRESSES[address])
+            make = channels.session_call(address, "Worker")
+            assert make is not None
+            return make()
+
+        return channels.shared(address, "test-session", lambda ch: SessionClient(open_call, f"worker {address}", METHOD))
     return channels.shared(
         address,
         "test-session",

@@ -3,7 +3,9 @@
 A tiny Worker servicer hands each `GenerateSession` call to a `SessionServer`
 whose handler a test scripts (session_support.py); the client is a
 `SessionClient` over a `ChannelCache` channel, as `WorkerClient.generate`
-builds it. Locks: one call carries many streams, each with its own chunks in
+builds it. Every test runs on both carriers of a session: a gRPC
+GenerateSession call, and frames on a TCP connection (plane/tcp_session.py).
+Locks: one call carries many streams, each with its own chunks in
 order and one terminal; the interval rule (batching under a fast engine, at
 once when idle); merging for a slow reader; cancel; errors as the same class
 as a unary Generate call gives; incomplete streams.
@@ -20,6 +22,7 @@ from session_support import (
     WAIT_S,
     SessionWorker,
     assert_one_terminal_last,
+    carrier,
     close,
     collect,
     counted,
@@ -38,6 +41,9 @@ from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import session_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.usefixtures("carrier")
+__all__ = ["carrier"]  # the fixture, imported to parametrize this module
 
 # ---------------------------------------------------------------- one call, many streams
 

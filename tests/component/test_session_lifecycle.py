@@ -20,6 +20,7 @@ from session_support import (
     WAIT_S,
     SessionWorker,
     assert_one_terminal_last,
+    carrier,
     collect,
     counted,
     done,
@@ -48,6 +49,9 @@ from meshllm.worker.runtime import Worker
 
 # ---------------------------------------------------------------- the server going away
 
+pytestmark = pytest.mark.usefixtures("carrier")
+__all__ = ["carrier"]  # the fixture, imported to parametrize this module
+
 
 @pytest.mark.parametrize("how", ["stop(0)", "aclose(grace 0)"])
 async def test_a_server_stopping_mid_stream_fails_streams_migratably_and_a_restarted_one_serves_a_new_session(how: str) -> None:
@@ -73,6 +77,8 @@ async def test_a_server_stopping_mid_stream_fails_streams_migratably_and_a_resta
             await asyncio.wait_for(reached.acquire(), WAIT_S)
         if how == "stop(0)":
             await srv.server.stop(0)
+            if srv.sessions is not None:
+                await srv.sessions.aclose()  # the TCP carrier's stop(0): every connection cut at once
         else:
             srv.grace_s = 0.0  # the closing hook runs, then the grace period ends at once under open streams
             await srv.aclose()

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from session_support import METHOD, SessionWorker, assert_one_terminal_last, collect, counted, req, serve, tokens_of
+from session_support import METHOD, SessionWorker, assert_one_terminal_last, carrier, collect, counted, req, serve, tokens_of
 from test_router_support import Mesh, mesh, mocker, request, wait_for
 from test_router_support import collect as collect_core
 from test_router_support import tokens_of as core_tokens
@@ -35,6 +35,9 @@ from meshllm.v1 import worker_pb2_grpc
 
 BOUND_S = 1.0  # the stall bounds these tests configure (the least allowed)
 SLACK_S = 3.0  # how late past a bound a failure may come on a loaded machine (the watchdog ticks at bound / 8)
+
+pytestmark = pytest.mark.usefixtures("carrier")
+__all__ = ["carrier"]  # the fixture, imported to parametrize this module
 
 
 def client(channels: ChannelCache, address: str, liveness: SessionLiveness) -> SessionClient:

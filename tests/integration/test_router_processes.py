@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from meshllm.plane.transport import ChannelCache
@@ -25,6 +26,7 @@ from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
 from meshllm.testing.waiting import wait_until
+from meshllm.worker.client import WorkerClient
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +38,16 @@ def plane_flags(etcd: EtcdServer, nats: NatsServer) -> list[str]:
     return ["--discovery", "etcd", "--etcd-endpoints", etcd.endpoint, "--nats-url", nats.url, "--lease-ttl", "3"]
 
 
-async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str) -> tuple[MeshllmProcess, str]:
+async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str, *extra: str) -> tuple[MeshllmProcess, str]:
     p = MeshllmProcess("worker", "--engine", "mocker", "--instance-id", instance_id, "--port", "0", "--grace-period", "0",
-                *MOCKER, *plane_flags(etcd, nats))  # fmt: skip
+                *MOCKER, *plane_flags(etcd, nats), *extra)  # fmt: skip
     return p, await p.address()
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to local `port`."""
+    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+               for c in psutil.Process(pid).net_connections("tcp"))  # fmt: skip
 
 
 async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
@@ -65,11 +73,17 @@ def request(i: int, max_tokens: int) -> TokenRequest:
     return {"request_id": f"s{i}", "model": "mocker", "token_ids": prompt, "stop": {"max_tokens": max_tokens, "ignore_eos": True}}
 
 
-async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_identically() -> None:
+@pytest.mark.parametrize("carrier", ["grpc", "tcp"])
+async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_identically(carrier: str) -> None:
+    """Also with the workers' sessions on TCP (`--session-port`, advertised in etcd): the router process then streams
+    from each worker over a TCP connection to that port, and a killed worker's streams migrate as over gRPC."""
+    extra = ["--session-port", "0"] if carrier == "tcp" else []
     async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
         procs: list[MeshllmProcess] = []
         try:
-            (w1, _), (w2, _) = await asyncio.gather(start_worker(etcd, nats, "w1"), start_worker(etcd, nats, "w2"))
+            (w1, a1), (w2, a2) = await asyncio.gather(
+                start_worker(etcd, nats, "w1", *extra), start_worker(etcd, nats, "w2", *extra)
+            )
             procs += [w1, w2]
             metrics_port = free_port()
             router = MeshllmProcess("router", "--port", "0", "--metrics-port", str(metrics_port), *plane_flags(etcd, nats))
@@ -94,6 +108,11 @@ async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_ident
             await wait_until(lambda: min(received) >= 5, timeout_s=60, what="every stream to be under way")
             status = {w.worker_id: w.in_flight for w in (await client.list_workers()).workers}
             assert status["w1"] > 0 and status["w2"] > 0, status  # both workers carry streams
+            for address in (a1, a2):
+                session = (await WorkerClient(channels, address).get_info(timeout_s=5)).instance.session_address
+                assert bool(session) == (carrier == "tcp"), session
+                if session:
+                    assert connected_to(router.proc.pid, int(session.rsplit(":", 1)[1])), session
             at_kill = list(received)
             w1.kill9()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from meshllm.config import (
-    DEFAULT_STREAM_INTERVAL_MS,
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
     PlaneConfig,
     ServerConfig,
-    add_coalesce_arg,
     add_plane_args,
+    add_stream_args,
     add_tracing_args,
+    server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.protocol.types import (
@@ -490,7 +490,7 @@ class WorkerConfig:
             engine=engine,
             role=DisaggregationMode(ns.role),
             plane=plane,
-            server=ServerConfig(host=ns.host, port=ns.port, stream_interval_ms=ns.stream_interval_ms),
+            server=server_config(ns),
             component=ns.component,
             endpoint=ns.endpoint,
             static=static,
@@ -526,14 +526,7 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
     g.add_argument("--endpoint", default="generate", help="discovery endpoint name")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
-    g.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        default=DEFAULT_STREAM_INTERVAL_MS,
-        help="least time between two stream messages to one client; faster engine steps are sent together "
-        "(0 = every step; a stream's first chunk never waits)",
-    )
-    add_coalesce_arg(g)
+    add_stream_args(g)
     g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
     g.add_argument("--static", action="store_true", help="do not register in discovery")
     g.add_argument("--instance-id", default="", help="instance id (default: random)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import hmac
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -33,7 +34,7 @@ from typing import Any
 import grpc
 
 from meshllm.config import ConfigError, EnvArgumentParser
-from meshllm.plane.tls import TlsConfig, TlsFiles, channel_credentials
+from meshllm.plane.tls import TlsConfig, TlsFiles, channel_credentials, ssl_client_context
 
 __all__ = [
     "CALLER_HEADER",
@@ -231,8 +232,11 @@ class ClientSecurity:
     def __init__(self, security: MeshSecurity) -> None:
         self._files = TlsFiles(security.tls) if security.tls is not None else None
         self._credentials = channel_credentials(self._files.current()) if self._files is not None else None
-        self._interceptors = client_interceptors(security)
+        self.token = security.token
+        self.caller_id = uuid.uuid4().hex  # the `meshllm-caller` of every call and session of this client
+        self._interceptors = client_interceptors(security, self.caller_id)
         self._checked = time.monotonic()
+        self._ssl: ssl.SSLContext | None = None  # for TCP sessions (plane/tcp_session.py), made on first use
 
     def rotated(self) -> bool:
         """True (once) when the certificate files changed: channels made from now on use the new ones."""
@@ -243,7 +247,16 @@ class ClientSecurity:
         if material is None:
             return False
         self._credentials = channel_credentials(material)
+        self._ssl = None
         return True
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of TCP sessions (None without TLS), from the current certificate files."""
+        if self._files is None:
+            return None
+        if self._ssl is None:
+            self._ssl = ssl_client_context(self._files.current())
+        return self._ssl
 
     def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
         if self._credentials is None:

@@ -36,6 +36,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -358,11 +359,17 @@ def generate_to(
         return peer.generate(request, info)
 
     def make(channel: grpc.aio.Channel) -> SessionClient:
-        open_call = channel.stream_stream(
+        grpc_call = channel.stream_stream(
             f"/meshllm.v1.{service}/GenerateSession",
             request_serializer=session_pb2.SessionUp.SerializeToString,
             response_deserializer=session_pb2.SessionDown.FromString,
         )
+
+        def open_call() -> Any:
+            # Each new session (the first, or the next after a break) goes where the peer serves them now.
+            tcp = channels.session_call(address, service)
+            return tcp() if tcp is not None else grpc_call()
+
         peer, method = f"{service.lower()} {address}", f"/meshllm.v1.{service}/Generate"
         return SessionClient(open_call, peer, method, liveness=channels.liveness)
 

@@ -198,6 +198,8 @@ class _ClientSession:
                         pipe.put(chunk_from_proto(item.chunk))
         except grpc.aio.AioRpcError as exc:
             err = mesh_error(exc)
+        except MeshError as exc:  # a TcpCall (plane/tcp_session.py) raises the session's end as it is
+            err = exc
         except asyncio.CancelledError:
             err = Cancelled(f"the session to {self.peer} was closed")
             raise

@@ -37,6 +37,7 @@ __all__ = [
     "channel_credentials",
     "keep_reloaded",
     "server_credentials",
+    "ssl_client_context",
     "ssl_server_context",
 ]
 
@@ -207,6 +208,17 @@ def _load_into(ctx: ssl.SSLContext, material: TlsMaterial) -> None:
         ctx.load_cert_chain(cert, key)
     if material.ca is not None:
         ctx.load_verify_locations(cadata=material.ca.decode())
+
+
+def ssl_client_context(material: TlsMaterial) -> ssl.SSLContext:
+    """A client SSLContext as `channel_credentials`: verify the server against the CA (or the system roots), present
+    our certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load_into(ctx, material)
+    if material.ca is None:
+        ctx.load_default_certs()
+    return ctx
 
 
 def ssl_server_context(files: TlsFiles) -> ssl.SSLContext:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -46,6 +47,7 @@ from meshllm.tracing import otel_active
 if TYPE_CHECKING:
     from meshllm.plane.auth import ClientSecurity, MeshSecurity
     from meshllm.plane.local import LocalPeers
+    from meshllm.plane.tcp_session import TcpSessionServer
 
 __all__ = [
     "DEFAULT_STREAM_INTERVAL_S",
@@ -368,6 +370,8 @@ class ServiceBinding:
     # Called when the server starts to stop, before its grace period: lets
     # long-lived calls (Generate sessions) end once their streams have.
     closing: Callable[[], None] | None = None
+    # The service's SessionServer: also served on TCP when the config has a session port (plane/tcp_session.py).
+    sessions: Any = None
 
 
 class GrpcServer(AsyncCloseable):
@@ -383,10 +387,17 @@ class GrpcServer(AsyncCloseable):
         self._closing = tuple(closing)
         self.health = health.aio.HealthServicer()
         self.grace_s = 5.0
+        self.sessions: TcpSessionServer | None = None  # the TCP carrier of its Generate sessions, if served
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def session_port(self) -> int | None:
+        """The TCP port of its Generate sessions (None: served on gRPC only)."""
+        return self.sessions.port if self.sessions is not None else None
 
     async def set_serving(self, serving: bool) -> None:
         """Set the overall and per-service health status."""
@@ -398,7 +409,13 @@ class GrpcServer(AsyncCloseable):
         await self.set_serving(False)
         for hook in self._closing:
             hook()
-        await self.server.stop(self.grace_s)
+        for t in self._tasks:
+            t.cancel()
+        if self.sessions is None:
+            await self.server.stop(self.grace_s)
+            return
+        self.sessions.stop_accepting()
+        await asyncio.gather(self.server.stop(self.grace_s), self.sessions.wait_closed(self.grace_s))
 
 
 async def start_server(
@@ -458,8 +475,48 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(gs.health, server)
     enable_reflection([s.name for s in services] + [health.SERVICE_NAME], server)
     await server.start()
+    sessions = {s.name.rsplit(".", 1)[-1]: s.sessions for s in services if s.sessions is not None}
+    if config.session_port is not None and sessions:
+        try:
+            gs.sessions, gs._tasks = await _start_tcp_sessions(config, sessions, security)
+        except BaseException:
+            await server.stop(None)
+            raise
     await gs.set_serving(serving)
     return gs
+
+
+async def _start_tcp_sessions(
+    config: ServerConfig, sessions: dict[str, Any], security: MeshSecurity | None
+) -> tuple[TcpSessionServer, list[asyncio.Task[None]]]:
+    """Serve `sessions` (service name → SessionServer) on TCP with the gRPC server's TLS and mesh token."""
+    from meshllm.plane.tcp_session import TcpSessionServer
+
+    assert config.session_port is not None
+    ctx, tasks = None, []
+    if security is not None and security.tls is not None:
+        from meshllm.plane.tls import TlsFiles, keep_reloaded, ssl_server_context
+
+        files = TlsFiles(security.tls)
+        ctx = ssl_server_context(files)
+        tasks.append(asyncio.create_task(keep_reloaded(ctx, files), name="session-tls-reload"))
+    check_free(config.host, config.session_port, "--session-port")
+    tcp = TcpSessionServer(
+        sessions,
+        host=config.host,
+        port=config.session_port,
+        token=security.token if security is not None else None,
+        ssl_context=ctx,
+        max_message_bytes=config.max_message_bytes,
+    )
+    try:
+        await tcp.start()
+    except OSError as exc:
+        for t in tasks:
+            t.cancel()
+        where = f"{config.host}:{config.session_port}"
+        raise ConfigError(f"cannot listen on {where} (--session-port): {exc.strerror or exc}") from None
+    return tcp, tasks
 
 
 # ---------------------------------------------------------------- channels
@@ -509,6 +566,9 @@ class ChannelCache(AsyncCloseable):
     certificate and send the mesh token; when the certificate files change,
     channels made from then on use the new ones (channels already made keep
     their connections until they are dropped).
+    `session_routes` maps a peer's gRPC address to the TCP address where it
+    serves Generate sessions too (`Instance.session_address`,
+    plane/tcp_session.py); a session opened to a peer listed there uses it.
     """
 
     def __init__(
@@ -530,6 +590,29 @@ class ChannelCache(AsyncCloseable):
         self._options = channel_options(max_message_bytes)
         self.local = local
         self.liveness = liveness if liveness is not None else SessionLiveness()
+        self.session_routes: dict[str, str] = {}
+        self._max_message_bytes = max_message_bytes
+        self._caller_id = uuid.uuid4().hex
+
+    def route_sessions(self, address: str, session_address: str) -> None:
+        """Open sessions to the peer at gRPC `address` on TCP at `session_address` ("" = over gRPC)."""
+        if session_address:
+            self.session_routes[address] = session_address
+        else:
+            self.session_routes.pop(address, None)
+
+    def session_call(self, address: str, service: str) -> Callable[[], Any] | None:
+        """A maker of TCP session calls to `address`'s `service`, or None when it serves sessions on gRPC only."""
+        target = self.session_routes.get(address)
+        if target is None:
+            return None
+        from meshllm.plane.tcp_session import TcpCall
+
+        sec = self._security
+        token, caller = (sec.token, sec.caller_id) if sec is not None else (None, self._caller_id)
+        ctx = sec.ssl_context() if sec is not None else None
+        limit = self._max_message_bytes
+        return lambda: TcpCall(target, service, caller=caller, token=token, ssl_context=ctx, max_message_bytes=limit)
 
     def get(self, address: str) -> grpc.aio.Channel:
         if self.closed:

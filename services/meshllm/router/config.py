@@ -17,16 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshllm.config import (
-    DEFAULT_STREAM_INTERVAL_MS,
     ConfigError,
     DiscoveryKind,
     EnvArgumentParser,
     PlaneConfig,
     ServerConfig,
-    add_coalesce_arg,
     add_plane_args,
+    add_stream_args,
     add_tracing_args,
     parse_host_port,
+    server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.transport import SessionLiveness
@@ -160,7 +160,7 @@ class RouterConfig:
             plane = plane.static(namespace=endpoint.namespace if endpoint is not None else None, events_flag=ns.events)
         return cls(
             plane=plane,
-            server=ServerConfig(host=ns.host, port=ns.port, stream_interval_ms=ns.stream_interval_ms),
+            server=server_config(ns),
             mode=RouterMode(ns.router_mode),
             temperature=ns.router_temperature,
             overlap_weight=ns.kv_overlap_weight,
@@ -197,14 +197,7 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g = parser.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
-    g.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        default=DEFAULT_STREAM_INTERVAL_MS,
-        help="least time between two stream messages to one client; faster engine steps are sent together "
-        "(0 = every step; a stream's first chunk never waits)",
-    )
-    add_coalesce_arg(g)
+    add_stream_args(g, session_port=False)  # its clients (frontends) have no discovery record of it to read
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
     g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")

@@ -71,6 +71,7 @@ class PoolWorker:
     model: str
     dp_size: int = 1
     card: discovery_pb2.ModelCard | None = None
+    session_address: str = ""  # where it serves Generate sessions on TCP ("" = gRPC only)
 
 
 class WorkerPool(AsyncCloseable):
@@ -200,6 +201,7 @@ class WorkerPool(AsyncCloseable):
                 model=inst.model or (card.name if card is not None else ""),
                 dp_size=max(inst.dp_size, 1),
                 card=card,
+                session_address=inst.session_address,
             )
         for gone in set(self._fetched) - set(self._instances):
             self._fetched.pop(gone, None)
@@ -249,6 +251,7 @@ class WorkerPool(AsyncCloseable):
             model=model,
             dp_size=max(info.instance.dp_size, info.engine.data_parallel_size, 1),
             card=card,
+            session_address=info.instance.session_address,
         )
 
     # ------------------------------------------------------------ health
@@ -285,6 +288,8 @@ class WorkerPool(AsyncCloseable):
     def _update(self, wanted: dict[str, PoolWorker]) -> None:
         old = self._workers
         self._workers = wanted
+        for w in wanted.values():
+            self.channels.route_sessions(w.address, w.session_address)
         self._by_id = sorted(wanted.values(), key=lambda w: w.id)
         for wid, w in old.items():
             if wid not in wanted:

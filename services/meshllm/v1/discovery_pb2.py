@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshllm/v1/discovery.proto\x12\nmeshllm.v1\"\x9d\x02\n\x08Instance\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12$\n\x04role\x18\x06 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0f\n\x07\x64p_size\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x34\n\x08metadata\x18\n \x03(\x0b\x32\".meshllm.v1.Instance.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\rRuntimeLimits\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\"Z\n\x12\x45ngineCapabilities\x12\x17\n\x0fprompt_logprobs\x18\x01 \x01(\x08\x12\x12\n\nembeddings\x18\x02 \x01(\x08\x12\x17\n\x0fguided_decoding\x18\x03 \x01(\x08\"\xc4\x03\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\nmodel_type\x18\x02 \x01(\x0e\x32\x15.meshllm.v1.ModelType\x12\x18\n\x10tokenizer_source\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fmigration_limit\x18\x08 \x01(\r\x12\x18\n\x10tool_call_parser\x18\t \x01(\t\x12\x18\n\x10reasoning_parser\x18\n \x01(\t\x12\x31\n\x0eruntime_limits\x18\x0b \x01(\x0b\x32\x19.meshllm.v1.RuntimeLimits\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0c\x63\x61pabilities\x18\x0f \x01(\x0b\x32\x1e.meshllm.v1.EngineCapabilitiesB\x0f\n\r_bos_token_id*v\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_ROLE_AGGREGATED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*f\n\tModelType\x12\x1a\n\x16MODEL_TYPE_UNSPECIFIED\x10\x00\x12\"\n\x1eMODEL_TYPE_CHAT_AND_COMPLETION\x10\x01\x12\x19\n\x15MODEL_TYPE_COMPLETION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshllm/v1/discovery.proto\x12\nmeshllm.v1\"\xb6\x02\n\x08Instance\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x11\n\tcomponent\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12$\n\x04role\x18\x06 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0f\n\x07\x64p_size\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x34\n\x08metadata\x18\n \x03(\x0b\x32\".meshllm.v1.Instance.MetadataEntry\x12\x17\n\x0fsession_address\x18\x0b \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\rRuntimeLimits\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\"Z\n\x12\x45ngineCapabilities\x12\x17\n\x0fprompt_logprobs\x18\x01 \x01(\x08\x12\x12\n\nembeddings\x18\x02 \x01(\x08\x12\x17\n\x0fguided_decoding\x18\x03 \x01(\x08\"\xc4\x03\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\nmodel_type\x18\x02 \x01(\x0e\x32\x15.meshllm.v1.ModelType\x12\x18\n\x10tokenizer_source\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fmigration_limit\x18\x08 \x01(\r\x12\x18\n\x10tool_call_parser\x18\t \x01(\t\x12\x18\n\x10reasoning_parser\x18\n \x01(\t\x12\x31\n\x0eruntime_limits\x18\x0b \x01(\x0b\x32\x19.meshllm.v1.RuntimeLimits\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0c\x63\x61pabilities\x18\x0f \x01(\x0b\x32\x1e.meshllm.v1.EngineCapabilitiesB\x0f\n\r_bos_token_id*v\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_ROLE_AGGREGATED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*f\n\tModelType\x12\x1a\n\x16MODEL_TYPE_UNSPECIFIED\x10\x00\x12\"\n\x1eMODEL_TYPE_CHAT_AND_COMPLETION\x10\x01\x12\x19\n\x15MODEL_TYPE_COMPLETION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCE_METADATAENTRY']._loaded_options = None
   _globals['_INSTANCE_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=973
-  _globals['_WORKERROLE']._serialized_end=1091
-  _globals['_MODELTYPE']._serialized_start=1093
-  _globals['_MODELTYPE']._serialized_end=1195
+  _globals['_WORKERROLE']._serialized_start=998
+  _globals['_WORKERROLE']._serialized_end=1116
+  _globals['_MODELTYPE']._serialized_start=1118
+  _globals['_MODELTYPE']._serialized_end=1220
   _globals['_INSTANCE']._serialized_start=43
-  _globals['_INSTANCE']._serialized_end=328
-  _globals['_INSTANCE_METADATAENTRY']._serialized_start=281
-  _globals['_INSTANCE_METADATAENTRY']._serialized_end=328
-  _globals['_RUNTIMELIMITS']._serialized_start=330
-  _globals['_RUNTIMELIMITS']._serialized_end=424
-  _globals['_ENGINECAPABILITIES']._serialized_start=426
-  _globals['_ENGINECAPABILITIES']._serialized_end=516
-  _globals['_MODELCARD']._serialized_start=519
-  _globals['_MODELCARD']._serialized_end=971
+  _globals['_INSTANCE']._serialized_end=353
+  _globals['_INSTANCE_METADATAENTRY']._serialized_start=306
+  _globals['_INSTANCE_METADATAENTRY']._serialized_end=353
+  _globals['_RUNTIMELIMITS']._serialized_start=355
+  _globals['_RUNTIMELIMITS']._serialized_end=449
+  _globals['_ENGINECAPABILITIES']._serialized_start=451
+  _globals['_ENGINECAPABILITIES']._serialized_end=541
+  _globals['_MODELCARD']._serialized_start=544
+  _globals['_MODELCARD']._serialized_end=996
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ MODEL_TYPE_CHAT_AND_COMPLETION: ModelType
 MODEL_TYPE_COMPLETION: ModelType
 
 class Instance(_message.Message):
-    __slots__ = ("id", "namespace", "component", "endpoint", "address", "role", "model", "dp_size", "version", "metadata")
+    __slots__ = ("id", "namespace", "component", "endpoint", "address", "role", "model", "dp_size", "version", "metadata", "session_address")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Instance(_message.Message):
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     namespace: str
     component: str
@@ -57,7 +58,8 @@ class Instance(_message.Message):
     dp_size: int
     version: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., namespace: _Optional[str] = ..., component: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_size: _Optional[int] = ..., version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    session_address: str
+    def __init__(self, id: _Optional[str] = ..., namespace: _Optional[str] = ..., component: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_size: _Optional[int] = ..., version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., session_address: _Optional[str] = ...) -> None: ...
 
 class RuntimeLimits(_message.Message):
     __slots__ = ("total_kv_blocks", "max_num_seqs", "max_num_batched_tokens")

@@ -125,10 +125,14 @@ class Worker(AsyncCloseable):
         self.servicer.on_drain_request = self.close_soon  # the Drain RPC: this worker keeps and awaits its close
         self.servicer.trace_service = worker_service_name(cfg.role.value)
         binding = ServiceBinding(
-            "meshllm.v1.Worker", self.servicer, worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer.sessions.close
+            "meshllm.v1.Worker",
+            self.servicer,
+            worker_pb2_grpc.add_WorkerServicer_to_server,
+            self.servicer.sessions.close,
+            sessions=self.servicer.sessions,
         )
         self.server = await start_server(cfg.server, [binding], security=cfg.security)
-        self.instance = self._instance(self.server.port)
+        self.instance = self._instance(self.server.port, self.server.session_port)
         self.model_card = await self._model_card(self.engine_config)
         self.metrics.label(model=self.model_card.name, role=cfg.role.value)
         if self._local is not None:
@@ -161,7 +165,7 @@ class Worker(AsyncCloseable):
         assert self.instance is not None
         return self.instance.address
 
-    def _instance(self, port: int) -> discovery_pb2.Instance:
+    def _instance(self, port: int, session_port: int | None = None) -> discovery_pb2.Instance:
         host = self.config.advertise_host or self.config.server.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
@@ -172,6 +176,7 @@ class Worker(AsyncCloseable):
             component=self.config.component,
             endpoint=self.config.endpoint,
             address=f"{host}:{port}",
+            session_address=f"{host}:{session_port}" if session_port is not None else "",
             role=ROLE_TO_PB[self.config.role],
             model=self.config.model_name or self.engine_config.model,
             dp_size=self.engine_config.data_parallel_size,
