@@ -95,6 +95,7 @@ def unary(channels: ChannelCache, address: str, request: TokenRequest) -> AsyncI
 def session_client(channels: ChannelCache, address: str) -> SessionClient:
     """The sessions of `channels` to the test server at `address`, on the carrier of the test."""
     if CARRIER[0] == "tcp":
+
         def open_call() -> Any:  # each new session where the server serves now (a restarted one: a new port)
             channels.route_sessions(address, _SESSION_ADDRESSES[address])
             make = channels.session_call(address, "Worker")
