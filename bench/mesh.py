@@ -22,7 +22,9 @@ Per level: warm-up requests (other prompts), then /proc CPU of every process tre
 this process (bench/mesh_load.py `engines_alone`): what the simulated engines give with no mesh in front of them.
 `--profile` adds one unmeasured level per system and speedup under py-spy.
 Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py; `--tls`: the "## TLS cost" section,
-bench/mesh_tls.py) and to stdout.
+bench/mesh_tls.py; `--no-coalesce`: the "## Split mesh, one event per token" section) and to stdout.
+`--no-coalesce` gives every meshllm command `--no-coalesce` (each engine step its own SSE event, Dynamo's framing);
+`--tcp-sessions` measures each split layout twice, its workers' sessions on gRPC, then on TCP (`--session-port 0`).
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ from meshllm.frontend.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh"
 TLS_HEADING = "## TLS cost"
+NO_COALESCE_HEADING = "## Split mesh, one event per token"
 WARMUP_SEED = 1_000_000  # warm-up prompts differ from measured ones (the mocker caches prefixes)
 PROFILE_SEED = 2_000_000
 EXTRA_COMMANDS = ("frontend", "router", "worker", "run")  # --frontend-extra ... --run-extra
 
 
 def system_spec(args: argparse.Namespace, speedup: float) -> SystemSpec:
-    extra = {cmd: shlex.split(getattr(args, f"{cmd}_extra")) for cmd in EXTRA_COMMANDS}
+    extra = {cmd: shlex.split(getattr(args, f"{cmd}_extra")) + (["--no-coalesce"] if args.no_coalesce else [])
+             for cmd in EXTRA_COMMANDS}  # fmt: skip
     return SystemSpec(speedup=speedup, workers=args.workers, router_mode=args.router_mode, model_path=args.model_path,
                       extra=extra)  # fmt: skip
 
@@ -194,6 +198,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overhead-only", action="store_true", help="only the --overhead measurement")
     for cmd in EXTRA_COMMANDS:
         p.add_argument(f"--{cmd}-extra", default="", help=f"extra flags for every `meshllm {cmd}` (one string)")
+    p.add_argument(
+        "--no-coalesce",
+        action="store_true",
+        help="every meshllm command with --no-coalesce: one SSE event per engine step (Dynamo's framing)",
+    )
+    p.add_argument(
+        "--tcp-sessions",
+        action="store_true",
+        help="also each split layout with its workers' Generate sessions on TCP (--session-port 0)",
+    )
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument(
         "--tls",
@@ -213,6 +227,8 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     systems = [k for k, skip in (("split", args.no_split), ("router", args.no_router)) if not skip]
     if args.tls:  # plaintext, then mTLS, one after the other: the same machine state for both
         systems = [v for k in systems for v in (k, f"{k}+mtls")]
+    elif args.tcp_sessions:  # sessions over gRPC, then over TCP, one after the other
+        systems = [v for k in systems for v in (k, f"{k}+tcp")]
     systems += (["run"] if args.in_process else []) + (["dynamo"] if args.dynamo else [])
     if not systems:
         raise SystemExit("nothing to measure: every system is switched off")
@@ -227,7 +243,10 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
         argv=shlex.join(["bench/mesh.py", *argv]), systems=systems, speedups=args.speedup, levels=args.concurrency,
         requests=args.requests, warmup=args.warmup, repeats=args.repeats, workers=args.workers,
         router_mode=args.router_mode, load=load.describe(),
-        extra="; ".join(f"`meshllm {c}` {v}" for c in EXTRA_COMMANDS if (v := getattr(args, f"{c}_extra"))),
+        extra="; ".join(
+            [*(["every `meshllm` command `--no-coalesce`"] if args.no_coalesce else []),
+             *(f"`meshllm {c}` {v}" for c in EXTRA_COMMANDS if (v := getattr(args, f"{c}_extra")))]
+        ),
     )  # fmt: skip
     res.info = build_info() | {"date": datetime.date.today().isoformat()}
     res.load_avg.append(os.getloadavg()[0])
@@ -259,10 +278,11 @@ def main(argv: list[str]) -> int:
         if not args.no_write:
             write_section(TLS_HEADING, text)
         return 0
-    text = section(res, HEADING)
+    heading = NO_COALESCE_HEADING if args.no_coalesce else HEADING
+    text = section(res, heading)
     print(text)
     if not args.no_write:
-        write_section(HEADING, text)
+        write_section(heading, text)
     return 0
 
 

@@ -46,6 +46,8 @@ LABELS = {
     "router": "meshllm split + router process",
     "split+mtls": "meshllm split, mTLS",
     "router+mtls": "meshllm split + router process, mTLS",
+    "split+tcp": "meshllm split, TCP sessions",
+    "router+tcp": "meshllm split + router process, TCP sessions",
     "run": "meshllm run (one process)",
     "dynamo": f"Dynamo {DYNAMO_VERSION}",
 }
@@ -96,6 +98,11 @@ async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
             yield running
     elif kind in ("split", "router"):
         async with _split(spec, router=kind == "router") as running:
+            yield running
+    elif kind in ("split+tcp", "router+tcp"):  # the workers serve their Generate sessions on TCP too
+        worker = [*spec.extra.get("worker", ()), "--session-port", "0"]
+        async with _split(replace(spec, extra={**spec.extra, "worker": worker}), router=kind == "router+tcp") as running:
+            running.kind = kind
             yield running
     elif kind == "run":
         async with _run(spec) as running:
