@@ -50,5 +50,5 @@ def test_session_port_minus_one_is_off_and_other_values_are_checked_at_startup()
         server_config(parse(["--session-port", "70000"])[0])
     with pytest.raises(ConfigError, match="--session-port -2 is out of range"):
         ServerConfig(session_port=-2)
-    # A router's clients have no discovery record of it to learn a session port from: it has no such flag.
-    assert "--session-port" not in router_arg_parser(env={}).format_help()
+    # The router has the same flag (its frontends learn the port from its discovery record).
+    assert server_config(router_arg_parser(env={}).parse_args(["--session-port", "0"])).session_port == 0

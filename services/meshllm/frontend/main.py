@@ -43,7 +43,7 @@ from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
-from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream
+from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream, follow_router_sessions
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
@@ -121,6 +121,7 @@ class Frontend(AsyncCloseable):
         self.grpc: GrpcServer | None = None
         self.shutdown = Shutdown()
         self.drain_timeout_s = DRAIN_TIMEOUT_S
+        self._follow: asyncio.Task[None] | None = None  # follow_router_sessions
 
     @classmethod
     async def start(
@@ -152,6 +153,10 @@ class Frontend(AsyncCloseable):
         self.discovery = await open_discovery(cfg.plane, memory_store=store, static_instances=instances, static_models=cards)
         self.bus = await open_events(cfg.plane, memory_broker=broker, name="meshllm-frontend")
         self.upstream = upstream if upstream is not None else await self._open_upstream()
+        if cfg.router_addresses and not cfg.static:  # routers serving sessions on TCP say so in discovery
+            self._follow = asyncio.create_task(
+                follow_router_sessions(self.discovery, self.channels, cfg.router_addresses), name="router-sessions"
+            )
         self.registry = await ModelRegistry(
             self.discovery,
             self.channels,
@@ -252,9 +257,15 @@ class Frontend(AsyncCloseable):
         sd.add("stop dashboard", self._close(lambda: self.dashboard), timeout_s=5)
         sd.add("close models", self._close(lambda: self.registry), timeout_s=5)
         sd.add("close router", self._close(lambda: self.router), timeout_s=10)
+        sd.add("stop following routers", self._stop_following, timeout_s=5)
         sd.add("close channels", self.channels.aclose, timeout_s=5)
         sd.add("close events", self._close(lambda: self.bus), timeout_s=5)
         sd.add("close discovery", self._close(lambda: self.discovery), timeout_s=5)
+
+    async def _stop_following(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
 
     async def _stop_admitting(self) -> None:
         if self.core is not None:

@@ -37,11 +37,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
+from meshllm.plane.discovery import Discovery
 from meshllm.plane.transport import CallInfo, ChannelCache
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.migration import MIGRATABLE, MigrationState, migrating
 
-__all__ = ["DEFAULT_MIGRATION_LIMIT", "DEFAULT_ROUTER_WAIT_S", "RouterReplicas", "Upstream"]
+__all__ = ["DEFAULT_MIGRATION_LIMIT", "DEFAULT_ROUTER_WAIT_S", "RouterReplicas", "Upstream", "follow_router_sessions"]
 
 log = logging.getLogger(__name__)
 
@@ -197,3 +198,15 @@ async def _aclose(stream: AsyncIterator[TokenChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+async def follow_router_sessions(discovery: Discovery, channels: ChannelCache, addresses: Sequence[str]) -> None:
+    """Keep `channels`' session routes to the routers at `addresses` (`--router-address`) as their discovery records
+    say: a router registered under one of those addresses with a `session_address` (`meshllm router --session-port`)
+    gets its sessions on TCP (plane/tcp_session.py), any other keeps them on gRPC — e.g. one named by a Service in
+    front of it, whose record holds its own address. Runs until cancelled."""
+    wanted = set(addresses)
+    async for snapshot in discovery.watch_instances():  # any component: a router's --component may be its own
+        registered = {i.address: i.session_address for i in snapshot.values() if i.address in wanted}
+        for address in wanted:
+            channels.route_sessions(address, registered.get(address, ""))

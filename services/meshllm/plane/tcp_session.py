@@ -2,13 +2,13 @@
 
 A Generate session (session.proto, plane/session.py) moves all of a client's
 streams to one peer on one long-lived call. Over gRPC every message of that
-call costs both ends ~65-90 µs of CPU (HTTP/2 framing, the completion-queue
-poller thread, a loop wake-up per read); the same `SessionDown` written as a
-length-prefixed frame on a socket costs ~7 µs (bench/session_carrier.py). A
-worker started with `--session-port` also serves its sessions so, and
-advertises the address in its discovery record (`Instance.session_address`);
-clients that know it use it, everything else (health, reflection, unary
-calls, grpcurl) stays on gRPC.
+call pays HTTP/2 framing, the completion-queue poller thread and a loop
+wake-up per read at each end; the same `SessionDown` written as a
+length-prefixed frame on a socket costs a fraction of that (docs/benchmarks.md
+"Session carriers"). A worker or router started with `--session-port` also
+serves its sessions so and registers the address in discovery
+(`Instance.session_address`); clients that know it use it, everything else
+(health, reflection, unary calls, grpcurl) stays on gRPC.
 
 Frames: a 5-byte header (kind, little-endian payload length) and the payload.
 

@@ -197,7 +197,7 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g = parser.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
-    add_stream_args(g, session_port=False)  # its clients (frontends) have no discovery record of it to read
+    add_stream_args(g)
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
     g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")

@@ -78,6 +78,7 @@ class RouterServer(AsyncCloseable):
                 discovery_pb2.Instance(
                     id=cfg.router_id, namespace=cfg.plane.namespace, component=cfg.component, endpoint="generate",
                     address=self.address, version=__version__, metadata={"mode": cfg.mode.value},
+                    session_address=f"{host}:{self.server.session_port}" if self.server.session_port is not None else "",
                 )
             )  # fmt: skip
         if cfg.metrics_port is not None:

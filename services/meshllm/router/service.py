@@ -89,4 +89,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def router_binding(core: RouterCore, *, stream_interval_s: float = DEFAULT_INTERVAL_S) -> ServiceBinding:
     """The Router service over `core`, ready for `start_server` (its sessions end before the server stops)."""
     servicer = RouterServicer(core, stream_interval_s=stream_interval_s)
-    return ServiceBinding("meshllm.v1.Router", servicer, router_pb2_grpc.add_RouterServicer_to_server, servicer.sessions.close)
+    return ServiceBinding(
+        "meshllm.v1.Router",
+        servicer,
+        router_pb2_grpc.add_RouterServicer_to_server,
+        servicer.sessions.close,
+        sessions=servicer.sessions,  # served on TCP too when the server config has a session port
+    )

@@ -86,7 +86,7 @@ class ProcessMesh(AsyncCloseable):
         proc = self.spawn("frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
                           *self.plane_flags(), *extra)  # fmt: skip
         line = await proc.line(timeout_s)
-        m = re.search(r"OpenAI HTTP API on (http://\S+)/v1", line)
+        m = re.search(r"OpenAI HTTP API on (https?://\S+)/v1", line)
         assert m, line
         return proc, m[1]
 
