@@ -99,9 +99,9 @@ async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
     elif kind in ("split", "router"):
         async with _split(spec, router=kind == "router") as running:
             yield running
-    elif kind in ("split+tcp", "router+tcp"):  # the workers serve their Generate sessions on TCP too
-        worker = [*spec.extra.get("worker", ()), "--session-port", "0"]
-        async with _split(replace(spec, extra={**spec.extra, "worker": worker}), router=kind == "router+tcp") as running:
+    elif kind in ("split+tcp", "router+tcp"):  # workers (and the router) serve their Generate sessions on TCP too
+        extra = {cmd: [*spec.extra.get(cmd, ()), "--session-port", "0"] for cmd in ("worker", "router")}
+        async with _split(replace(spec, extra={**spec.extra, **extra}), router=kind == "router+tcp") as running:
             running.kind = kind
             yield running
     elif kind == "run":
