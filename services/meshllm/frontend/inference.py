@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
 from meshllm.frontend.auth import ANONYMOUS
 from meshllm.frontend.capabilities import check_capabilities
-from meshllm.frontend.metrics import FrontendMetrics
+from meshllm.frontend.metrics import FrontendMetrics, ObservationBatch
 from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
 from meshllm.frontend.output_parsers import OutputParser, ParserChoice
 from meshllm.frontend.postprocess import ChoiceStream, Delta
@@ -166,6 +166,7 @@ class Completion:
             for i, p in enumerate(plan.prompt_of)
         ]
         self._metrics = core.metrics.for_model(model.name)
+        self._itl = ObservationBatch(self._metrics.itl)  # per-chunk ITL, added to the histogram in batches
         self._first_token_at: float | None = None
         self._gen: AsyncIterator[Delta] | None = None
         self._closed = False
@@ -191,7 +192,7 @@ class Completion:
             self._first_token_at = now
             self._metrics.ttft.observe(now - self.t0)
         elif last[0]:
-            self._metrics.itl.observe((now - last[0]) / n)
+            self._itl.observe((now - last[0]) / n, n)  # once per token, as the metric's help says
         last[0] = now
 
     def cut(self, err: MeshError) -> None:
@@ -299,6 +300,7 @@ class Completion:
             if self._gen is not None:
                 await _aclose(self._gen)
         finally:
+            self._itl.flush()
             m = self._metrics
             m.e2e.observe(time.perf_counter() - self.t0)
             u = self.usage()

@@ -2,18 +2,59 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-__all__ = ["FrontendMetrics", "ModelMetrics"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "ObservationBatch"]
 
 disable_created_metrics()  # no `_created` series: nobody charts them, and they double every counter's series
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ObservationBatch:
+    """One request's observations of a histogram child, added to it `flush_every` at a time and at the end.
+
+    `Histogram.observe` takes two locked increments (the sum, one bucket) per call: per streamed chunk that was
+    ~6 % of a frontend's CPU at one event per token. Here a chunk costs a list increment, and a flush adds the
+    counts bucket by bucket: the histogram's sum and buckets end up exactly as with one `observe` each. Uses the
+    child's `_upper_bounds`, `_buckets` and `_sum` (prometheus_client's Histogram, in both its single- and
+    multi-process modes; tests/unit/test_frontend_metrics_batch.py compares the two ways).
+    """
+
+    __slots__ = ("_bounds", "_child", "_counts", "_n", "_sum", "flush_every")
+
+    def __init__(self, child: Any, *, flush_every: int = 64) -> None:
+        self._child = child
+        self._bounds: list[float] = list(child._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._n = 0
+        self.flush_every = flush_every
+
+    def observe(self, amount: float, count: int = 1) -> None:
+        """`count` observations of `amount` (a merged chunk of `count` tokens, each `amount` after the one before)."""
+        self._counts[bisect_left(self._bounds, amount)] += count  # the first bucket with amount <= bound, as observe()
+        self._sum += amount * count
+        self._n += count
+        if self._n >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._n:
+            return
+        child, counts = self._child, self._counts
+        child._sum.inc(self._sum)
+        for i, c in enumerate(counts):
+            if c:
+                child._buckets[i].inc(c)
+                counts[i] = 0
+        self._sum, self._n = 0.0, 0
 
 
 @dataclass(frozen=True, slots=True)
