@@ -24,7 +24,8 @@ this process (bench/mesh_load.py `engines_alone`): what the simulated engines gi
 Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py; `--tls`: the "## TLS cost" section,
 bench/mesh_tls.py; `--no-coalesce`: the "## Split mesh, one event per token" section) and to stdout.
 `--no-coalesce` gives every meshllm command `--no-coalesce` (each engine step its own SSE event, Dynamo's framing);
-`--tcp-sessions` measures each split layout twice, its workers' sessions on gRPC, then on TCP (`--session-port 0`).
+`--grpc-sessions` measures each split layout twice: as deployed (sessions on TCP session ports), then with every
+session on a gRPC call (`--session-port -1` on workers and router).
 """
 
 from __future__ import annotations
@@ -204,9 +205,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="every meshllm command with --no-coalesce: one SSE event per engine step (Dynamo's framing)",
     )
     p.add_argument(
-        "--tcp-sessions",
+        "--grpc-sessions",
         action="store_true",
-        help="also each split layout with its workers' Generate sessions on TCP (--session-port 0)",
+        help="also each split layout with its Generate sessions on gRPC calls (--session-port -1)",
     )
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument(
@@ -227,8 +228,8 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     systems = [k for k, skip in (("split", args.no_split), ("router", args.no_router)) if not skip]
     if args.tls:  # plaintext, then mTLS, one after the other: the same machine state for both
         systems = [v for k in systems for v in (k, f"{k}+mtls")]
-    elif args.tcp_sessions:  # sessions over gRPC, then over TCP, one after the other
-        systems = [v for k in systems for v in (k, f"{k}+tcp")]
+    elif args.grpc_sessions:  # sessions on TCP (the default), then on gRPC calls, one after the other
+        systems = [v for k in systems for v in (k, f"{k}+grpc")]
     systems += (["run"] if args.in_process else []) + (["dynamo"] if args.dynamo else [])
     if not systems:
         raise SystemExit("nothing to measure: every system is switched off")

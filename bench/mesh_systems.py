@@ -46,8 +46,8 @@ LABELS = {
     "router": "meshllm split + router process",
     "split+mtls": "meshllm split, mTLS",
     "router+mtls": "meshllm split + router process, mTLS",
-    "split+tcp": "meshllm split, TCP sessions",
-    "router+tcp": "meshllm split + router process, TCP sessions",
+    "split+grpc": "meshllm split, sessions on gRPC",
+    "router+grpc": "meshllm split + router process, sessions on gRPC",
     "run": "meshllm run (one process)",
     "dynamo": f"Dynamo {DYNAMO_VERSION}",
 }
@@ -99,9 +99,9 @@ async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
     elif kind in ("split", "router"):
         async with _split(spec, router=kind == "router") as running:
             yield running
-    elif kind in ("split+tcp", "router+tcp"):  # workers (and the router) serve their Generate sessions on TCP too
-        extra = {cmd: [*spec.extra.get(cmd, ()), "--session-port", "0"] for cmd in ("worker", "router")}
-        async with _split(replace(spec, extra={**spec.extra, **extra}), router=kind == "router+tcp") as running:
+    elif kind in ("split+grpc", "router+grpc"):  # Generate sessions on gRPC calls only (no TCP session ports)
+        extra = {cmd: [*spec.extra.get(cmd, ()), "--session-port", "-1"] for cmd in ("worker", "router")}
+        async with _split(replace(spec, extra={**spec.extra, **extra}), router=kind == "router+grpc") as running:
             running.kind = kind
             yield running
     elif kind == "run":

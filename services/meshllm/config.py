@@ -292,7 +292,7 @@ def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKin
     add_nats_args(parser.add_argument_group("NATS TLS and authentication"))
 
 
-def add_stream_args(group: Any, *, session_port: bool = True) -> None:
+def add_stream_args(group: Any) -> None:
     """The flags of a server of Generate streams (worker, router): pacing, merging and the TCP session port."""
     group.add_argument(
         "--stream-interval-ms",
@@ -301,14 +301,14 @@ def add_stream_args(group: Any, *, session_port: bool = True) -> None:
         help="least time between two stream messages to one client; faster engine steps are sent together "
         "(0 = every step; a stream's first chunk never waits)",
     )
-    if session_port:
-        group.add_argument(
-            "--session-port",
-            type=int,
-            default=-1,
-            help="also serve Generate sessions as length-prefixed frames on this TCP port, advertised in discovery "
-            "(same TLS and mesh token as gRPC; ~10x less CPU per message; 0 = ephemeral, -1 = off)",
-        )
+    group.add_argument(
+        "--session-port",
+        type=int,
+        default=0,
+        help="also serve Generate sessions as length-prefixed frames on this TCP port, registered in discovery; "
+        "peers that read it stream there instead of over gRPC (same TLS and mesh token; a fraction of gRPC's CPU "
+        "per message). 0 = an ephemeral port, -1 = off (sessions on gRPC only)",
+    )
     add_coalesce_arg(group)
 
 
@@ -318,7 +318,7 @@ def server_config(ns: Any) -> ServerConfig:
         host=ns.host,
         port=ns.port,
         stream_interval_ms=ns.stream_interval_ms,
-        session_port=None if getattr(ns, "session_port", -1) == -1 else ns.session_port,
+        session_port=None if ns.session_port == -1 else ns.session_port,
     )
 
 

@@ -10,7 +10,8 @@ exactly the tokens of an undisturbed run (migrated, or resumed when the link
 returned), and w2 re-registers and is back in the router's pool.
 
 Through proxies: both workers are reached through `TcpProxy`s (each worker
-advertises its proxy's address) from a `meshllm frontend`. Latency and loss:
+advertises its proxies' host) from a `meshllm frontend`, their streams on
+their TCP session ports or, in the grpc variants, on GenerateSession calls. Latency and loss:
 20-30 ms per chunk each way, 5% of chunks 200 ms late, and midway every
 connection to one worker is reset. Blackhole: one worker's proxy forwards
 nothing and closes nothing until the streams are done, then heals. Locks:
@@ -139,21 +140,30 @@ async def test_a_partitioned_worker_loses_no_stream_and_rejoins_the_mesh(host: N
 
 
 @contextlib.asynccontextmanager
-async def proxied_mesh() -> AsyncIterator[tuple[str, list[TcpProxy]]]:
-    """Two workers reached through TcpProxys, and a frontend: (its URL, the proxies)."""
+async def proxied_mesh(carrier: str) -> AsyncIterator[tuple[str, list[TcpProxy]]]:
+    """Two workers reached through TcpProxys, and a frontend: (its URL, the proxies its Generate streams go through).
+
+    Each worker listens on 127.0.0.1:P (gRPC) and 127.0.0.1:Q (its TCP session port) and advertises 127.0.0.2,
+    where a proxy listens on each port. Its streams take the session port (`carrier` "tcp", the default) or, with
+    `--session-port -1`, a GenerateSession call on the gRPC port ("grpc"); the faults go on that path's proxies.
+    """
     async with EtcdServer() as etcd, NatsServer() as nats, ProcessMesh(etcd.endpoint, nats.url) as procs:
-        ports = [free_port(), free_port()]
-        # each worker listens on 127.0.0.1:P and advertises 127.0.0.2:P, where its proxy listens
-        proxies = [TcpProxy("127.0.0.1", p, listen_host="127.0.0.2", listen_port=p, seed=p) for p in ports]
+        ports = [(free_port(), free_port()) for _ in range(2)]
+        proxies = [
+            TcpProxy("127.0.0.1", port, listen_host="127.0.0.2", listen_port=port, seed=port)
+            for pair in ports for port in pair
+        ]  # fmt: skip
         try:
             for proxy in proxies:
                 await proxy.start()
             await asyncio.gather(*(
-                procs.worker(f"w{i}", "--host", "127.0.0.1", "--port", str(p), "--advertise-host", "127.0.0.2")
-                for i, p in enumerate(ports)
+                procs.worker(f"w{i}", "--host", "127.0.0.1", "--port", str(p), "--advertise-host", "127.0.0.2",
+                             "--session-port", str(q) if carrier == "tcp" else "-1")
+                for i, (p, q) in enumerate(ports)
             ))  # fmt: skip
             _, url = await procs.frontend()
-            yield url, proxies
+            streams_through = proxies[1::2] if carrier == "tcp" else proxies[0::2]
+            yield url, streams_through
         finally:
             for proxy in proxies:
                 await proxy.aclose()
@@ -176,9 +186,10 @@ def assert_exact(results: list[Completion], baseline: list[Completion], max_toke
         assert got.text == want.text, f"stream {i} differs from the undisturbed run"
 
 
-async def test_latency_loss_and_resets_between_frontend_and_workers_lose_no_stream() -> None:
+@pytest.mark.parametrize("carrier", ["tcp", "grpc"])
+async def test_latency_loss_and_resets_between_frontend_and_workers_lose_no_stream(carrier: str) -> None:
     max_tokens = 100
-    async with proxied_mesh() as (url, proxies):
+    async with proxied_mesh(carrier) as (url, proxies):
         baseline = await undisturbed(url, proxies, max_tokens)
         for proxy in proxies:
             proxy.latency_s, proxy.jitter_s, proxy.loss, proxy.rto_s = 0.02, 0.01, 0.05, 0.2
@@ -191,15 +202,16 @@ async def test_latency_loss_and_resets_between_frontend_and_workers_lose_no_stre
         finally:
             await streams.aclose()
         assert_exact(results, baseline, max_tokens)
-        report("latency 20-30 ms + 5% loss (200 ms) + connection reset", streams=N, lost=0,
+        report(f"latency 20-30 ms + 5% loss (200 ms) + connection reset, sessions on {carrier}", streams=N, lost=0,
                recovery_s=round(streams.recovery_s(cut_at), 3),
                delayed_chunks=sum(p.stats.delayed_chunks for p in proxies))  # fmt: skip
 
 
-async def test_a_blackholed_worker_connection_loses_no_stream_and_the_worker_serves_again() -> None:
+@pytest.mark.parametrize("carrier", ["tcp", "grpc"])
+async def test_a_blackholed_worker_connection_loses_no_stream_and_the_worker_serves_again(carrier: str) -> None:
     """Packets to a worker vanish but nothing is closed (the proxy still ACKs): only liveness checks can tell."""
     max_tokens = 300
-    async with proxied_mesh() as (url, proxies):
+    async with proxied_mesh(carrier) as (url, proxies):
         baseline = await undisturbed(url, proxies, max_tokens)
         sent = [p.stats.bytes_down for p in proxies]
         streams = StreamSet.completions(url, [completion(i, max_tokens) for i in range(N)])
@@ -224,5 +236,6 @@ async def test_a_blackholed_worker_connection_loses_no_stream_and_the_worker_ser
             return proxies[0].stats.bytes_down > before
 
         back_s = await wait_until(w0_serves_again, timeout_s=30, what="the frontend to use w0 again")
-        report("blackholed worker connection (TcpProxy)", streams=N, lost=0, recovery_s=round(streams.recovery_s(cut_at), 2),
-               blackhole_s=round(healed_at - cut_at, 2), serving_again_after_heal_s=round(back_s, 2))  # fmt: skip
+        report(f"blackholed worker connection (TcpProxy), sessions on {carrier}", streams=N, lost=0,
+               recovery_s=round(streams.recovery_s(cut_at), 2), blackhole_s=round(healed_at - cut_at, 2),
+               serving_again_after_heal_s=round(back_s, 2))  # fmt: skip

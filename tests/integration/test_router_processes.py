@@ -77,7 +77,7 @@ def request(i: int, max_tokens: int) -> TokenRequest:
 async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_identically(carrier: str) -> None:
     """Also with the workers' sessions on TCP (`--session-port`, advertised in etcd): the router process then streams
     from each worker over a TCP connection to that port, and a killed worker's streams migrate as over gRPC."""
-    extra = ["--session-port", "0"] if carrier == "tcp" else []
+    extra = ["--session-port", "0" if carrier == "tcp" else "-1"]  # -1: sessions on gRPC only
     async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
         procs: list[MeshllmProcess] = []
         try:

@@ -149,15 +149,15 @@ def test_metric_sum_adds_every_labelled_sample_of_exactly_that_metric(bench: tup
     assert bench[2].metric_sum(text, "meshllm_router_worker") == 0.0
 
 
-def test_no_coalesce_reaches_every_command_and_tcp_systems_have_labels(bench: tuple) -> None:
+def test_no_coalesce_reaches_every_command_and_grpc_session_systems_have_labels(bench: tuple) -> None:
     """Locks: `--no-coalesce` puts the flag on every meshllm command (the bench clears MESHLLM_* from its own
-    environment, so the variable would not reach them), and the `+tcp` layouts are systems of their own."""
+    environment, so the variable would not reach them), and the `+grpc` layouts are systems of their own."""
     import mesh
 
-    args = mesh.parse_args(["--no-coalesce", "--worker-extra", "--block-size 16", "--tcp-sessions"])
+    args = mesh.parse_args(["--no-coalesce", "--worker-extra", "--block-size 16", "--grpc-sessions"])
     spec = mesh.system_spec(args, 10.0)
     assert all(spec.extra[cmd][-1] == "--no-coalesce" for cmd in mesh.EXTRA_COMMANDS)
     assert spec.extra["worker"] == ["--block-size", "16", "--no-coalesce"]
     assert not any("--no-coalesce" in v for v in mesh.system_spec(mesh.parse_args([]), 10.0).extra.values())
     _, _, systems = bench
-    assert systems.LABELS["split+tcp"] == "meshllm split, TCP sessions" and "router+tcp" in systems.LABELS
+    assert systems.LABELS["split+grpc"] == "meshllm split, sessions on gRPC" and "router+grpc" in systems.LABELS

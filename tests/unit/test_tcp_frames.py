@@ -30,20 +30,12 @@ def test_a_frame_over_the_limit_or_of_no_known_kind_is_refused_from_its_header(d
         reader.feed(data[:5])  # the header alone decides: nothing of an oversized body is buffered first
 
 
-def test_session_port_minus_one_is_off_and_other_values_are_checked_at_startup() -> None:
+def test_session_port_is_ephemeral_by_default_minus_one_is_off_and_other_values_are_checked_at_startup() -> None:
     from meshllm.engine.base import worker_arg_parser
 
     parse = worker_arg_parser("mocker", env={}).parse_known_args
-    assert server_config(parse([])[0]).session_port is None
-    assert server_config(parse(["--session-port", "0"])[0]).session_port == 0
-    assert (
-        server_config(
-            parse(
-                [],
-            )[0]
-        ).session_port
-        is None
-    )
+    assert server_config(parse([])[0]).session_port == 0
+    assert server_config(parse(["--session-port", "-1"])[0]).session_port is None
     env_ns = worker_arg_parser("mocker", env={"MESHLLM_SESSION_PORT": "7001"}).parse_known_args([])[0]
     assert server_config(env_ns).session_port == 7001
     with pytest.raises(ConfigError, match="--session-port 70000 is out of range"):
