@@ -18,40 +18,19 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
 
-import grpc
 from benchdoc import write_section
 from runinfo import machine, today, versions
+from session_relay import StepWorker
 
 from meshllm.config import ServerConfig
-from meshllm.engine.base import terminal
-from meshllm.plane.session import SessionClient, SessionServer
-from meshllm.plane.transport import CallInfo, ChannelCache, ServiceBinding, start_server
-from meshllm.protocol.types import TokenChunk, TokenRequest
-from meshllm.v1 import session_pb2, worker_pb2_grpc
+from meshllm.plane.session import SessionClient
+from meshllm.plane.transport import ChannelCache, ServiceBinding, start_server
+from meshllm.v1 import worker_pb2_grpc
 
 HEADING = "## Session carriers"
 METHOD = "/meshllm.v1.Worker/Generate"
 CARRIERS = ("grpc", "tcp")
-
-
-class _Worker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-        self.sessions = SessionServer(self.handler, METHOD, min_interval_s=0.0)
-
-    async def handler(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
-        for i in range(self.tokens):
-            await asyncio.sleep(0.001)  # a step: the streams' tokens leave together, one message per step
-            yield {"token_ids": [i]}
-        yield terminal("length", {"prompt_tokens": 1, "completion_tokens": self.tokens, "cached_tokens": 0})
-
-    async def GenerateSession(
-        self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[session_pb2.SessionDown]:
-        async for down in self.sessions.serve(request_iterator, context):
-            yield down
 
 
 async def _stream(client: SessionClient, rid: str) -> int:
@@ -63,7 +42,7 @@ async def _stream(client: SessionClient, rid: str) -> int:
 
 async def measure(streams: int, tokens: int, rounds: int) -> dict[tuple[str, int], list[tuple[float, float]]]:
     """(carrier, streams) → [(CPU µs per stream-token, items per message)] per round, the carriers alternating."""
-    servicer = _Worker(tokens)
+    servicer = StepWorker(tokens)
     binding = ServiceBinding(
         "meshllm.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server, servicer.sessions.close,
         sessions=servicer.sessions,

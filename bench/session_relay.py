@@ -37,7 +37,9 @@ METHOD = "/meshllm.v1.Worker/Generate"
 WAYS = ("iterator", "sink")
 
 
-class _Worker(worker_pb2_grpc.WorkerServicer):
+class StepWorker(worker_pb2_grpc.WorkerServicer):
+    """A Worker whose session streams each yield `tokens` chunks, one per ~1 ms step (shared with session_carrier)."""
+
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self.sessions = SessionServer(self.handler, METHOD, min_interval_s=0.0)
@@ -74,7 +76,7 @@ async def _stream(client: SessionClient, way: str, rid: str) -> int:
 
 async def measure(streams: int, tokens: int, rounds: int) -> dict[str, list[float]]:
     """CPU µs per stream-token for each way, `rounds` times, the ways alternating."""
-    servicer = _Worker(tokens)
+    servicer = StepWorker(tokens)
     binding = ServiceBinding("meshllm.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server, servicer.sessions.close)
     out: dict[str, list[float]] = {w: [] for w in WAYS}
     async with await start_server(ServerConfig(host="127.0.0.1", port=0), [binding]) as srv, ChannelCache() as channels:
