@@ -13,15 +13,13 @@ alone (a message per step carries one item: the cost per message shows bare). Th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
 import time
 
-from benchdoc import write_section
 from runinfo import machine, today, versions
-from session_relay import StepWorker
+from session_relay import StepWorker, run_session_bench
 
 from meshllm.config import ServerConfig
 from meshllm.plane.session import SessionClient
@@ -101,22 +99,7 @@ def report(res: dict[tuple[str, int], list[tuple[float, float]]], *, streams: in
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--tokens", type=int, default=400)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    args = p.parse_args(argv)
-    if min(args.streams, args.tokens, args.rounds) < 1:
-        p.error("--streams, --tokens and --rounds must be >= 1")
-    import uvloop
-
-    res = uvloop.run(measure(args.streams, args.tokens, args.rounds))
-    text = report(res, streams=args.streams, tokens=args.tokens, rounds=args.rounds)
-    print(text)
-    if not args.no_write:
-        write_section(HEADING, text)
-    return 0
+    return run_session_bench(argv, __doc__, measure, report, HEADING)
 
 
 if __name__ == "__main__":

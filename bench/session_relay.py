@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from benchdoc import write_section
@@ -113,8 +114,9 @@ def report(res: dict[str, list[float]], *, streams: int, tokens: int, rounds: in
     )
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_session_bench(argv: list[str], doc: str | None, measure: Any, report: Any, heading: str) -> int:
+    """The command line of a session bench (this one, session_carrier): --streams, --tokens, --rounds, --no-write."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--rounds", type=int, default=6)
@@ -128,8 +130,12 @@ def main(argv: list[str]) -> int:
     text = report(res, streams=args.streams, tokens=args.tokens, rounds=args.rounds)
     print(text)
     if not args.no_write:
-        write_section(HEADING, text)
+        write_section(heading, text)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_session_bench(argv, __doc__, measure, report, HEADING)
 
 
 if __name__ == "__main__":
