@@ -43,7 +43,7 @@ import orjson
 from benchdoc import write_section
 from runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
 
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.worker.client import WorkerClient
 
 ROOT = Path(__file__).resolve().parent.parent

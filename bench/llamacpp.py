@@ -39,7 +39,7 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.frontend.tokenizer import load_tokenizer
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

@@ -22,8 +22,9 @@ from runinfo import machine, today, versions
 from session_relay import StepWorker, run_session_bench
 
 from meshllm.config import ServerConfig
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.server import ServiceBinding, start_server
 from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import ChannelCache, ServiceBinding, start_server
 from meshllm.v1 import worker_pb2_grpc
 
 HEADING = "## Session carriers"

@@ -53,7 +53,7 @@ from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.local import LocalPeers
-from meshllm.plane.transport import GrpcServer, start_server
+from meshllm.plane.server import GrpcServer, start_server
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterCore

@@ -11,8 +11,10 @@ import pytest
 
 from meshllm.config import ServerConfig
 from meshllm.engine.base import terminal
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
 from meshllm.plane.session import SessionClient, SessionHandler, SessionServer
-from meshllm.plane.transport import CallInfo, ChannelCache, GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2, session_pb2, worker_pb2_grpc

@@ -22,7 +22,7 @@ from meshllm.config import ConfigError
 from meshllm.engine.base import WorkerConfig
 from meshllm.engine.sample import SampleEngine
 from meshllm.plane.auth import TOKEN_HEADER, MeshSecurity
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk
 from meshllm.router.client import RouterClient
 from meshllm.testing.waiting import wait_until

@@ -21,7 +21,7 @@ from meshllm import errors
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.engine.base import TokenChunk, WorkerConfig
 from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.v1 import inference_pb2, inference_pb2_grpc
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

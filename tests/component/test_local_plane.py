@@ -12,10 +12,11 @@ from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig, terminal
 from meshllm.engine.sample import SampleEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.local import LocalPeers, Ticker, local_generate
-from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

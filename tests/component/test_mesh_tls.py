@@ -38,8 +38,8 @@ from meshllm.config import ConfigError
 from meshllm.engine.base import WorkerConfig
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import ChannelCache
 from meshllm.testing.waiting import wait_until
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

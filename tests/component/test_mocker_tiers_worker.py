@@ -9,9 +9,9 @@ import random
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import KvTier, WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import load_subject
 from meshllm.v1 import events_pb2
 from meshllm.worker.client import WorkerClient

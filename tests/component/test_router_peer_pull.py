@@ -26,7 +26,7 @@ from test_router_support import collect, mesh, mocker, request, tokens_of, wait_
 
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.mocker import MockerEngine
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
 from meshllm.router.core import RouterCore
 from meshllm.router.timing import WorkerTimes

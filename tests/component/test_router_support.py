@@ -15,9 +15,9 @@ from typing import Any
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import DisaggregationMode, LLMEngine, WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore

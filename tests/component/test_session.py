@@ -36,7 +36,8 @@ from session_support import (
 
 from meshllm import errors
 from meshllm.engine.base import terminal
-from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until

@@ -34,10 +34,11 @@ from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import WorkerConfig
 from meshllm.engine.sample import SampleEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker
 from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.migration import MIGRATABLE

@@ -27,8 +27,9 @@ from meshllm import errors
 from meshllm.config import ConfigError
 from meshllm.engine.base import Context
 from meshllm.engine.sample import SampleEngine
+from meshllm.plane.channels import ChannelCache, SessionLiveness
 from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo, ChannelCache, SessionLiveness
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import worker_pb2_grpc

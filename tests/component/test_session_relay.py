@@ -35,8 +35,9 @@ from session_support import (
 )
 
 from meshllm import errors
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.session import SessionServer
-from meshllm.plane.transport import CallInfo, ChannelCache, ChunkSink
+from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 

@@ -20,10 +20,12 @@ from meshllm import errors
 from meshllm.certs import DevPki
 from meshllm.config import ServerConfig
 from meshllm.plane.auth import MeshSecurity, session_scope
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
 from meshllm.plane.session import SessionClient
 from meshllm.plane.tcp_session import HEADER, HELLO, UP, TcpCall
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import CallInfo, ChannelCache, GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2_grpc
 

@@ -11,15 +11,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from meshllm import errors
 from meshllm.config import ServerConfig
-from meshllm.plane.transport import (
-    CallInfo,
-    ChannelCache,
-    GrpcServer,
-    ServiceBinding,
-    start_server,
-    translate_errors,
-    translate_stream,
-)
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.transport import CallInfo, translate_errors, translate_stream
 from meshllm.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 

@@ -21,9 +21,9 @@ from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, WorkerConfig, terminal
 from meshllm.engine.sample import SampleEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import kv_subject
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import events_pb2

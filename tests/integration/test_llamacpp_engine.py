@@ -18,7 +18,7 @@ from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.errors import FailedPrecondition, InvalidArgument, NotFound
 from meshllm.frontend.tokenizer import load_tokenizer
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.kv import stored_blocks
 from meshllm.testing.conformance import RecordingSink
 from meshllm.worker.client import WorkerClient

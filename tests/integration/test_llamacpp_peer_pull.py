@@ -20,7 +20,7 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import DisaggregationMode, WorkerConfig
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.errors import NotFound
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker, peer_kv_pull

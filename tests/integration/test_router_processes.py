@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from meshllm.plane.transport import ChannelCache
+from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess

@@ -16,9 +16,9 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import EngineConfig, KvTier, LoadMetrics, TierUsage, WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.events import open_events
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore

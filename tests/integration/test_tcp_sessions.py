@@ -17,9 +17,9 @@ import pytest
 from meshllm.certs import DevPki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.plane.auth import MeshSecurity
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import ChannelCache
 from meshllm.testing.mesh import ProcessMesh, stream_completion
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer

@@ -13,8 +13,8 @@ import pytest
 from meshllm.certs import DevPki
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import ChannelCache
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.worker.client import WorkerClient
 

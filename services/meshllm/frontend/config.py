@@ -36,8 +36,8 @@ from meshllm.frontend.reasoning import REASONING_PARSERS
 from meshllm.frontend.tools import TOOL_PARSERS
 from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
 from meshllm.plane.auth import MeshSecurity, add_security_args
+from meshllm.plane.channels import SessionLiveness
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import SessionLiveness
 from meshllm.router.config import RouterMode, add_liveness_args, check_health_flags
 
 __all__ = [
@@ -107,7 +107,7 @@ class FrontendConfig:
     # prometheus_client multiprocess directory its /metrics view sums over.
     process_index: int | None = None
     shared_metrics_dir: Path | None = None
-    # Stall detection of the sessions to routers or workers (plane/transport.py SessionLiveness), and
+    # Stall detection of the sessions to routers or workers (plane/channels.py SessionLiveness), and
     # the embedded routing core's worker health checks (router/workers.py; interval 0 = none).
     stall_timeout_s: float = 3.0
     stream_stall_timeout_s: float = 30.0

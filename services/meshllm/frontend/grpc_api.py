@@ -33,7 +33,8 @@ from meshllm.errors import InvalidArgument
 from meshllm.frontend.auth import ANONYMOUS, ApiKeys, AuthFailure
 from meshllm.frontend.inference import InferenceCore
 from meshllm.frontend.postprocess import Delta
-from meshllm.plane.transport import CallInfo, ServiceBinding
+from meshllm.plane.server import ServiceBinding
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.openai import LogprobEntry, TextRequest, parse_chat, parse_completion
 from meshllm.v1 import generate_pb2, inference_pb2, inference_pb2_grpc
 

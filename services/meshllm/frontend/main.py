@@ -45,10 +45,11 @@ from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
 from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream, follow_router_sessions
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
-from meshllm.plane.transport import ChannelCache, GrpcServer, start_server
+from meshllm.plane.server import GrpcServer, start_server
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode

@@ -30,8 +30,8 @@ from meshllm.frontend.capabilities import Capabilities, combine
 from meshllm.frontend.chat_template import ChatTemplate
 from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery
-from meshllm.plane.transport import ChannelCache
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 

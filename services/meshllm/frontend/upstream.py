@@ -37,8 +37,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery
-from meshllm.plane.transport import CallInfo, ChannelCache
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.migration import MIGRATABLE, MigrationState, migrating
 

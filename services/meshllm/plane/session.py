@@ -52,10 +52,11 @@ from meshllm.errors import (
     Unknown,
     log_unexpected,
 )
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.local import LocalPeers
 from meshllm.plane.session_client import SessionClient
 from meshllm.plane.session_client import wake as _wake
-from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChannelCache, ChunkSink, GenerateHandler
+from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChunkSink, GenerateHandler
 from meshllm.protocol.chunks import coalescing, merge_into, mergeable
 from meshllm.protocol.convert import chunk_into_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest

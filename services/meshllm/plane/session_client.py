@@ -42,7 +42,8 @@ from meshllm.errors import (
     log_unexpected,
 )
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.transport import ChunkSink, SessionLiveness, mesh_error
+from meshllm.plane.channels import SessionLiveness
+from meshllm.plane.transport import ChunkSink, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest

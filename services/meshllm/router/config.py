@@ -29,7 +29,7 @@ from meshllm.config import (
     server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.transport import SessionLiveness
+from meshllm.plane.channels import SessionLiveness
 
 __all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "add_liveness_args", "check_health_flags", "router_arg_parser"]
 
@@ -93,7 +93,7 @@ class RouterConfig:
     resync_backoff_s: float = 0.2
     # A worker that failed a call is skipped for this long (discovery may lag).
     failure_cooldown_s: float = 5.0
-    # Stall detection (plane/transport.py SessionLiveness): a worker session with open streams
+    # Stall detection (plane/channels.py SessionLiveness): a worker session with open streams
     # that is silent this long, or a started stream without a chunk this long, counts as broken.
     stall_timeout_s: float = 3.0
     stream_stall_timeout_s: float = 30.0

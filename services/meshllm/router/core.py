@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 from meshllm.errors import NotFound, Unavailable
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery
 from meshllm.plane.events import EventBus, NullEventBus
-from meshllm.plane.transport import CallInfo, ChannelCache, ChunkSink
+from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode

@@ -21,8 +21,8 @@ from typing import Any
 
 from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.events import EventBus, Subscription
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.router.kv_index import KvIndex
 from meshllm.router.load import LoadTracker

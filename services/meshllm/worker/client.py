@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.session import generate_to, session_key
-from meshllm.plane.transport import CallInfo, ChannelCache, ChunkSink, mesh_error, translate_errors, unary_generate
+from meshllm.plane.transport import CallInfo, ChunkSink, mesh_error, translate_errors, unary_generate
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 

@@ -25,10 +25,11 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm import __version__
 from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics, WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events import EventBus, MemoryBroker, open_events
 from meshllm.plane.local import LocalPeers
-from meshllm.plane.transport import ChannelCache, GrpcServer, ServiceBinding, start_server
+from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import Limits
 from meshllm.tracing import untraced, worker_service_name
