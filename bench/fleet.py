@@ -42,16 +42,20 @@ Measured:
   which must choose as the in-process core does.
 - *Dynamo*: with `dynamo._core` importable (bench/fleet_dynamo.py run by
   Dynamo's venv), its RadixTree applies the same stored events and
-  `find_matches` runs beside our walk (`KvIndex.overlaps` over every
-  worker) on the same prompts.
+  `find_matches` runs beside our walk on the same prompts: the decision's
+  own walk (`BlockMap.overlap_groups` over the pool's slot mask), and the
+  same walk answering {worker: depth} (`KvIndex.overlaps`) as
+  `find_matches` answers.
 - *resync, one worker*: the worker's next batch skips an event id; time
   until the replica's `meshllm_router_kv_resyncs` counts its snapshot.
 - *resync, all*: nats-server stopped; every worker stores and evicts
   blocks meanwhile (events lost); nats-server started again on its port;
-  each worker publishes its next batch (a gap); time from the restart until
-  the replica has resynced every worker (snapshots fetched from the
-  workers' gRPC servers, built beforehand as real workers would each build
-  their own).
+  once both replicas have subscribed again (nats-server's /subsz; their
+  reconnect wait is in the figure, `resubscribed_s` of it), each worker
+  publishes its next batch (a gap); time from the restart until both
+  replicas have resynced every worker (snapshots fetched from the
+  workers' gRPC servers, built beforehand as each real worker builds its
+  own).
 - *replica agreement*: the same prompts routed by both replicas: the share
   choosing the same worker; and whether both index the same blocks per worker.
 """
@@ -284,6 +288,28 @@ class SnapshotServers:
         await asyncio.gather(*(s.stop(None) for s in self.servers))
 
 
+class MonitoredNats(NatsServer):
+    """nats-server with its monitoring port on: `subscriptions()` tells when the routers have subscribed again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.monitor_port = free_port()
+
+    def _config(self) -> str:
+        path = Path(super()._config())
+        conf = json.loads(path.read_text())
+        conf["http_port"] = self.monitor_port
+        path.write_text(json.dumps(conf))
+        return str(path)
+
+    async def subscriptions(self) -> int:
+        body = await scrape("127.0.0.1", self.monitor_port, "/subsz")
+        try:
+            return int(json.loads(body)["num_subscriptions"])
+        except (ValueError, KeyError):
+            return -1
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -483,7 +509,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"dynamo: {out['dynamo']}")
     del core
     gc.collect()
-    async with EtcdServer() as etcd, NatsServer() as nats, ChannelCache() as channels:
+    async with EtcdServer() as etcd, MonitoredNats() as nats, ChannelCache() as channels:
         servers = SnapshotServers()
         from meshllm.plane.etcd import EtcdDiscovery
 
@@ -605,36 +631,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out["resync_one_s"] = time.perf_counter() - t
             # ---- NATS outage: every worker's events meanwhile are lost
             before = [await r.value("meshllm_router_kv_resyncs_total") for r in replicas]
+            subs = await nats.subscriptions()
             await nats.stop()
             for k, w in enumerate(workers):
                 w.event_id += 1  # an event published into the outage
                 w.churn(16, chains.chain([COPY_STRIDE * 999_998 - k * 64 + j for j in range(16)]))
-                w.build_snapshot()
+                w.build_snapshot()  # built beforehand, as each real worker builds its own
             t = time.perf_counter()
             await nats.start()
+            # Once both replicas have subscribed again, each worker's next batch shows its gap.
             await until(_connected(nc), 60, "the publisher's reconnect", 0.01)
-            # Workers publish on: the first batch a replica receives after its own reconnect shows the gap.
-            # Later rounds (one block evicted and one stored per worker) need no new snapshot: they follow it.
-            fresh = COPY_STRIDE * 999_997
-            deadline = time.perf_counter() + 300
-            while True:
-                for w in workers:
-                    data = w.batches.pop()[0] if w.batches else None
-                    if data is None:
-                        fresh -= 1
-                        w.churn(1, chains.chain([fresh]))
-                        data = w.batches.pop()[0]
-                    await nc.publish(subject, data)
-                await nc.flush()
-                done = [
-                    await _at_least(r, "meshllm_router_kv_resyncs_total", b + args.workers)
-                    for r, b in zip(replicas, before, strict=True)
-                ]
-                if all(done):
-                    break
-                if time.perf_counter() > deadline:
-                    raise RuntimeError("the replicas did not resync every worker in 300 s")
-                await asyncio.sleep(0.1)  # the next round of worker events, as a live fleet keeps publishing
+            await until(lambda: _subscribed(nats, subs), 60, "the routers' subscriptions", 0.01)
+            out["resubscribed_s"] = time.perf_counter() - t
+            for w in workers:
+                await nc.publish(subject, w.batches.pop()[0])
+            await nc.flush()
+            for rep, b in zip(replicas, before, strict=True):
+                await until(
+                    lambda r=rep, n=b: _at_least(r, "meshllm_router_kv_resyncs_total", n + args.workers), 600, "all resyncs", 0.01
+                )
             out["resync_all_s"] = time.perf_counter() - t
             lw = await clients[0].list_workers(MODEL)
             out["resynced_exact"] = all(x.indexed_blocks == args.blocks for x in lw.workers)
@@ -659,6 +674,10 @@ async def _workers_seen(client: RouterClient, n: int) -> bool:
 async def _loads_seen(channels: ChannelCache, rep: Replica, want: dict[str, int]) -> bool:
     workers = (await RouterClient(channels, rep.address).list_workers(MODEL)).workers
     return {w.worker_id: w.active_blocks for w in workers} == want
+
+
+async def _subscribed(nats: MonitoredNats, n: int) -> bool:
+    return await nats.subscriptions() >= n
 
 
 async def _at_least(rep: Replica, name: str, n: float) -> bool:

@@ -299,3 +299,36 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
                 assert float(b.cost[i]) <= c.cost
                 inexact_seen += 1
     assert exact_seen and inexact_seen
+
+
+def test_policy_order_is_the_lexicographic_order_of_the_bounds() -> None:
+    """The first slots one minimum at a time, then a sort: together the policy's order, ties included."""
+    from meshllm.router.fleet import SELECT_STEPS, Bounds, FleetTable, policy_order
+
+    rng = np.random.default_rng(5)
+    n = 200
+    base = [PoolWorker(f"w{i:03d}", "", AGGREGATED, MODEL) for i in range(n)]
+    table = FleetTable.build(base, {(w.id, 0): i for i, w in enumerate(base)}, 0)
+    table.in_flight[:] = rng.integers(0, 3, n)
+    b = Bounds(
+        no_room=rng.random(n) < 0.2, cost=rng.integers(0, 6, n).astype(np.float64) / 2,  # many ties on purpose
+        decode=rng.integers(0, 4, n), cached=rng.integers(0, 3, n), exact=np.ones(n, dtype=np.bool_),
+    )  # fmt: skip
+    alive = rng.random(n) < 0.9
+    want = sorted(
+        np.flatnonzero(alive).tolist(),
+        key=lambda i: (bool(b.no_room[i]), float(b.cost[i]), int(b.decode[i]), int(table.in_flight[i]), int(b.cached[i]), i),
+    )
+    got = list(policy_order(b, table, alive))
+    assert got == want and len(got) > SELECT_STEPS
+
+
+def test_sizes_follow_every_change_of_a_slot() -> None:
+    bmap = BlockMap()
+    s = bmap.slot(("w", 0))
+    bmap.add(s, [1, 2, 3, 3])
+    assert bmap.sizes[s] == 3
+    bmap.remove(s, [2, 9])
+    assert bmap.sizes[s] == 2 == len(bmap.blocks[s])
+    bmap.clear_slot(s)
+    assert bmap.sizes[s] == 0

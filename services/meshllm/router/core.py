@@ -40,7 +40,7 @@ from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.feed import EventFeed
-from meshllm.router.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds
+from meshllm.router.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
 from meshllm.router.kv_index import KvIndex, SlotCapacities, SlotKey
 from meshllm.router.kv_pull import PeerPrefix, PullDecision, decide_pull
 from meshllm.router.load import LoadTracker, SlotLoad
@@ -67,7 +67,7 @@ class Decision:
     """A routing decision with everything that led to it."""
 
     chosen: Candidate
-    candidates: list[Candidate]
+    candidates: list[Candidate]  # those scored: every eligible one, or at fleet scale those that could win (fleet.py)
     role: int
     policy: str
     block_size: int
@@ -547,9 +547,8 @@ class RouterCore(AsyncCloseable):
             if not eligible.any():
                 return None  # the exhaustive path says why
         bmap = self.index.map
-        blocks, hot_of = bmap.blocks, bmap.hot
-        counts = np.fromiter(map(len, map(blocks.__getitem__, t.slot_list)), dtype=np.int64, count=n)
-        hot = np.fromiter(map(hot_of.__getitem__, t.slot_list), dtype=np.int64, count=n)
+        counts = np.array(bmap.sizes, dtype=np.int64)[t.slots]
+        hot = np.array(bmap.hot, dtype=np.int64)[t.slots]
         ov = np.zeros(n, dtype=np.int64)
         if hashes:
             for depth, bits in bmap.overlap_groups(hashes, t.mask):
@@ -591,9 +590,7 @@ class RouterCore(AsyncCloseable):
             overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight, wait_weight=cfg.wait_weight,
         )  # fmt: skip
         rest = ~special if eligible is None else eligible & ~special
-        idx = np.flatnonzero(rest)
-        order = idx[np.lexsort((idx, b.cached[idx], t.in_flight[idx], b.decode[idx], b.cost[idx], b.no_room[idx]))]
-        for i in order.tolist():
+        for i in policy_order(b, t, rest):
             w, r = t.keys[i]
             if best is not None:
                 bound = (bool(b.no_room[i]), float(b.cost[i]), int(b.decode[i]), int(t.in_flight[i]), int(b.cached[i]), w.id, r)

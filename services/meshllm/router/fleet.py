@@ -39,7 +39,7 @@ and small pools score every candidate as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +49,7 @@ from meshllm.router.kv_index import SlotKey
 from meshllm.router.timing import BUSY_STEPS
 from meshllm.router.workers import PoolWorker
 
-__all__ = ["FLEET_MIN_SLOTS", "Bounds", "FleetTable", "bit_indices", "lower_bounds"]
+__all__ = ["FLEET_MIN_SLOTS", "Bounds", "FleetTable", "bit_indices", "lower_bounds", "policy_order"]
 
 FLEET_MIN_SLOTS = 32  # pools of fewer slots are scored whole: every candidate in Router.Route's answer
 
@@ -80,6 +80,7 @@ class FleetTable:
     keys: list[tuple[PoolWorker, int]]
     skeys: list[SlotKey]
     slot_list: list[int]
+    slots: npt.NDArray[np.intp]
     pos: dict[SlotKey, int]
     wpos: dict[str, list[int]]
     pos_of_slot: npt.NDArray[np.intp]
@@ -110,7 +111,8 @@ class FleetTable:
             mask |= 1 << s
         zeros = np.zeros(n, dtype=np.int64)
         return cls(
-            base, generation, keys, skeys, slot_list, {k: i for i, k in enumerate(skeys)}, wpos, pos_of_slot,
+            base, generation, keys, skeys, slot_list, np.array(slot_list, dtype=np.intp), {k: i for i, k in enumerate(skeys)},
+            wpos, pos_of_slot,
             np.array([r for _, r in keys], dtype=np.int64), mask, zeros.copy(), zeros.copy(), zeros.copy(),
             zeros.copy(), zeros.copy(), np.zeros(n, dtype=np.float64), set(range(n)),
         )  # fmt: skip
@@ -182,3 +184,31 @@ def lower_bounds(
     evict = new + resident - total
     exact = ~capped | (evict <= 0) | (hot <= 0)
     return Bounds(no_room, cost, decode, resident, exact)
+
+
+SELECT_STEPS = 4  # slots taken one minimum at a time before sorting the rest (a sort costs ~40 selections)
+_INT_MAX = np.iinfo(np.int64).max
+
+
+def policy_order(b: Bounds, t: FleetTable, alive: Bools) -> Iterator[int]:
+    """The `alive` slots in the policy's order of their bounds: (no room, cost, decode, in flight, resident, position).
+
+    Position is (worker id, dp rank) order. The first `SELECT_STEPS` come one
+    minimum at a time (a few array passes each: a decision usually needs one
+    or two), the rest from one lexicographic sort.
+    """
+    alive = alive.copy()
+    for _ in range(SELECT_STEPS):
+        if not alive.any():
+            return
+        m = alive & ~b.no_room
+        if not m.any():
+            m = alive
+        m = m & (b.cost == np.where(m, b.cost, np.inf).min())
+        for arr in (b.decode, t.in_flight, b.cached):
+            m = m & (arr == np.where(m, arr, _INT_MAX).min())
+        i = int(np.flatnonzero(m)[0])
+        alive[i] = False
+        yield i
+    idx = np.flatnonzero(alive)
+    yield from idx[np.lexsort((idx, b.cached[idx], t.in_flight[idx], b.decode[idx], b.cost[idx], b.no_room[idx]))].tolist()

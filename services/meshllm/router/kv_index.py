@@ -72,13 +72,14 @@ class Capacity(NamedTuple):
 class BlockMap:
     """block hash → bitmask of slots, plus each slot's blocks in eviction order with their reuse counts."""
 
-    __slots__ = ("_free", "_keys", "blocks", "generation", "hot", "masks", "slot_of")
+    __slots__ = ("_free", "_keys", "blocks", "generation", "hot", "masks", "sizes", "slot_of")
 
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.slot_of: dict[SlotKey, int] = {}
         self.blocks: list[OrderedDict[int, int]] = []  # per slot: hash → reuses, least recently used first
         self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
+        self.sizes: list[int] = []  # per slot: len(blocks[slot]), kept for fleet decisions (one list to read)
         self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
@@ -95,6 +96,7 @@ class BlockMap:
                 self._keys.append(key)
                 self.blocks.append(OrderedDict())
                 self.hot.append(0)
+                self.sizes.append(0)
             self.slot_of[key] = s
             self.generation += 1
         return s
@@ -108,6 +110,7 @@ class BlockMap:
             masks[h] = get(h, 0) | bit
             if h not in held:
                 held[h] = 0
+        self.sizes[slot] = len(held)
         return len(held) - before
 
     def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
@@ -160,6 +163,7 @@ class BlockMap:
                 n += 1
         if hot:
             self.hot[slot] -= hot
+        self.sizes[slot] = len(held)
         return n
 
     def clear_slot(self, slot: int) -> int:
@@ -175,6 +179,7 @@ class BlockMap:
                 del masks[h]
         self.blocks[slot] = OrderedDict()
         self.hot[slot] = 0
+        self.sizes[slot] = 0
         return n
 
     def drop(self, key: SlotKey) -> None:
