@@ -91,6 +91,7 @@ def test_verdicts_and_render() -> None:
         "workers": 1024, "blocks_per_worker": 16384, "decision_ms": {"p50": 0.4, "p90": 0.6, "p99": 0.9},
         "route_rpc_ms": {"p50": 1.5, "p90": 2.0, "p99": 3.0}, "exhaustive_ms": {"p50": 80.0, "p90": 90.0, "p99": 95.0},
         "walk_ms": {"p50": 0.1, "p90": 0.1, "p99": 0.2}, "candidates_scored_median": 1, "events_per_s": 400_000.0,
+        "in_process_events_per_s": 500_000.0, "resubscribed_s": 1.0, "load": [1.0, 2.0],
         "bytes_per_pair": 150.0, "resync_one_s": 0.02, "resync_all_s": 12.0, "replica_agreement": 1.0,
         "replica_same_index": True, "exhaustive_agreement": 1.0, "dynamo": "dynamo._core.RadixTree not importable",
     }  # fmt: skip
@@ -98,4 +99,5 @@ def test_verdicts_and_render() -> None:
     assert r["targets"] == {"decision_p99_ms": True, "events_per_s": False, "bytes_per_pair": False, "resync_all_s": False}
     text = fleet.render([r])
     assert text.startswith("## Fleet routing")
-    assert "1,024 × 16,384" in text and "not importable" in text
+    assert "1,024 × 16,384" in text and "not importable" in text and "1.0 s of it reconnecting" in text
+    assert "1,024 workers 1.0–2.0" in text
