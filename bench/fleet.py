@@ -144,6 +144,11 @@ def renamed(ids: Iterable[int], copy: int, shared: set[int]) -> list[int]:
     return [h if h in shared else base + h for h in ids]
 
 
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of `values`."""
+    return {"p50": statistics.median(values), "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """The value below which `p` % of `values` fall (nearest rank, as the other bench scripts report)."""
     s = sorted(values)
@@ -442,9 +447,9 @@ def dynamo_side_by_side(
         from_groups = {table.skeys[table.pos_of_slot[s]]: d for d, bits in groups for s in bit_indices(bits).tolist()}
         agree += from_groups == got and {str(number[k[0]]): d for k, d in got.items()} == scores
     return {
-        "find_matches_ms": {"p50": statistics.median(theirs["ms"]), "p99": percentile(theirs["ms"], 99)},
-        "walk_ms": {"p50": statistics.median(ours), "p99": percentile(ours, 99)},
-        "walk_dict_ms": {"p50": statistics.median(by_dict), "p99": percentile(by_dict, 99)},
+        "find_matches_ms": summary(theirs["ms"]),
+        "walk_ms": summary(ours),
+        "walk_dict_ms": summary(by_dict),
         "same_overlaps": agree / max(1, len(prompts)),
         "dynamo_apply_s": theirs["apply_s"],
         "dynamo_blocks": theirs["blocks"],
@@ -713,11 +718,14 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
     def ms(d: dict[str, float]) -> str:
         return f"{d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f}"
 
+    def ms3(d: dict[str, float]) -> str:
+        return " / ".join(f"{d[p]:.3f}" if p in d else "–" for p in ("p50", "p90", "p99"))
+
     lines = [
         "## Fleet routing",
         "",
-        f"`.venv/bin/python bench/fleet.py --workers N --json OUT`, one run per fleet size, on {today()} ({machine()}, "
-        "shared with another engineer's work during the runs: figures are noisy). N simulated workers with full caches "
+        f"`.venv/bin/python bench/fleet.py --workers N --json OUT`, one run per fleet size, on {today()} ({machine()}). "
+        "N simulated workers with full caches "
         "(bench/fleet.py's docstring): KV event streams from the Mooncake conversation trace (1 hash id = one 16-token "
         "block; ids in ≥ 1 % of rows shared fleet-wide, the rest renamed per copy of the trace, one copy per "
         f"{WORKERS_PER_COPY} workers), published through a real nats-server to two real `meshllm router` replicas "
@@ -731,12 +739,9 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
     ]
     if loads:
         lines.append(load_sentence(loads))
-    else:
-        lines.append(
-            "Load average (1 min, 2 cores) sampled during each run: "
-            + "; ".join(f"{r['workers']:,} workers {min(r['load']):.1f}–{max(r['load']):.1f}" for r in results if r.get("load"))
-            + "."
-        )
+    for r in results:
+        if r.get("load"):
+            lines.append(f"{r['workers']:,} workers: " + load_sentence(r["load"]))
     lines += [
         "",
         "| workers × blocks | decision p50 / p90 / p99 ms | exhaustive p50 / p90 / p99 ms (same choice) "
@@ -758,7 +763,8 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         )
     lines += ["", "Index walk beside Dynamo 1.6.1's `RadixTree.find_matches` on the same stored events and prompts:", ""]
     lines += [
-        "| workers × blocks | our walk p50 / p99 ms (depth groups; as a {worker: depth} dict) | `find_matches` p50 / p99 ms "
+        "| workers × blocks | our walk p50 / p90 / p99 ms (depth groups; as a {worker: depth} dict) "
+        "| `find_matches` p50 / p90 / p99 ms "
         "| same overlaps | walk no slower |"
     ]
     lines += ["|---|---|---|---:|---|"]
@@ -768,10 +774,10 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             ours, theirs = d["walk_ms"], d["find_matches_ms"]
             ok = "met" if ours["p99"] <= theirs["p99"] else "**missed**"
             as_dict = d.get("walk_dict_ms")
-            dict_part = f" ({as_dict['p50']:.3f} / {as_dict['p99']:.3f} as a dict)" if as_dict else ""
+            dict_part = f" ({ms3(as_dict)} as a dict)" if as_dict and "p90" in as_dict else ""
             lines.append(
-                f"| {r['workers']:,} × {r['blocks_per_worker']:,} | {ours['p50']:.3f} / {ours['p99']:.3f}{dict_part} "
-                f"| {theirs['p50']:.3f} / {theirs['p99']:.3f} | {d['same_overlaps'] * 100:.0f} % | {ok} (p99) |"
+                f"| {r['workers']:,} × {r['blocks_per_worker']:,} | {ms3(ours)}{dict_part} | {ms3(theirs)} "
+                f"| {d['same_overlaps'] * 100:.0f} % | {ok} (p99) |"
             )
         else:
             lines.append(f"| {r['workers']:,} × {r['blocks_per_worker']:,} | – | {d} | – | – |")
