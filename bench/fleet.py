@@ -453,6 +453,7 @@ def dynamo_side_by_side(
         "same_overlaps": agree / max(1, len(prompts)),
         "dynamo_apply_s": theirs["apply_s"],
         "dynamo_blocks": theirs["blocks"],
+        "version": theirs.get("version", ""),
     }
 
 
@@ -741,7 +742,7 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         lines.append(load_sentence(loads))
     for r in results:
         if r.get("load"):
-            lines.append(f"{r['workers']:,} workers: " + load_sentence(r["load"]))
+            lines += ["", f"{r['workers']:,} workers: " + load_sentence(r["load"])]
     lines += [
         "",
         "| workers × blocks | decision p50 / p90 / p99 ms | exhaustive p50 / p90 / p99 ms (same choice) "
@@ -761,7 +762,9 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             f"{'; ' + format(r['resubscribed_s'], '.1f') + ' s of it reconnecting' if 'resubscribed_s' in r else ''}) "
             f"| {r['replica_agreement'] * 100:.1f} %{'' if r['replica_same_index'] else ', indexes differ'} |"
         )
-    lines += ["", "Index walk beside Dynamo 1.6.1's `RadixTree.find_matches` on the same stored events and prompts:", ""]
+    releases = sorted({r["dynamo"].get("version", "") for r in results if isinstance(r["dynamo"], dict)} - {""})
+    dynamo = "Dynamo " + ", ".join(releases) if releases else "Dynamo"
+    lines += ["", f"Index walk beside {dynamo}'s `RadixTree.find_matches` on the same stored events and prompts:", ""]
     lines += [
         "| workers × blocks | our walk p50 / p90 / p99 ms (depth groups; as a {worker: depth} dict) "
         "| `find_matches` p50 / p90 / p99 ms "

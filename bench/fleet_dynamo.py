@@ -14,6 +14,7 @@ import json
 import struct
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 from dynamo._core import RadixTree  # type: ignore[import-not-found]
 
@@ -56,7 +57,14 @@ def main() -> None:
         res = tree.find_matches(seq)
         ms.append((time.perf_counter() - t) * 1000)
         scores.append({str(k[0] if isinstance(k, tuple) else k): d for k, d in res.scores.items()})
-    json.dump({"apply_s": apply_s, "events": n_events, "blocks": n_blocks, "ms": ms, "scores": scores}, open(out_path, "w"))
+    try:
+        release = version("ai-dynamo-runtime")
+    except PackageNotFoundError:
+        release = ""
+    json.dump(
+        {"version": release, "apply_s": apply_s, "events": n_events, "blocks": n_blocks, "ms": ms, "scores": scores},
+        open(out_path, "w"),
+    )
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_verdicts_and_render() -> None:
     text = fleet.render([r])
     assert text.startswith("## Fleet routing")
     assert "1,024 × 16,384" in text and "not importable" in text and "1.0 s of it reconnecting" in text
-    assert "1,024 workers: 1-minute load average 1.0–2.0" in text
+    assert "1,024 workers: 1-minute load average 1.0–2.0" in text and "Dynamo" in text
     figures = [line for line in text.splitlines() if line.startswith("|") and "p50" in line]
     assert figures and all("p90" in line and "p99" in line for line in figures)
     dynamo = {"walk_ms": {"p50": 0.1, "p90": 0.2, "p99": 0.3}, "find_matches_ms": {"p50": 0.1, "p90": 0.2, "p99": 0.25}}
