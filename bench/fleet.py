@@ -379,18 +379,20 @@ def in_process_core(workers: Sequence[SimWorker], blocks: int) -> RouterCore:
 def measure_in_process(
     core: RouterCore, prompts: Sequence[list[int]], exhaustive: int
 ) -> tuple[dict[str, list[float]], float, list[str]]:
-    """Per prompt: the whole decision (hash + `plan`), the hash + walk alone; the exhaustive scorer on the first
-    `exhaustive` prompts (its times, and the share of them where both choose the same worker); the fleet choices."""
+    """Per prompt: the whole decision (hash + `plan`), the candidates it scored, the hash + walk alone; the exhaustive
+    scorer on the first `exhaustive` prompts (its times, and the share of them where both choose the same worker);
+    the fleet choices."""
     keys = [(w.id, 0) for w in core.pool.workers(MODEL, AGGREGATED)]
     for p in prompts[:10]:
         core.plan(MODEL, p, {}, set())
-    times: dict[str, list[float]] = {"decision": [], "walk": [], "exhaustive": []}
+    times: dict[str, list[float]] = {"decision": [], "walk": [], "exhaustive": [], "scored": []}
     chosen = []
     gc.collect()
     for p in prompts:
         t = time.perf_counter()
         plan = core.plan(MODEL, p, {}, set())
         times["decision"].append((time.perf_counter() - t) * 1000)
+        times["scored"].append(len(plan.main.candidates))
         chosen.append(plan.main.chosen.worker_id)
         t = time.perf_counter()
         core.index.overlaps(block_hashes(p, BLOCK_SIZE), keys)
@@ -404,6 +406,22 @@ def measure_in_process(
         same += plan.main.chosen.worker_id == want
     core.fleet = True
     return times, same / max(1, min(exhaustive, len(prompts))), chosen
+
+
+def spread_reuse(core: RouterCore, workers: Sequence[SimWorker], rng: random.Random) -> None:
+    """Route every cached block again, in runs of 20 in random order, half the runs as reuses (bench/indexer.py's
+    adversarial case): reused blocks end up all through every eviction order, so no bound is exact."""
+    for w in workers:
+        hashes = list(w.cache)
+        starts = list(range(0, len(hashes), 20))
+        rng.shuffle(starts)
+        for i in starts:
+            core.index.touch((w.id, 0), hashes[i : i + 20], reused=rng.random() < 0.5)
+
+
+def hot_share(core: RouterCore) -> float:
+    """Reused blocks among all indexed blocks."""
+    return sum(core.index.map.hot) / max(1, sum(core.index.map.sizes))
 
 
 def dynamo_side_by_side(
@@ -499,11 +517,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for snap in loads:
         core.load.apply_snapshot(snap, now=time.time())
     times, same, local_choice = measure_in_process(core, prompts, args.exhaustive)
+    out["scored_in_process"] = summary(times.pop("scored"))
     for name, values in times.items():
         if values:
-            out[f"{name}_ms" if name != "decision" else "decision_ms"] = {
-                "p50": statistics.median(values), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            }  # fmt: skip
+            out[f"{name}_ms"] = summary(values)
     out["exhaustive_agreement"] = same
     log(f"in process: decision p50 {out['decision_ms']['p50']:.3f} p99 {out['decision_ms']['p99']:.3f} ms; "
         f"exhaustive p50 {out.get('exhaustive_ms', {}).get('p50', 0):.1f} ms, same choice {same:.3f}")  # fmt: skip
@@ -513,8 +530,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["dynamo"] = dynamo_side_by_side(core, workers, [d for d, _ in stream], prompts, py)
         log(f"dynamo: {out['dynamo']}")
+    if args.reuse:
+        spread_reuse(core, workers, random.Random(f"{args.seed}:reuse"))
+        times, same, _ = measure_in_process(core, prompts, args.exhaustive)
+        out["reused"] = {"scored": summary(times.pop("scored")), "exhaustive_agreement": same, "hot_share": hot_share(core)}
+        out["reused"].update({f"{name}_ms": summary(values) for name, values in times.items() if values})
+        log(f"with reused blocks: {out['reused']}")
     del core
     gc.collect()
+    if args.in_process_only:
+        out["targets"] = {}
+        return out
     async with EtcdServer() as etcd, MonitoredNats() as nats, ChannelCache() as channels:
         servers = SnapshotServers()
         from meshllm.plane.etcd import EtcdDiscovery
@@ -750,7 +776,7 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         "| bytes per (worker, block) pair | resync one / all after a NATS outage (s) | replica agreement |",
         "|---|---|---|---|---:|---:|---:|---|---|",
     ]
-    for r in results:
+    for r in [r for r in results if "route_rpc_ms" in r]:
         ex = r.get("exhaustive_ms")
         exhaustive = f"{ms(ex)} ({r['exhaustive_agreement'] * 100:.0f} %)" if ex else "–"
         lines.append(
@@ -762,7 +788,8 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             f"{'; ' + format(r['resubscribed_s'], '.1f') + ' s of it reconnecting' if 'resubscribed_s' in r else ''}) "
             f"| {r['replica_agreement'] * 100:.1f} %{'' if r['replica_same_index'] else ', indexes differ'} |"
         )
-    releases = sorted({r["dynamo"].get("version", "") for r in results if isinstance(r["dynamo"], dict)} - {""})
+    full = [r for r in results if "route_rpc_ms" in r]  # in-process-only runs have no row in the process tables
+    releases = sorted({r["dynamo"].get("version", "") for r in full if isinstance(r.get("dynamo"), dict)} - {""})
     dynamo = "Dynamo " + ", ".join(releases) if releases else "Dynamo"
     lines += ["", f"Index walk beside {dynamo}'s `RadixTree.find_matches` on the same stored events and prompts:", ""]
     lines += [
@@ -771,7 +798,7 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         "| same overlaps | walk no slower |"
     ]
     lines += ["|---|---|---|---:|---|"]
-    for r in results:
+    for r in full:
         d = r["dynamo"]
         if isinstance(d, dict):
             ours, theirs = d["walk_ms"], d["find_matches_ms"]
@@ -784,6 +811,27 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             )
         else:
             lines.append(f"| {r['workers']:,} × {r['blocks_per_worker']:,} | – | {d} | – | – |")
+    reused = [r for r in results if "reused" in r]
+    if reused:
+        lines += [
+            "",
+            "With reused blocks spread through every eviction order (`--reuse`: every cached block routed again, in runs "
+            "of 20 in random order, half the runs as reuses — no bound is exact, each candidate scored costs its "
+            "evicted-block count), the same prompts:",
+            "",
+            "| workers × blocks | reused share | decision p50 / p90 / p99 ms | candidates scored p50 / p90 / p99 "
+            "| exhaustive p50 / p90 / p99 ms (same choice) |",
+            "|---|---:|---|---|---|",
+        ]
+        for r in reused:
+            u = r["reused"]
+            ex = u.get("exhaustive_ms")
+            exhaustive = f"{ms(ex)} ({u['exhaustive_agreement'] * 100:.0f} %)" if ex else "–"
+            sc = u["scored"]
+            lines.append(
+                f"| {r['workers']:,} × {r['blocks_per_worker']:,} | {u['hot_share'] * 100:.0f} % | {ms(u['decision_ms'])} "
+                f"| {sc['p50']:g} / {sc['p90']:g} / {sc['p99']:g} | {exhaustive} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -796,6 +844,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exhaustive", type=int, default=100, help="prompts also decided by scoring every worker")
     parser.add_argument("--no-dynamo", dest="dynamo", action="store_false", help="skip Dynamo's RadixTree side by side")
+    parser.add_argument("--reuse", action="store_true", help="also decide with reused blocks spread through every cache")
+    parser.add_argument("--in-process-only", action="store_true", help="skip the processes (no NATS, no routers)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--no-exact-lag", dest="exact_lag", action="store_false", help="publish without waiting on lag")
     parser.add_argument("--report", nargs="*", default=None, help="render the docs section from these JSON files")

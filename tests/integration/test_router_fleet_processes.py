@@ -28,12 +28,21 @@ pytestmark = [
 
 async def test_fleet_of_256_through_nats_two_router_processes_agree() -> None:
     args = argparse.Namespace(
-        workers=256, blocks=64, decisions=80, exhaustive=40, trace=str(fleet.TRACE), seed=1, dynamo=False, exact_lag=True
+        workers=256,
+        blocks=64,
+        decisions=80,
+        exhaustive=40,
+        trace=str(fleet.TRACE),
+        seed=1,
+        dynamo=False,
+        exact_lag=True,
+        reuse=True,
+        in_process_only=False,
     )
     r = await fleet.run(args)
     print({k: r[k] for k in ("decision_ms", "route_rpc_ms", "events_per_s", "resync_all_s")})
     assert r["pairs"] == 256 * 64 and r["resyncs_during_fill"] == [0.0, 0.0]
-    assert r["exhaustive_agreement"] == 1.0
+    assert r["exhaustive_agreement"] == 1.0 and r["reused"]["exhaustive_agreement"] == 1.0
     assert r["router_matches_in_process"] == 1.0
     assert r["replica_agreement"] == 1.0 and r["replica_same_index"]
     assert r["resynced_exact"]

@@ -107,3 +107,10 @@ def test_verdicts_and_render() -> None:
     r["dynamo"] = {**dynamo, "walk_dict_ms": {"p50": 0.4, "p90": 0.5, "p99": 0.6}, "same_overlaps": 1.0}
     row = fleet.render([r]).splitlines()[-1]
     assert "0.100 / 0.200 / 0.300 (0.400 / 0.500 / 0.600 as a dict)" in row and "**missed** (p99)" in row
+    reuse = {"workers": 256, "blocks_per_worker": 16384, "decision_ms": r["decision_ms"], "targets": {}}
+    reuse["reused"] = {
+        "hot_share": 0.5, "scored": {"p50": 1, "p90": 2, "p99": 6}, "decision_ms": {"p50": 0.2, "p90": 0.3, "p99": 1.1},
+        "exhaustive_ms": {"p50": 5.0, "p90": 12.0, "p99": 32.0}, "exhaustive_agreement": 1.0,
+    }  # fmt: skip
+    text = fleet.render([r, reuse])  # an in-process-only run adds the reuse table and no row of the process table
+    assert text.count("| 256 × 16,384 |") == 1 and "| 256 × 16,384 | 50 % | 0.20 / 0.30 / 1.10 | 1 / 2 / 6 |" in text
