@@ -768,7 +768,8 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         lines.append(load_sentence(loads))
     for r in results:
         if r.get("load"):
-            lines += ["", f"{r['workers']:,} workers: " + load_sentence(r["load"])]
+            label = f"{r['workers']:,} workers" + ("" if "route_rpc_ms" in r else " (`--reuse --in-process-only` run)")
+            lines += ["", f"{label}: " + load_sentence(r["load"])]
     lines += [
         "",
         "| workers × blocks | decision p50 / p90 / p99 ms | exhaustive p50 / p90 / p99 ms (same choice) "
@@ -817,7 +818,7 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             "",
             "With reused blocks spread through every eviction order (`--reuse`: every cached block routed again, in runs "
             "of 20 in random order, half the runs as reuses — no bound is exact, each candidate scored costs its "
-            "evicted-block count), the same prompts:",
+            "evicted-block count; a run of its own, in process, the same prompts and loads as above):",
             "",
             "| workers × blocks | reused share | decision p50 / p90 / p99 ms | candidates scored p50 / p90 / p99 "
             "| exhaustive p50 / p90 / p99 ms (same choice) |",
