@@ -831,6 +831,7 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
             sc = u["scored"]
             lines.append(
                 f"| {r['workers']:,} × {r['blocks_per_worker']:,} | {u['hot_share'] * 100:.0f} % | {ms(u['decision_ms'])} "
+                f"({'met' if u['decision_ms']['p99'] <= TARGETS['decision_p99_ms'] else '**missed**'}) "
                 f"| {sc['p50']:g} / {sc['p90']:g} / {sc['p99']:g} | {exhaustive} |"
             )
     return "\n".join(lines) + "\n"

@@ -113,4 +113,4 @@ def test_verdicts_and_render() -> None:
         "exhaustive_ms": {"p50": 5.0, "p90": 12.0, "p99": 32.0}, "exhaustive_agreement": 1.0,
     }  # fmt: skip
     text = fleet.render([r, reuse])  # an in-process-only run adds the reuse table and no row of the process table
-    assert text.count("| 256 × 16,384 |") == 1 and "| 256 × 16,384 | 50 % | 0.20 / 0.30 / 1.10 | 1 / 2 / 6 |" in text
+    assert text.count("| 256 × 16,384 |") == 1 and "| 256 × 16,384 | 50 % | 0.20 / 0.30 / 1.10 (**missed**) | 1 / 2 / 6 |" in text
