@@ -68,6 +68,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import struct
 import subprocess
@@ -444,11 +445,14 @@ def dynamo_side_by_side(
         for p in prompts:
             pairs = stored_blocks(p, BLOCK_SIZE)
             f.write(struct.pack("<I", len(pairs)) + struct.pack(f"<{len(pairs)}Q", *(th for _, th in pairs)))
-    proc = subprocess.run([py, Path(__file__).with_name("fleet_dynamo.py"), tmp / "events", tmp / "queries", tmp / "out"],
-                          capture_output=True, text=True, timeout=3600)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"fleet_dynamo.py failed: {proc.stderr[-2000:]}")
-    theirs = json.loads((tmp / "out").read_text())
+    try:
+        proc = subprocess.run([py, Path(__file__).with_name("fleet_dynamo.py"), tmp / "events", tmp / "queries", tmp / "out"],
+                              capture_output=True, text=True, timeout=3600)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"fleet_dynamo.py failed: {proc.stderr[-2000:]}")
+        theirs = json.loads((tmp / "out").read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the events file is ~16 bytes per block
     table = core._fleet_table(MODEL, AGGREGATED)
     assert table is not None
     bmap = core.index.map
