@@ -52,6 +52,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -159,9 +160,19 @@ async def run_mode(mode: str, setup: Setup = Setup(), workload: Workload = Workl
 
 
 async def run_requests(
-    mode: str, setup: Setup, reqs: list[Arrival], concurrency: int | None, *, context_length: int = 2048
+    mode: str,
+    setup: Setup,
+    reqs: list[Arrival],
+    concurrency: int | None,
+    *,
+    context_length: int = 2048,
+    on_core: Callable[[RouterCore], None] | None = None,
 ) -> Result:
-    """Send `reqs` once through a fresh mesh routed by `mode` (open loop, or `concurrency` callers)."""
+    """Send `reqs` once through a fresh mesh routed by `mode` (open loop, or `concurrency` callers).
+
+    `on_core` sees the router core before it starts (tests/component/test_router_fleet_matrix.py
+    checks its decisions there).
+    """
     store, broker = MemoryStore(), MemoryBroker()
     mocker = MockerConfig(
         block_size=setup.block_size, num_gpu_blocks=setup.num_gpu_blocks, speedup_ratio=setup.speedup_ratio,
@@ -177,6 +188,8 @@ async def run_requests(
                 )
                 workers.append(await Worker.start(MockerEngine(mocker), cfg, memory_store=store, memory_broker=broker))
             core = RouterCore(RouterConfig(plane=PLANE, mode=RouterMode(mode)), discovery, bus, channels)
+            if on_core is not None:
+                on_core(core)
             await core.start()
             try:
                 await core.pool.wait_until(lambda: len(core.pool.all()) == setup.workers)

@@ -72,12 +72,15 @@ class Capacity(NamedTuple):
 class BlockMap:
     """block hash → bitmask of slots, plus each slot's blocks in eviction order with their reuse counts."""
 
-    __slots__ = ("_free", "_keys", "blocks", "masks", "slot_of")
+    __slots__ = ("_free", "_keys", "blocks", "generation", "hot", "masks", "sizes", "slot_of")
 
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.slot_of: dict[SlotKey, int] = {}
         self.blocks: list[OrderedDict[int, int]] = []  # per slot: hash → reuses, least recently used first
+        self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
+        self.sizes: list[int] = []  # per slot: len(blocks[slot]), kept for fleet decisions (one list to read)
+        self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
 
@@ -92,7 +95,10 @@ class BlockMap:
                 s = len(self._keys)
                 self._keys.append(key)
                 self.blocks.append(OrderedDict())
+                self.hot.append(0)
+                self.sizes.append(0)
             self.slot_of[key] = s
+            self.generation += 1
         return s
 
     def add(self, slot: int, hashes: Iterable[int]) -> int:
@@ -104,6 +110,7 @@ class BlockMap:
             masks[h] = get(h, 0) | bit
             if h not in held:
                 held[h] = 0
+        self.sizes[slot] = len(held)
         return len(held) - before
 
     def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
@@ -115,6 +122,8 @@ class BlockMap:
             if n is not None:
                 if reused:
                     held[h] = n + 1
+                    if not n:
+                        self.hot[slot] += 1
                 move(h)
 
     def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
@@ -139,16 +148,22 @@ class BlockMap:
     def remove(self, slot: int, hashes: Iterable[int]) -> int:
         """Unmark `hashes` for `slot`; returns how many it actually held."""
         masks, held, keep = self.masks, self.blocks[slot], ~(1 << slot)
-        n = 0
+        n = hot = 0
+        pop = held.pop
         for h in hashes:
-            if h in held:
-                del held[h]
+            reuses = pop(h, None)
+            if reuses is not None:
+                if reuses:
+                    hot += 1
                 m = masks[h] & keep
                 if m:
                     masks[h] = m
                 else:
                     del masks[h]
                 n += 1
+        if hot:
+            self.hot[slot] -= hot
+        self.sizes[slot] = len(held)
         return n
 
     def clear_slot(self, slot: int) -> int:
@@ -163,6 +178,8 @@ class BlockMap:
             else:
                 del masks[h]
         self.blocks[slot] = OrderedDict()
+        self.hot[slot] = 0
+        self.sizes[slot] = 0
         return n
 
     def drop(self, key: SlotKey) -> None:
@@ -174,6 +191,7 @@ class BlockMap:
         self._keys[s] = None
         self._free.append(s)
         self._free.sort(reverse=True)
+        self.generation += 1
 
     def keys_of(self, worker_id: str) -> list[SlotKey]:
         return [k for k in self.slot_of if k[0] == worker_id]
@@ -205,6 +223,29 @@ class BlockMap:
                     return out
             depth += 1
         self._record(mask, depth, out)
+        return out
+
+    def overlap_groups(self, hashes: Sequence[int], mask: int) -> list[tuple[int, int]]:
+        """`overlaps` by slot bits: (depth, bits of the slots among `mask` whose prefix ends there), depth > 0.
+
+        The walk of `overlaps` without one dict entry per slot: a block every
+        slot of a fleet holds (a chat template) ends as one group, not as
+        a thousand keys.
+        """
+        out: list[tuple[int, int]] = []
+        get = self.masks.get
+        depth = 0
+        for h in hashes:
+            m = get(h, 0) & mask
+            if m != mask:
+                if depth:
+                    out.append((depth, mask & ~m))
+                mask = m
+                if not mask:
+                    return out
+            depth += 1
+        if depth and mask:
+            out.append((depth, mask))
         return out
 
     def _record(self, bits: int, depth: int, out: dict[SlotKey, int]) -> None:

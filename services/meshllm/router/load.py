@@ -97,6 +97,7 @@ class LoadTracker:
         self._slots: dict[SlotKey, SlotLoad] = {}
         self._charges: dict[tuple[str, str], Charge] = {}
         self._by_slot: dict[SlotKey, set[tuple[str, str]]] = {}
+        self.changed: set[SlotKey] = set()  # slots whose load changed since a fleet table last read them (core.py)
 
     def slot(self, key: SlotKey) -> SlotLoad:
         load = self._slots.get(key)
@@ -117,6 +118,7 @@ class LoadTracker:
         self.complete(origin, request_id)
         self._charges[(origin, request_id)] = Charge(key, prefill_tokens, blocks, now)
         self._by_slot.setdefault(key, set()).add((origin, request_id))
+        self.changed.add(key)
         load = self.slot(key)
         load.charged_blocks += blocks
         load.delta_blocks += blocks
@@ -130,6 +132,7 @@ class LoadTracker:
         if c is None or c.prefill_done:
             return
         c.prefill_done = True
+        self.changed.add(c.key)
         load = self.slot(c.key)
         load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
         load.prefilling = max(0, load.prefilling - 1)
@@ -140,6 +143,7 @@ class LoadTracker:
         if c is None:
             return
         self._by_slot.get(c.key, set()).discard((origin, request_id))
+        self.changed.add(c.key)
         load = self._slots.get(c.key)
         if load is None:
             return
@@ -166,6 +170,7 @@ class LoadTracker:
     def apply_snapshot(self, snap: events_pb2.LoadSnapshot, *, now: float) -> None:
         """A worker reported its load (arriving at wall time `now`): the base, with later charges on top."""
         key = (snap.worker_id, snap.dp_rank)
+        self.changed.add(key)
         load = self.slot(key)
         load.reported = snap
         taken = plausible_time(snap.timestamp_ms, now)
@@ -183,6 +188,7 @@ class LoadTracker:
         for key in [k for k in self._slots if k[0] == worker_id]:
             del self._slots[key]
             self._by_slot.pop(key, None)
+            self.changed.add(key)
         for ck in [k for k, c in self._charges.items() if c.key[0] == worker_id]:
             del self._charges[ck]
 

@@ -124,10 +124,12 @@ class WorkerTimes:
     def __init__(self) -> None:
         self._step_ms: dict[SlotKey, float] = {}
         self._prefill: dict[str, PrefillFit] = {}
+        self.changed: set[SlotKey] = set()  # slots whose step time changed since a fleet table last read them
 
     def step(self, key: SlotKey, ms_per_token: float) -> None:
         """One leg's mean time between tokens after its first chunk."""
         old = self._step_ms.get(key)
+        self.changed.add(key)
         self._step_ms[key] = ms_per_token if old is None else old + STEP_ALPHA * (ms_per_token - old)
 
     def prefill(self, model: str, tokens: int, ttft_ms: float) -> None:
@@ -154,6 +156,7 @@ class WorkerTimes:
     def remove_worker(self, worker_id: str) -> None:
         for key in [k for k in self._step_ms if k[0] == worker_id]:
             del self._step_ms[key]
+            self.changed.add(key)
 
 
 def wait_blocks(in_flight: int, step_ms: float, block_ms: float, *, prefilling: int = 0, fixed_ms: float = 0.0) -> float:

@@ -99,6 +99,9 @@ class WorkerPool(AsyncCloseable):
         self.on_removed: Callable[[PoolWorker], None] = lambda w: None
         self._workers: dict[str, PoolWorker] = {}
         self._by_id: list[PoolWorker] = []  # _workers' values sorted by id (sorted once per change, not per request)
+        # (model, role) -> its workers in id order, built once per pool change: a fleet's decision does not
+        # filter every worker of every model per request. Returned as they are: callers never modify them.
+        self._lists: dict[tuple[str, int | None], list[PoolWorker]] = {}
         self._instances: dict[str, discovery_pb2.Instance] = {}
         self._cards: dict[str, discovery_pb2.ModelCard] = {}
         self._fetched: dict[str, discovery_pb2.ModelCard] = {}
@@ -130,12 +133,15 @@ class WorkerPool(AsyncCloseable):
 
         Unhealthy ones are left out only while some healthy one remains (see the module docstring).
         """
-        now = time.monotonic()
-        live = [
-            w
-            for w in self._by_id
-            if w.model == model and (role is None or w.role == role) and (include_cooling or self._cooldown.get(w.id, 0.0) <= now)
-        ]
+        live = self._lists.get((model, role))
+        if live is None:
+            live = self._lists[(model, role)] = [w for w in self._by_id if w.model == model and (role is None or w.role == role)]
+        if not include_cooling and self._cooldown:
+            now = time.monotonic()
+            for wid in [k for k, until in self._cooldown.items() if until <= now]:
+                del self._cooldown[wid]
+            if self._cooldown:
+                live = [w for w in live if w.id not in self._cooldown]
         if include_cooling or not self._unhealthy:
             return live
         return [w for w in live if w.id not in self._unhealthy] or live
@@ -291,6 +297,7 @@ class WorkerPool(AsyncCloseable):
         for w in wanted.values():
             self.channels.route_sessions(w.address, w.session_address)
         self._by_id = sorted(wanted.values(), key=lambda w: w.id)
+        self._lists = {}
         for wid, w in old.items():
             if wid not in wanted:
                 self._cooldown.pop(wid, None)
