@@ -88,9 +88,9 @@ from runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.trace import TraceScale, hash_id_tokens
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes, chain_hash, stored_blocks, tokens_hash
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.router.client import RouterClient

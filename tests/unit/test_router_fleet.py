@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
+from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import ChannelCache
 from meshllm.protocol.kv import block_hashes
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
