@@ -209,20 +209,9 @@ class BlockMap:
             if s is not None and self.blocks[s]:
                 mask |= 1 << s
         out: dict[SlotKey, int] = {}
-        if not mask:
-            return out
-        get = self.masks.get
-        depth = 0
-        for h in hashes:
-            m = get(h, 0) & mask
-            if m != mask:
-                if depth:
-                    self._record(mask & ~m, depth, out)
-                mask = m
-                if not mask:
-                    return out
-            depth += 1
-        self._record(mask, depth, out)
+        if mask:
+            for depth, bits in self.overlap_groups(hashes, mask):
+                self._record(bits, depth, out)
         return out
 
     def overlap_groups(self, hashes: Sequence[int], mask: int) -> list[tuple[int, int]]:
