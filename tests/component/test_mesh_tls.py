@@ -34,12 +34,14 @@ from tls_support import (
 )
 
 from meshllm.certs import DevPki
-from meshllm.config import ConfigError
+from meshllm.config import ConfigError, ServerConfig
 from meshllm.engine.base import WorkerConfig
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
 from meshllm.plane.channels import ChannelCache
+from meshllm.plane.session import SessionClient
 from meshllm.plane.tls import TlsConfig
+from meshllm.protocol.types import TokenChunk
 from meshllm.testing.waiting import wait_until
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker
@@ -163,6 +165,64 @@ async def test_a_rotated_client_certificate_is_used_by_new_channels(pki: Pki, me
         await wait_until(lambda: channels.get(mesh.worker.address) is not first, timeout_s=10, what="a new channel")
         with pytest.raises(Unavailable):  # the worker refuses the handshake: the new certificate was presented
             await WorkerClient(channels, mesh.worker.address).get_info(timeout_s=3)
+
+
+async def test_a_workers_session_port_serves_replaced_certificate_files_to_new_connections(pki: Pki) -> None:
+    """The TCP session port (plane/tcp_session.py) follows certificate files as the gRPC port does."""
+    files = pki.ca.issue("worker-v1")
+    sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
+    config = WorkerConfig(
+        engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=sec,
+        server=ServerConfig(session_port=0),
+    )  # fmt: skip
+    async with await Worker.start(mocker(), config) as worker:
+        assert worker.server is not None and worker.server.session_port is not None
+        port = worker.server.session_port
+        tls = ssl_client(pki, pki.client)
+        assert await peer_certificate_cn(port, tls) == "worker-v1"
+        v2 = pki.ca.issue("worker-v2")
+        files.key.write_bytes(v2.key.read_bytes())
+        files.cert.write_bytes(v2.cert.read_bytes())
+        await wait_until(lambda: _cn_is(port, tls, "worker-v2"), timeout_s=10, what="the new certificate on the session port")
+
+
+async def test_a_rotated_client_certificate_is_used_by_new_tcp_sessions(pki: Pki, tmp_path: Path) -> None:
+    files = pki.ca.issue("rotating-client")
+    sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
+    server_files = pki.ca.issue("worker-tcp")
+    server_sec = MeshSecurity(tls=TlsConfig(cert=server_files.cert, key=server_files.key, ca=server_files.ca))
+    config = WorkerConfig(
+        engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=server_sec,
+        server=ServerConfig(session_port=0),
+    )  # fmt: skip
+    request = {"request_id": "r", "model": "mocker", "token_ids": [5, 6, 7], "stop": {"max_tokens": 2}}
+    async with await Worker.start(mocker(), config) as worker, ChannelCache(security=sec) as channels:
+        assert worker.server is not None
+        channels.route_sessions(worker.address, f"127.0.0.1:{worker.server.session_port}")
+
+        async def one_stream(rid: str) -> list[TokenChunk]:
+            make = channels.session_call(worker.address, "Worker")
+            assert make is not None
+            session = SessionClient(make, "worker", "/meshllm.v1.Worker/Generate")
+            try:
+                return [c async for c in session.generate({**request, "request_id": rid})]  # type: ignore[typeddict-item]
+            finally:
+                await session.aclose()
+
+        assert (await one_stream("before"))[-1]["finish_reason"] == "length"
+        # Replace the client's files with a certificate from a CA the worker does not trust.
+        foreign = DevPki.create(tmp_path / "elsewhere").issue("rotating-client")
+        files.key.write_bytes(foreign.key.read_bytes())
+        files.cert.write_bytes(foreign.cert.read_bytes())
+
+        async def refused() -> bool:
+            try:
+                await one_stream("after")
+            except Unavailable:
+                return True  # the worker refused the handshake: the new certificate was presented
+            return False
+
+        await wait_until(refused, timeout_s=10, what="a new TCP session with the new certificate")
 
 
 def test_unusable_tls_files_are_one_line_startup_errors(pki: Pki, tmp_path: Path) -> None:

@@ -110,18 +110,23 @@ class ChannelCache(AsyncCloseable):
             return None
         from meshllm.plane.tcp_session import TcpCall
 
+        self._follow_rotation()  # a new session presents the certificate files as they are now
         sec = self._security
         token, caller = (sec.token, sec.caller_id) if sec is not None else (None, self._caller_id)
         ctx = sec.ssl_context() if sec is not None else None
         limit = self._max_message_bytes
         return lambda: TcpCall(target, service, caller=caller, token=token, ssl_context=ctx, max_message_bytes=limit)
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        if self.closed:
-            raise Cancelled("channel cache is closed")
+    def _follow_rotation(self) -> None:
+        """When the certificate files changed: channels and TCP sessions made from now on use the new ones."""
         if self._security is not None and self._security.rotated():
             self._retired.extend(self._channels.values())  # in-flight calls finish on them; closed with the cache
             self._channels = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if self.closed:
+            raise Cancelled("channel cache is closed")
+        self._follow_rotation()
         ch = self._channels.get(address)
         if ch is None:
             if self._security is not None:
