@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -230,8 +231,12 @@ async def test_a_blackholed_worker_connection_loses_no_stream_and_the_worker_ser
         assert proxies[0].stats.bytes_dropped > 0
         before = proxies[0].stats.bytes_down
 
+        probes = itertools.count(100)
+
         async def w0_serves_again() -> bool:
-            done = await asyncio.gather(*(stream_completion(url, completion(100 + j, 4)) for j in range(4)))
+            # Fresh prompts each round: the kv router sends a prompt it saw back to the worker that cached it, so
+            # repeating the first round's prompts (served by w1 while w0 was still busy) would never reach w0.
+            done = await asyncio.gather(*(stream_completion(url, completion(next(probes), 4)) for _ in range(4)))
             assert all(r.ok for r in done), [r.error for r in done if not r.ok]
             return proxies[0].stats.bytes_down > before
 
