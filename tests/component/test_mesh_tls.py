@@ -122,7 +122,7 @@ async def test_reflection_answers_over_mtls(pki: Pki, mesh: SecureMesh) -> None:
 async def test_a_running_worker_serves_replaced_certificate_files_to_new_connections(pki: Pki, tmp_path: Path) -> None:
     files = pki.ca.issue("worker-v1")
     sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
-    config = WorkerConfig(engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=sec)
+    config = secure_worker_config(sec)
     async with await Worker.start(mocker(), config) as worker:
         port = int(worker.address.rsplit(":", 1)[1])
         tls = ssl_client(pki, pki.client, alpn=["h2"])
@@ -148,6 +148,14 @@ async def test_a_running_worker_serves_replaced_certificate_files_to_new_connect
             await old.close()
 
 
+def secure_worker_config(sec: MeshSecurity, *, session_port: int | None = None) -> WorkerConfig:
+    """An in-process mocker worker with `sec`, quiet (no canaries), its sessions on TCP too when `session_port` is set."""
+    return WorkerConfig(
+        engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=sec,
+        server=ServerConfig(session_port=session_port),
+    )  # fmt: skip
+
+
 async def _cn_is(port: int, ctx: ssl.SSLContext, cn: str) -> bool:
     return await peer_certificate_cn(port, ctx) == cn
 
@@ -171,10 +179,7 @@ async def test_a_workers_session_port_serves_replaced_certificate_files_to_new_c
     """The TCP session port (plane/tcp_session.py) follows certificate files as the gRPC port does."""
     files = pki.ca.issue("worker-v1")
     sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
-    config = WorkerConfig(
-        engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=sec,
-        server=ServerConfig(session_port=0),
-    )  # fmt: skip
+    config = secure_worker_config(sec, session_port=0)
     async with await Worker.start(mocker(), config) as worker:
         assert worker.server is not None and worker.server.session_port is not None
         port = worker.server.session_port
@@ -191,10 +196,7 @@ async def test_a_rotated_client_certificate_is_used_by_new_tcp_sessions(pki: Pki
     sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
     server_files = pki.ca.issue("worker-tcp")
     server_sec = MeshSecurity(tls=TlsConfig(cert=server_files.cert, key=server_files.key, ca=server_files.ca))
-    config = WorkerConfig(
-        engine="mocker", plane=PLANE, grace_period_s=0.0, health_check_interval_s=3600, security=server_sec,
-        server=ServerConfig(session_port=0),
-    )  # fmt: skip
+    config = secure_worker_config(server_sec, session_port=0)
     request = {"request_id": "r", "model": "mocker", "token_ids": [5, 6, 7], "stop": {"max_tokens": 2}}
     async with await Worker.start(mocker(), config) as worker, ChannelCache(security=sec) as channels:
         assert worker.server is not None

@@ -17,8 +17,8 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import psutil
 import pytest
+from net_support import holds_connection
 
 from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk, TokenRequest
@@ -42,12 +42,6 @@ async def start_worker(etcd: EtcdServer, nats: NatsServer, instance_id: str, *ex
     p = MeshllmProcess("worker", "--engine", "mocker", "--instance-id", instance_id, "--port", "0", "--grace-period", "0",
                 *MOCKER, *plane_flags(etcd, nats), *extra)  # fmt: skip
     return p, await p.address()
-
-
-def connected_to(pid: int, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to local `port`."""
-    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-               for c in psutil.Process(pid).net_connections("tcp"))  # fmt: skip
 
 
 async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
@@ -112,7 +106,7 @@ async def test_kill_9_of_a_worker_mid_stream_migrates_all_16_streams_token_ident
                 session = (await WorkerClient(channels, address).get_info(timeout_s=5)).instance.session_address
                 assert bool(session) == (carrier == "tcp"), session
                 if session:
-                    assert connected_to(router.proc.pid, int(session.rsplit(":", 1)[1])), session
+                    assert holds_connection(router.proc.pid, session), session
             at_kill = list(received)
             w1.kill9()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
 import pytest
+from net_support import holds_connection
 
 from meshllm.certs import DevPki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
@@ -21,7 +21,6 @@ from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.tls import TlsConfig
 from meshllm.testing.mesh import ProcessMesh, stream_completion
-from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer
 from meshllm.testing.waiting import wait_until
 from meshllm.worker.client import WorkerClient
@@ -29,14 +28,6 @@ from meshllm.worker.client import WorkerClient
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 TOKEN = "tcp-sessions-test-token-0123456789"
-
-
-def connected_to(proc: MeshllmProcess, address: str) -> bool:
-    port = int(address.rsplit(":", 1)[1])
-    return any(
-        c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-        for c in psutil.Process(proc.proc.pid).net_connections("tcp")
-    )
 
 
 def tls_flags(pki: DevPki, name: str) -> list[str]:
@@ -80,10 +71,10 @@ async def test_completions_stream_through_router_and_workers_over_tcp_sessions(
             assert result.ok and result.usage is not None and result.usage["completion_tokens"] == 24, result
         # Round-robin put requests on both workers: the router holds a session connection to each one's TCP port.
         for address in sessions:
-            assert connected_to(router, address), address
+            assert holds_connection(router.proc.pid, address), address
         frontend = procs.procs[-1]
         plane = PlaneConfig(discovery=DiscoveryKind.ETCD, etcd_endpoints=(etcd.endpoint,), events=EventsKind.NONE)
         async with await open_discovery(plane) as discovery:
             (record,) = (await discovery.list_instances("router")).values()
         assert record.address == router_address and record.session_address, record
-        assert connected_to(frontend, record.session_address), record.session_address
+        assert holds_connection(frontend.proc.pid, record.session_address), record.session_address

@@ -30,6 +30,7 @@ from meshllm.ports import check_free
 
 if TYPE_CHECKING:
     from meshllm.plane.auth import MeshSecurity
+    from meshllm.plane.session import SessionServer
     from meshllm.plane.tcp_session import TcpSessionServer
 
 __all__ = ["GrpcServer", "ServiceBinding", "abort_with", "start_server"]
@@ -48,7 +49,7 @@ class ServiceBinding:
     # long-lived calls (Generate sessions) end once their streams have.
     closing: Callable[[], None] | None = None
     # The service's SessionServer: also served on TCP when the config has a session port (plane/tcp_session.py).
-    sessions: Any = None
+    sessions: SessionServer | None = None
 
 
 class GrpcServer(AsyncCloseable):
@@ -164,7 +165,7 @@ async def start_server(
 
 
 async def _start_tcp_sessions(
-    config: ServerConfig, sessions: dict[str, Any], security: MeshSecurity | None
+    config: ServerConfig, sessions: dict[str, SessionServer], security: MeshSecurity | None
 ) -> tuple[TcpSessionServer, list[asyncio.Task[None]]]:
     """Serve `sessions` (service name → SessionServer) on TCP with the gRPC server's TLS and mesh token."""
     from meshllm.plane.tcp_session import TcpSessionServer

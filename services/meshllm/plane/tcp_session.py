@@ -41,13 +41,16 @@ import socket
 import ssl
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
 from meshllm.errors import CannotConnect, Disconnected, FailedPrecondition, InvalidArgument, MeshError, error_from_code
 from meshllm.plane.auth import session_scope
 from meshllm.v1 import session_pb2
+
+if TYPE_CHECKING:
+    from meshllm.plane.session import SessionServer
 
 __all__ = ["DOWN", "END", "HELLO", "UP", "FrameReader", "TcpCall", "TcpSessionServer", "encode_frame"]
 
@@ -141,7 +144,7 @@ class _Conn(asyncio.Protocol):
 
     def write(self, kind: int, payload: bytes) -> None:
         if self.transport is not None and not self.lost:
-            self.transport.write(HEADER.pack(kind, len(payload)) + payload)
+            self.transport.write(encode_frame(kind, payload))
 
     async def drain(self) -> None:
         """Wait while the kernel's buffer is full (the peer reads slowly)."""
@@ -282,7 +285,7 @@ class TcpSessionServer:
 
     def __init__(
         self,
-        services: Mapping[str, Any],
+        services: Mapping[str, SessionServer],
         *,
         host: str,
         port: int,
@@ -290,7 +293,7 @@ class TcpSessionServer:
         ssl_context: ssl.SSLContext | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
     ) -> None:
-        self.services = dict(services)  # name → SessionServer
+        self.services = dict(services)
         self.host = host
         self.requested_port = port
         self.token = token
@@ -416,7 +419,7 @@ class _ServerConn:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
 
-    async def _serve(self, server: Any, identity: str) -> None:
+    async def _serve(self, server: SessionServer, identity: str) -> None:
         session_scope.set(identity)  # this task's streams belong to the session's caller
         conn = self.conn
         end: dict[str, str] = {"code": "", "message": ""}
