@@ -33,8 +33,10 @@ import contextlib
 import importlib.util
 import math
 import os
+import random
 import re
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -264,6 +266,8 @@ async def measure(
                 ok = [r for r in records[kind] if r.error is None]
                 prompt = sum(r.prompt_tokens for r in ok)
                 row["cached_ratio"] = sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan
+                if w.concurrency == 1:  # request j of every system had the same prompt: paired_ttft() compares them
+                    row["ttfts"] = [r.ttft if r.error is None else None for r in records[kind]]
                 rows[kind][w.name] = row
                 print(
                     f"  {label} {kind:6} {w.name:32} TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 "
@@ -288,6 +292,18 @@ async def measure_group(
     async with contextlib.AsyncExitStack() as stack:
         systems = {k: await stack.enter_async_context(table[k](model, threads)) for k in kinds}
         return await measure(systems, model, label, requests, workloads)
+
+
+def paired_ttft(mine: Sequence[float | None], base: Sequence[float | None], seed: int = 0) -> tuple[float, float, float]:
+    """Median over prompts of (this system's TTFT ÷ the baseline's on the same prompt), with a 90 % bootstrap
+    interval (2,000 resamples of the prompts). Each pair shares its prompt and its minute of this machine's
+    drifting speed, so the ratio's spread is the systems' own, not the machine's."""
+    ratios = sorted(m / b for m, b in zip(mine, base, strict=False) if m is not None and b)
+    if not ratios:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return statistics.median(ratios), medians[100], medians[1899]
 
 
 def ratio(a: float, b: float) -> str:
@@ -379,6 +395,7 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
                 ok = mine / theirs >= limit if up else mine / theirs <= limit
                 cells.append(f"{ratio(mine, theirs)} {'met' if ok else '**missed**'}")
             lines.append(f"| {group} | {kind} | " + " | ".join(cells) + " |")
+    lines += paired_lines(results, measured)
     if engine == "llama.cpp":
         lines += [
             "",
@@ -395,6 +412,35 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
         if "c4-decode" in names:
             lines += ["", front_sentence(results, names["c4-decode"])]
     return "\n".join(lines)
+
+
+def paired_lines(results: dict[str, dict[str, dict[str, dict[str, Any]]]], measured: Sequence[Workload]) -> list[str]:
+    """The c=1 TTFTs compared prompt by prompt (`paired_ttft`): the same question as the p50 ratio above, with the
+    machine's drift between prompts taken out, and an interval that says how sure the run is."""
+    lines = [
+        "",
+        "TTFT prompt by prompt at c=1: the median over prompts of meshllm's TTFT ÷ the server's on the same prompt, "
+        "with a 90 % bootstrap interval. It asks what the p50 ratio asks, with this machine's drift between prompts "
+        "taken out; an interval that holds 1.0 means the run cannot tell the two apart.",
+        "",
+        "| group | system | " + " | ".join(w.name for w in measured if w.concurrency == 1) + " |",
+        "|---|---|" + "---|" * sum(w.concurrency == 1 for w in measured),
+    ]
+    for group, systems in results.items():
+        base_kind = next((k for k in BASELINE if k in systems), None)
+        if base_kind is None:
+            continue
+        for kind, rows in systems.items():
+            if kind == base_kind:
+                continue
+            cells = []
+            for w in measured:
+                if w.concurrency != 1:
+                    continue
+                mid, lo, hi = paired_ttft(rows[w.name].get("ttfts", []), systems[base_kind][w.name].get("ttfts", []))
+                cells.append("–" if math.isnan(mid) else f"{mid:.3f}× ({lo:.3f}–{hi:.3f})")
+            lines.append(f"| {group} | {kind} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def batching_sentence(results: dict[str, dict[str, dict[str, dict[str, Any]]]], workload: str) -> str:

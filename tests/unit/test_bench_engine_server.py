@@ -62,3 +62,29 @@ def test_a_run_of_some_workloads_reports_only_those(monkeypatch: pytest.MonkeyPa
     assert "| group | system | TTFT p50 repeated prefix (≤ 1.03) |" in text
     assert "| llama.cpp T=1 | split | 0.95× met |" in text
     assert "300 tokens, c=1 |" not in text
+
+
+def test_paired_ttft_compares_prompt_by_prompt_and_says_how_sure() -> None:
+    """Locks: the median of per-prompt ratios, unmoved by a drift that slows both systems alike; its interval
+    holds the true ratio, excludes 1.0 for a system 10 % slower on every prompt, and failed requests drop out."""
+    es = load_bench("engine_server")
+    base = [100.0 * (1 + j / 10) for j in range(12)]  # the machine slows down over the run
+    slower = [b * 1.10 for b in base]
+    mid, lo, hi = es.paired_ttft(slower, base)
+    assert mid == pytest.approx(1.10) and lo == pytest.approx(1.10) and hi == pytest.approx(1.10)
+    noisy = [b * (1.10 + (0.04 if j % 2 else -0.04)) for j, b in enumerate(base)]
+    mid, lo, hi = es.paired_ttft([*noisy, None], [*base, 100.0])
+    assert 1.0 < lo <= mid <= hi and lo <= 1.10 <= hi
+    assert all(math.isnan(x) for x in es.paired_ttft([None], [1.0]))
+
+
+def test_the_report_shows_paired_ttft_for_c1_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: the report's prompt-by-prompt table has a cell per c=1 workload, from the rows' TTFT lists."""
+    es = load_bench("engine_server")
+    monkeypatch.setattr(es, "llama_cpp_build", lambda: "llama-cpp-python x")
+    prefix = next(w for w in es.WORKLOADS if w.key == "prefix")
+    server = _row(100.0, 10.0, 1.0) | {"ttfts": [0.1, 0.2, 0.3]}
+    run = _row(95.0, 9.0, 1.0) | {"ttfts": [0.09, 0.18, 0.27]}
+    results = {"llama.cpp T=1": {"server": {prefix.name: server}, "run": {prefix.name: run}}}
+    text = es.report("llama.cpp", results, argparse.Namespace(requests=5), "quiet machine")
+    assert "| llama.cpp T=1 | run | 0.900× (0.900–0.900) |" in text
