@@ -12,14 +12,11 @@ import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from routing_cases import Result, Scenario, Setup
 from runinfo import load_sentence, machine, today, versions
 
 from meshllm.router.policy import REUSED_EVICT_COST
-
-if TYPE_CHECKING:
-    from routing import Result, Scenario, Setup
 
 __all__ = ["FOOT", "Row", "merge", "render"]
 

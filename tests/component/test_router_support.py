@@ -18,6 +18,7 @@ from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
@@ -60,7 +61,7 @@ async def collect_via(core: RouterCore, req: TokenRequest, via: str) -> tuple[li
     """
     got: list[TokenChunk] = []
     yielded = 0
-    async for chunk in core.generate(req, sink=got.append if via == "sink" else None):
+    async for chunk in core.generate(req, call=CallInfo(relay=got.append if via == "sink" else None)):
         got.append(chunk)
         yielded += 1
     return got, yielded

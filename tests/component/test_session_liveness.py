@@ -27,7 +27,8 @@ from meshllm import errors
 from meshllm.config import ConfigError
 from meshllm.engine.base import Context
 from meshllm.engine.sample import SampleEngine
-from meshllm.plane.channels import ChannelCache, SessionLiveness
+from meshllm.plane.channels import ChannelCache
+from meshllm.plane.liveness import SessionLiveness
 from meshllm.plane.session import SessionClient
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest

@@ -3,8 +3,8 @@
 A relay (the router process) forwards a worker session's chunks into its
 caller's session. `SessionClient.generate(sink=...)` calls the sink from the
 session's reader with each non-terminal chunk, and the iterator yields only
-the terminal; `SessionServer(relay=...)` gives its relay handler a sink whose
-chunks are sent as if yielded. Locks: the sink sees every token in order
+the terminal; `SessionServer(relays=True)` gives its handler's calls a sink
+(`CallInfo.relay`) whose chunks are sent as if yielded. Locks: the sink sees every token in order
 before the iterator's terminal; a sink that raises fails its own stream
 (Unknown, nothing of it passed on after) and no other, and the server stops
 that stream; nothing reaches a sink after its stream is dropped;
@@ -37,7 +37,7 @@ from session_support import (
 from meshllm import errors
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.session import SessionServer
-from meshllm.plane.transport import CallInfo, ChunkSink
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 
@@ -154,10 +154,12 @@ class RelayWorker(SessionWorker):
 
     def __init__(self) -> None:
         super().__init__(counted_handler)
-        self.sessions = SessionServer(counted_handler, METHOD, min_interval_s=0.0, relay=self.relay)
+        self.sessions = SessionServer(self.relay, METHOD, min_interval_s=0.0, relays=True)
 
-    def relay(self, request: TokenRequest, call: CallInfo, sink: ChunkSink) -> AsyncIterator[TokenChunk]:
+    def relay(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         k = int(request.get("annotations", {})["k"])
+        sink = call.relay
+        assert sink is not None
 
         async def run() -> AsyncIterator[TokenChunk]:
             yield {"token_ids": [10_000 + k]}  # yielded before anything goes to the sink

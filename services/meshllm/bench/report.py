@@ -23,39 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from meshllm.bench.record import RequestRecord
+from meshllm.bench.slo import meets
 
 __all__ = ["LevelResult", "RequestRecord", "percentile", "summarize"]
 
 _MS = 1000.0
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One request's timings (seconds) and token counts."""
-
-    ttft: float | None = None
-    e2e: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the endpoint reports it
-    events: int = 0  # SSE events that carried text
-    error: str | None = None
-    intended_prompt_tokens: int | None = None  # what the generator built the prompt to count, when it knows
-
-    @property
-    def tpot(self) -> float | None:
-        """Seconds per output token after the first; None with fewer than two tokens."""
-        if self.error is not None or self.ttft is None or self.completion_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
-
-    @property
-    def mean_itl(self) -> float | None:
-        """This request's mean gap between events with text; None with fewer than two events."""
-        return sum(self.gaps) / len(self.gaps) if self.gaps else None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -156,8 +132,6 @@ def summarize(
     slo: Mapping[str, float] | None = None,
 ) -> LevelResult:
     """One level's figures from its request records (see the module docstring)."""
-    from meshllm.bench.slo import meets
-
     ok = [r for r in records if r.error is None]
     errors = [r for r in records if r.error is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from meshllm.bench.report import RequestRecord
+from meshllm.bench.record import RequestRecord
 
 __all__ = ["SLO_METRICS", "meets", "parse_slo"]
 

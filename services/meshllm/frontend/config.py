@@ -36,7 +36,7 @@ from meshllm.frontend.reasoning import REASONING_PARSERS
 from meshllm.frontend.tools import TOOL_PARSERS
 from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.channels import SessionLiveness
+from meshllm.plane.liveness import SessionLiveness
 from meshllm.plane.tls import TlsConfig
 from meshllm.router.config import RouterMode, add_liveness_args, check_health_flags
 
@@ -89,7 +89,6 @@ class FrontendConfig:
     router_addresses: tuple[str, ...] = ()
     router_wait_s: float = DEFAULT_ROUTER_WAIT_S  # how long a request waits while no router replica can be reached
     router_mode: str = "kv"
-    worker_component: str = "worker"
     max_inflight: int = 4096  # 0 = unlimited
     retry_after_s: float = 1.0
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -214,7 +213,6 @@ class FrontendConfig:
             router_addresses=routers,
             router_wait_s=ns.router_wait_s,
             router_mode=ns.router_mode,
-            worker_component=endpoint[1] if endpoint is not None else ns.worker_component,
             max_inflight=ns.max_inflight,
             retry_after_s=ns.retry_after,
             max_body_bytes=ns.max_body_bytes,
@@ -280,7 +278,6 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
         help="seconds a request waits for a router replica to be reachable (restart) before 503",
     )  # fmt: skip
     g.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="policy of the embedded routing core")
-    g.add_argument("--worker-component", default="worker", help="discovery component of the workers (embedded core)")
     g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
     g.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds sent with 429")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")

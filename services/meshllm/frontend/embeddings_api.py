@@ -22,15 +22,14 @@ import base64
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from meshllm.errors import InvalidArgument, MeshError, StreamIncomplete, error_from_code
 from meshllm.frontend.inference import Completion
-from meshllm.protocol.openai import TextRequest
 from meshllm.protocol.openai.extensions import request_fields
+from meshllm.protocol.openai.request import EmbeddingsRequest
 from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import UINT32_MAX
 from meshllm.protocol.validate import bad as _bad
@@ -39,13 +38,6 @@ __all__ = ["MAX_INPUTS", "EmbeddingsRequest", "collect", "events", "parse_embedd
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 FIELDS = frozenset({"model", "input", "encoding_format", "dimensions"})
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EmbeddingsRequest(TextRequest):
-    """An embeddings request as the completion path runs it (one prompt per input)."""
-
-    encoding_format: str = "float"
 
 
 def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:

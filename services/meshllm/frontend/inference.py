@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
 from meshllm.frontend.auth import ANONYMOUS
-from meshllm.frontend.capabilities import check_capabilities
+from meshllm.frontend.capability_checks import check_capabilities
 from meshllm.frontend.metrics import FrontendMetrics, ObservationBatch
 from meshllm.frontend.models import ModelRegistry, ServedModel, Tokenization
 from meshllm.frontend.output_parsers import OutputParser, ParserChoice
 from meshllm.frontend.postprocess import ChoiceStream, Delta
-from meshllm.frontend.preprocess import Plan, preprocess, prompt_logprobs_asked
+from meshllm.frontend.preprocess import Plan, preprocess
 from meshllm.frontend.upstream import Upstream
 from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.transport import CallInfo
@@ -150,7 +150,7 @@ class Completion:
         self.created = int(time.time())
         self.call = call
         self.t0 = t0
-        prompt_logprobs = prompt_logprobs_asked(req) is not None
+        prompt_logprobs = req.prompt_logprobs_asked() is not None
         self.choices = [
             ChoiceStream(
                 i,

@@ -19,7 +19,7 @@ from meshllm.frontend.tokenizer import encode_async
 from meshllm.protocol.openai import TextRequest
 from meshllm.protocol.types import OutputSettings, SamplingSettings, StopSettings, TokenRequest
 
-__all__ = ["Plan", "Prompt", "preprocess", "prompt_logprobs_asked"]
+__all__ = ["Plan", "Prompt", "preprocess"]
 
 _RESERVED = frozenset({"messages", "add_generation_prompt", "tools"})
 
@@ -98,13 +98,6 @@ def _max_tokens(req: TextRequest, prompt_len: int, context_length: int, param: s
     return req.max_tokens
 
 
-def prompt_logprobs_asked(req: TextRequest) -> int | None:
-    """Alternatives per prompt token the engine must compute: `prompt_logprobs`, or completions' `echo` + `logprobs`."""
-    echoed = req.logprobs if req.kind == "completion" and req.echo else None  # chat echo is the answer's opening
-    asked = [k for k in (req.prompt_logprobs, echoed) if k is not None]
-    return max(asked) if asked else None
-
-
 async def preprocess(
     req: TextRequest,
     model: ServedModel,
@@ -128,7 +121,7 @@ async def preprocess(
     output = OutputSettings(skip_special_tokens=req.skip_special_tokens)
     if req.logprobs is not None:
         output["logprobs"] = req.logprobs
-    if (k := prompt_logprobs_asked(req)) is not None:
+    if (k := req.prompt_logprobs_asked()) is not None:
         output["prompt_logprobs"] = k
     eos = list(tk.eos_token_ids)
     requests: list[TokenRequest] = []

@@ -14,13 +14,15 @@ outbox holds as one message whenever it has something. While a write waits
 (the client reads slowly), later tokens of a stream are merged into its
 pending chunk (`meshllm.protocol.chunks`), so nothing blocks the engine and
 memory stays bounded by tokens, not messages. Tokens reach the client as soon
-as they exist when it keeps up: the writer wakes on the first push. A relay
-server (`relay=`, the router) also gives each stream's handler a sink
-into the outbox, so chunks a relay receives from its own peers' sessions
-(`SessionClient.generate(sink=...)`) go out without waking the stream's task.
+as they exist when it keeps up: the writer wakes on the first push. A server
+whose handler relays (`relays=True`: the router, a worker whose engine takes
+chunks from its step loop) also gives each stream's call a sink into the
+outbox (`CallInfo.relay`), so chunks made elsewhere (a router's peer sessions,
+`SessionClient.generate(sink=...)`) go out without waking the stream's task.
 
 Client side: `SessionClient` (plane/session_client.py, re-exported here).
-`generate_to` chooses between a peer in this process and the session to it.
+`plane/peers.py`'s `generate_to` chooses between a peer in this process and
+the session to it.
 
 Liveness (`SessionLiveness`, docs/architecture.md "Stall detection"): a
 server with open streams that has sent nothing for `HEARTBEAT_S` sends an
@@ -35,8 +37,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import context as otel_context
@@ -52,26 +53,21 @@ from meshllm.errors import (
     Unknown,
     log_unexpected,
 )
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.local import LocalPeers
 from meshllm.plane.session_client import SessionClient
 from meshllm.plane.session_client import wake as _wake
-from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, ChunkSink, GenerateHandler
+from meshllm.plane.transport import DEFAULT_STREAM_INTERVAL_S, CallInfo, GenerateHandler
 from meshllm.protocol.chunks import coalescing, merge_into, mergeable
 from meshllm.protocol.convert import chunk_into_proto, request_from_proto
-from meshllm.protocol.types import TokenChunk, TokenRequest
+from meshllm.protocol.types import TokenChunk
 from meshllm.tracing import tracer, tracing_enabled
 from meshllm.v1 import session_pb2
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "HEARTBEAT_S",
-    "RelayHandler",
     "SessionClient",
     "SessionHandler",
     "SessionServer",
-    "generate_to",
-    "session_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,8 +76,6 @@ DEFAULT_INTERVAL_S = DEFAULT_STREAM_INTERVAL_S
 # A server's heartbeat interval: well under the least stall bound a client accepts (1 s).
 HEARTBEAT_S = 0.5
 SessionHandler = GenerateHandler
-# A Generate handler that may pass non-terminal chunks to a sink instead of yielding them (SessionServer's `relay`).
-RelayHandler = Callable[[TokenRequest, CallInfo, ChunkSink], AsyncIterator[TokenChunk]]
 
 
 # ---------------------------------------------------------------- server
@@ -103,13 +97,12 @@ class SessionServer:
         *,
         min_interval_s: float = DEFAULT_INTERVAL_S,
         heartbeat_s: float = HEARTBEAT_S,
-        relay: RelayHandler | None = None,
+        relays: bool = False,
     ) -> None:
         self.handler = handler
-        # When set, streams run this instead of `handler` (the same stream), with a ChunkSink of the stream as
-        # third argument: what it passes there is sent as if yielded, without the stream's task waking for it
-        # (the router forwards worker chunks so).
-        self.relay = relay
+        # True: each stream's CallInfo.relay is a sink into the outbox. What the handler passes there is sent as if
+        # yielded, without the stream's task waking for it (the router forwards worker chunks so).
+        self.relays = relays
         self.min_interval_s = min_interval_s
         self.heartbeat_s = heartbeat_s  # an empty SessionDown after this long without a message while streams are open
         self.method = method  # the span name of each stream when tracing records, e.g. "/meshllm.v1.Worker/Generate"
@@ -276,12 +269,8 @@ class _ServerSession:
             token = otel_context.attach(trace.set_span_in_context(span))
         try:
             deadline = time.monotonic() + op.timeout_s if op.timeout_s > 0 else None
-            request, info = request_from_proto(op.request), CallInfo(tp, deadline)
-            relay = self.server.relay
-            if relay is not None:
-                stream = relay(request, info, functools.partial(self.push, sid))
-            else:
-                stream = self.server.handler(request, info)
+            relay = functools.partial(self.push, sid) if self.server.relays else None
+            stream = self.server.handler(request_from_proto(op.request), CallInfo(tp, deadline, relay))
             try:
                 if deadline is None:
                     await self._pump(sid, stream)
@@ -327,52 +316,3 @@ class _ServerSession:
                     self.ended.add(sid)
         if not ended:
             raise StreamIncomplete("the stream ended without a terminal chunk")
-
-
-# ---------------------------------------------------------------- choosing the way
-
-
-def session_key(service: str) -> str:
-    """The `ChannelCache.shared` key of a process's session to a `service` ("Worker", "Router")."""
-    return f"{service.lower()}-session"
-
-
-def generate_to(
-    channels: ChannelCache,
-    address: str,
-    service: str,
-    request: TokenRequest,
-    call: CallInfo | None = None,
-    sink: ChunkSink | None = None,
-) -> AsyncIterator[TokenChunk]:
-    """One Generate stream to `meshllm.v1.<service>` at `address`.
-
-    A peer living in this very process (`channels.local`, meshllm run) is
-    called directly (plane/local.py); any other goes over the process's one
-    GenerateSession call to it. `sink` is `SessionClient.generate`'s: a
-    session stream hands it the non-terminal chunks; a local one has none to
-    save (no reader task stands between) and yields every chunk.
-    """
-    info = call or CallInfo()
-    local: LocalPeers | None = channels.local
-    peer = local.get(address) if local is not None else None
-    if peer is not None:
-        return peer.generate(request, info)
-
-    def make(channel: grpc.aio.Channel) -> SessionClient:
-        grpc_call = channel.stream_stream(
-            f"/meshllm.v1.{service}/GenerateSession",
-            request_serializer=session_pb2.SessionUp.SerializeToString,
-            response_deserializer=session_pb2.SessionDown.FromString,
-        )
-
-        def open_call() -> Any:
-            # Each new session (the first, or the next after a break) goes where the peer serves them now.
-            tcp = channels.session_call(address, service)
-            return tcp() if tcp is not None else grpc_call()
-
-        peer, method = f"{service.lower()} {address}", f"/meshllm.v1.{service}/Generate"
-        return SessionClient(open_call, peer, method, liveness=channels.liveness)
-
-    session = channels.shared(address, session_key(service), make)
-    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline, sink=sink)

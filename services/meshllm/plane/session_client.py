@@ -42,7 +42,7 @@ from meshllm.errors import (
     log_unexpected,
 )
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.channels import SessionLiveness
+from meshllm.plane.liveness import SessionLiveness
 from meshllm.plane.transport import ChunkSink, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -152,13 +152,25 @@ async def translate_stream(call: AsyncIterator[T]) -> AsyncIterator[T]:
 
 @dataclass(frozen=True, slots=True)
 class CallInfo:
-    """What travels with a call hop by hop: the trace parent and the deadline.
+    """What travels with a call hop by hop: the trace parent and the deadline, and where its chunks may go.
 
     `deadline` is a `time.monotonic()` instant (None = no deadline).
+
+    `relay`: set by the stream's own transport when it can take non-terminal
+    chunks straight from whoever makes them (a GenerateSession stream's
+    outbox). A handler may then pass such chunks to `relay(chunk)` instead of
+    yielding them, and they are sent as if yielded, without waking the
+    stream's task; the terminal is always yielded. A handler that ignores it
+    loses nothing. Not part of the call's identity, and never sent on.
     """
 
     traceparent: str | None = None
     deadline: float | None = None
+    relay: ChunkSink | None = field(default=None, compare=False, repr=False)
+
+    def relaying(self, relay: ChunkSink | None) -> CallInfo:
+        """This call with another relay (None: every chunk is yielded)."""
+        return CallInfo(self.traceparent, self.deadline, relay)
 
     @classmethod
     def from_context(cls, context: grpc.aio.ServicerContext) -> CallInfo:

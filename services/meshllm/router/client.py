@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from meshllm.plane.channels import ChannelCache
-from meshllm.plane.session import generate_to, session_key
+from meshllm.plane.peers import generate_to, session_key
 from meshllm.plane.transport import CallInfo, translate_errors, unary_generate
 from meshllm.protocol.convert import hints_into_proto, wire_range
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest

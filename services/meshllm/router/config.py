@@ -29,7 +29,7 @@ from meshllm.config import (
     server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.channels import SessionLiveness
+from meshllm.plane.liveness import SessionLiveness
 
 __all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "add_liveness_args", "check_health_flags", "router_arg_parser"]
 

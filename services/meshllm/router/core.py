@@ -36,17 +36,18 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery
 from meshllm.plane.events import EventBus, NullEventBus
-from meshllm.plane.transport import CallInfo, ChunkSink
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
+from meshllm.router.decision import Decision, Plan
 from meshllm.router.feed import EventFeed
 from meshllm.router.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
 from meshllm.router.kv_index import KvIndex, SlotCapacities, SlotKey
 from meshllm.router.kv_pull import PeerPrefix, PullDecision, decide_pull
 from meshllm.router.load import LoadTracker, SlotLoad
 from meshllm.router.metrics import RouterMetrics
-from meshllm.router.policy import REUSED_EVICT_COST, Candidate, KvPolicy, make_policy, score
+from meshllm.router.policy import Candidate, KvPolicy, make_policy, score
 from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.stream import serve
 from meshllm.router.sync import ReplicaSync
@@ -61,54 +62,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # hashing size for models whose engine does not page its cache
 HOUSEKEEPING_S = 1.0
-
-
-@dataclass(slots=True)
-class Decision:
-    """A routing decision with everything that led to it."""
-
-    chosen: Candidate
-    candidates: list[Candidate]  # those scored: every eligible one, or at fleet scale those that could win (fleet.py)
-    role: int
-    policy: str
-    block_size: int
-    prompt_blocks: int
-    overlap_weight: float = 0.0
-    capacity_weight: float = 0.0
-    wait_weight: float = 0.0
-    block_ms: float = 0.0  # the model's measured prefill time per block (0 = unknown)
-    fixed_ms: float = 0.0  # the model's measured fixed time of a prefill step (0 = unknown)
-    pull: PullDecision | None = None  # prefill pool: the peer prefix pull considered (kv_pull.py)
-
-    def to_proto(self) -> router_pb2.RouteDecision:
-        c = self.chosen
-        return router_pb2.RouteDecision(
-            worker_id=c.worker_id, dp_rank=c.dp_rank, address=c.address, role=self.role,  # type: ignore[arg-type]
-            policy=self.policy, prompt_blocks=self.prompt_blocks, block_size=self.block_size,
-            overlap_weight=self.overlap_weight, capacity_weight=self.capacity_weight,
-            wait_weight=self.wait_weight, prefill_ms_per_block=self.block_ms, reused_evict_cost=REUSED_EVICT_COST,
-            prefill_fixed_ms=self.fixed_ms,
-            candidates=[
-                router_pb2.CandidateScore(
-                    worker_id=k.worker_id, dp_rank=k.dp_rank, overlap_blocks=k.overlap_blocks,
-                    prefill_tokens=k.prefill_tokens, decode_blocks=k.decode_blocks, cost=k.cost, address=k.address,
-                    queued_prefill_tokens=k.queued_prefill_tokens, in_flight=k.in_flight, prefilling=k.prefilling,
-                    total_blocks=k.total_blocks,
-                    resident_blocks=k.cached_blocks, new_blocks=k.new_blocks, evicted_hot_blocks=k.evicted_hot_blocks,
-                    pressure=k.pressure, step_ms=k.step_ms, wait_blocks=k.wait_blocks,
-                    restore_blocks=k.restore_blocks, evict_ratio=k.evict_ratio, no_room=k.no_room,
-                    lower_tiers=[
-                        router_pb2.TierOverlap(
-                            tier=r.tier, blocks=k.lower_blocks.get(r.tier, 0),  # type: ignore[arg-type]
-                            restore_ms_per_block=r.ms_per_block, restore_ratio=r.ratio,
-                        )
-                        for r in k.restore
-                    ],
-                )
-                for k in self.candidates
-            ],
-            kv_pull=self.pull.to_proto() if self.pull is not None else None,
-        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -128,15 +81,6 @@ class _Ask:
 def _order(c: Candidate) -> tuple[bool, float, int, int, int, str, int]:
     """`KvPolicy`'s order at temperature 0: candidates with room first, then its tie key."""
     return (c.no_room, c.cost, c.decode_blocks, c.in_flight, c.cached_blocks, c.worker_id, c.dp_rank)
-
-
-@dataclass(slots=True)
-class Plan:
-    """Where one attempt runs: `main` (aggregated or decode) and, when disaggregated, `prefill`."""
-
-    main: Decision
-    prefill: Decision | None
-    hashes: list[int]
 
 
 class RouterCore(AsyncCloseable):
@@ -226,13 +170,11 @@ class RouterCore(AsyncCloseable):
         await self.sync.aclose()
 
     # ------------------------------------------------------------ public API
-    def generate(
-        self, request: TokenRequest, *, call: CallInfo | None = None, sink: ChunkSink | None = None
-    ) -> AsyncIterator[TokenChunk]:
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Route and stream one request (migrated when a worker breaks).
 
-        With a `sink`, the non-terminal chunks that arrive over a worker
-        session go to it as they arrive (a relay: `SessionClient.generate`),
+        With a `call.relay`, the non-terminal chunks that arrive over a worker
+        session go to it as they arrive (`SessionClient.generate`'s sink),
         and the iterator yields the rest: the terminal, and every chunk the
         stream makes itself (a disaggregated request's first tokens, an
         in-process worker's chunks, an error terminal after migration).
@@ -255,7 +197,7 @@ class RouterCore(AsyncCloseable):
         if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
             req["eos_token_ids"] = list(card.eos_token_ids)
         self.metrics.requests.inc()
-        return serve(self, req, call, sink)
+        return serve(self, req, call)
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None

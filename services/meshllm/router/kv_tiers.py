@@ -18,13 +18,18 @@ enum value is nearer).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, KeysView, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from meshllm.router.kv_index import BlockMap
+__all__ = ["DeviceBlocks", "LowerTiers", "TierOverlap"]
 
-__all__ = ["LowerTiers", "TierOverlap"]
+
+class DeviceBlocks(Protocol):
+    """What the tiers read of the device index (`kv_index.BlockMap`, which builds on this module)."""
+
+    masks: dict[int, int]  # block hash -> bitmask of the slots holding it
+    blocks: list[OrderedDict[int, int]]  # per slot: its block hashes (-> reuses)
 
 
 class TierOverlap(NamedTuple):
@@ -103,8 +108,9 @@ class LowerTiers:
     def holds_any(self, slot: int) -> bool:
         return any(by_slot.get(slot) for by_slot in self.sets.values())
 
-    def served(self, hashes: Sequence[int], device: BlockMap, starts: Mapping[int, int]) -> dict[int, TierOverlap]:
+    def served(self, hashes: Sequence[int], device: DeviceBlocks, starts: Mapping[int, int]) -> dict[int, TierOverlap]:
         """Per slot of `starts` (slot -> blocks already served), what its tiers serve next (see the module docstring).
+
 
         Only slots holding lower-tier blocks are considered, and only those
         that serve at least one more block are in the answer.

@@ -26,7 +26,7 @@ from meshllm.router.policy import REUSED_EVICT_COST
 from meshllm.v1 import events_pb2
 
 if TYPE_CHECKING:
-    from meshllm.router.core import Decision
+    from meshllm.router.decision import Decision
 
 __all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict", "request_tag"]
 

@@ -16,7 +16,7 @@ import grpc
 from meshllm.errors import InvalidArgument
 from meshllm.plane.server import ServiceBinding
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
-from meshllm.plane.transport import CallInfo, ChunkSink
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, hints_from_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate, validate_prompt
@@ -33,26 +33,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def __init__(self, core: RouterCore, *, stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.core = core
-        self.sessions = SessionServer(
-            self.generate, "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s, relay=self.relay
-        )
+        self.sessions = SessionServer(self.generate, "/meshllm.v1.Router/Generate", min_interval_s=stream_interval_s, relays=True)
 
     def _limits(self, model: str) -> Limits:
         card = self.core.pool.card(model)
         return Limits(context_length=card.context_length) if card is not None else Limits()
 
     def generate(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
-        """One validated request through the core (a Generate call: every chunk through its iterator)."""
-        return self.relay(request, call, None)
-
-    def relay(self, request: TokenRequest, call: CallInfo, sink: ChunkSink | None) -> AsyncIterator[TokenChunk]:
-        """One validated request through the core; a GenerateSession stream's worker chunks go to `sink`.
+        """One validated request through the core; a GenerateSession stream's worker chunks go to `call.relay`.
 
         Validates at the call (both callers turn the error into the stream's) and returns the core's
         stream itself: no extra generator layer per chunk.
         """
         validate_generate(request, self._limits(self.core.resolve_model(request.get("model", ""))))
-        return self.core.generate(request, call=call, sink=sink)
+        return self.core.generate(request, call=call)
 
     async def GenerateSession(
         self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext

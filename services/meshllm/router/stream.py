@@ -13,7 +13,7 @@ request (EOS, stop, max_tokens reached, no params) is passed on as the
 stream's terminal.
 
 Relay: a stream of the router's GenerateSession service (RouterServicer) has
-a sink. Its worker legs' non-terminal chunks then skip this generator chain:
+a sink (`CallInfo.relay`). Its worker legs' non-terminal chunks then skip this generator chain:
 the worker session's reader hands each one to the leg's sink, which does the
 leg's bookkeeping and the migration state's and pushes it into the caller's
 session, so a token wakes no task here. The chain still carries the
@@ -32,36 +32,68 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from itertools import count
+from typing import Protocol
 
 from meshllm.errors import MeshError
 from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.kv import prefix_handle
-from meshllm.protocol.types import TokenChunk, TokenRequest
+from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
+from meshllm.router.decision import Decision, Plan
+from meshllm.router.kv_index import KvIndex
+from meshllm.router.load import LoadTracker
+from meshllm.router.metrics import RouterMetrics
 from meshllm.router.migration import MigrationState, migrating
+from meshllm.router.predicted import PredictedIndex, RoutedCache
 from meshllm.router.recent import request_tag
-from meshllm.router.workers import DECODE, role_name
+from meshllm.router.sync import ReplicaSync
+from meshllm.router.timing import WorkerTimes
+from meshllm.router.workers import DECODE, WorkerPool, role_name
+from meshllm.worker.client import WorkerClient
 
-if TYPE_CHECKING:
-    from meshllm.router.core import Decision, Plan, RouterCore
+__all__ = ["RoutingCore", "serve"]
 
-__all__ = ["serve"]
+
+class RoutingCore(Protocol):
+    """What a request's stream uses of its routing core (`RouterCore`, which calls `serve`)."""
+
+    id: str
+    mode: RouterMode
+    leg_ids: count[int]
+    metrics: RouterMetrics
+    pool: WorkerPool
+    index: KvIndex
+    load: LoadTracker
+    inflight: PredictedIndex
+    approx: RoutedCache
+    times: WorkerTimes
+    sync: ReplicaSync
+
+    def client(self, address: str) -> WorkerClient: ...
+
+    def migration_limit(self, model: str) -> int: ...
+
+    def plan(
+        self, model: str, tokens: list[int], hints: RouteHints, excluded: set[str], *, max_tokens: int | None = None
+    ) -> Plan: ...
+
 
 log = logging.getLogger(__name__)
 
 
-def serve(
-    core: RouterCore, request: TokenRequest, call: CallInfo | None, sink: ChunkSink | None = None
-) -> AsyncGenerator[TokenChunk, None]:
+def serve(core: RoutingCore, request: TokenRequest, call: CallInfo | None) -> AsyncGenerator[TokenChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py).
 
     Returns `migrating`'s generator itself: no extra generator layer per chunk.
-    With a `sink` (a relay: RouterCore.generate), a worker leg's non-terminal
-    chunks take the same bookkeeping (the leg's, then the migration state's)
-    and go to it from the session's reader; the rest come through the generator.
+    With a `call.relay` (a GenerateSession stream's outbox), a worker leg's
+    non-terminal chunks take the same bookkeeping (the leg's, then the
+    migration state's) and go to it from the worker session's reader; the rest
+    come through the generator.
     """
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
+    outer = call or CallInfo()
+    sink = outer.relay
     relay: ChunkSink | None = None
     if sink is not None:
 
@@ -81,12 +113,11 @@ def serve(
             f"({exc.code}); migrated", worker_id=failed,
         )  # fmt: skip
 
-    return migrating(state, lambda req: _attempt(core, req, state, call, relay), peer="worker", on_failure=failure)
+    legs = outer.relaying(relay)
+    return migrating(state, lambda req: _attempt(core, req, state, legs), peer="worker", on_failure=failure)
 
 
-def _attempt(
-    core: RouterCore, req: TokenRequest, state: MigrationState, call: CallInfo | None, sink: ChunkSink | None
-) -> AsyncGenerator[TokenChunk, None]:
+def _attempt(core: RoutingCore, req: TokenRequest, state: MigrationState, call: CallInfo) -> AsyncGenerator[TokenChunk, None]:
     """Plan, then the attempt's stream: one aggregated leg itself (no generator layer around it), or prefill then decode."""
     state.current_worker = None
     max_tokens = req.get("stop", {}).get("max_tokens")
@@ -94,12 +125,12 @@ def _attempt(
     if plan.prefill is None:
         if plan.main.role == DECODE:
             core.metrics.local_prefills.inc()
-        return _leg(core, req, plan.main, plan.hashes, state, call, "agg", sink)
-    return _disaggregated(core, req, plan, state, call, sink)
+        return _leg(core, req, plan.main, plan.hashes, state, call, "agg")
+    return _disaggregated(core, req, plan, state, call)
 
 
 async def _disaggregated(
-    core: RouterCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo | None, sink: ChunkSink | None
+    core: RoutingCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo
 ) -> AsyncGenerator[TokenChunk, None]:
     assert plan.prefill is not None
     prefill_req = req.copy()
@@ -119,7 +150,8 @@ async def _disaggregated(
         )  # fmt: skip
     first: list[int] = []
     terminal: TokenChunk = {}
-    async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call, "prefill")) as leg:
+    # The prefill leg's tokens are collected here, not relayed: the decode leg decides what the caller sees.
+    async with aclosing(_leg(core, prefill_req, plan.prefill, plan.hashes, state, call.relaying(None), "prefill")) as leg:
         async for chunk in leg:
             first.extend(chunk.get("token_ids", ()))
             if "finish_reason" in chunk:
@@ -148,24 +180,23 @@ async def _disaggregated(
     decode_params["prefill_address"] = p.address
     decode_req = req.copy()
     decode_req["disagg"] = decode_params
-    async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode", sink)) as leg:
+    async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode")) as leg:
         async for chunk in leg:
             yield chunk
 
 
 async def _leg(
-    core: RouterCore,
+    core: RoutingCore,
     req: TokenRequest,
     decision: Decision,
     hashes: list[int],
     state: MigrationState,
-    call: CallInfo | None,
+    call: CallInfo,
     kind: str,
-    sink: ChunkSink | None = None,
 ) -> AsyncGenerator[TokenChunk, None]:
     """One worker call: charge its load (and tell the replicas), stream, release — whatever happens.
 
-    Every chunk, yielded or passed to `sink` (the worker session's reader calls it), takes the leg's
+    Every chunk, yielded or passed to `call.relay` (the worker session's reader calls it), takes the leg's
     bookkeeping first: the end of its prefill, and the timing of its first token and later steps.
     """
     cand = decision.chosen
@@ -220,14 +251,14 @@ async def _leg(
                 later_tokens += len(chunk["token_ids"])
 
     relay: ChunkSink | None = None
-    if sink is not None:
+    if (sink := call.relay) is not None:
 
         def relay(chunk: TokenChunk) -> None:
             seen(chunk)
             sink(chunk)
 
     try:
-        async with aclosing(core.client(cand.address).generate(req, call=call, sink=relay)) as stream:  # type: ignore[type-var]
+        async with aclosing(core.client(cand.address).generate(req, call=call.relaying(relay))) as stream:  # type: ignore[type-var]
             async for chunk in stream:
                 seen(chunk)
                 yield chunk

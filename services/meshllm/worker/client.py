@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from meshllm.plane.channels import ChannelCache
-from meshllm.plane.session import generate_to, session_key
-from meshllm.plane.transport import CallInfo, ChunkSink, mesh_error, translate_errors, unary_generate
+from meshllm.plane.peers import generate_to, session_key
+from meshllm.plane.transport import CallInfo, mesh_error, translate_errors, unary_generate
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,12 +30,10 @@ class WorkerClient:
         self._channels = channels
         self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
 
-    def generate(
-        self, request: TokenRequest, *, call: CallInfo | None = None, sink: ChunkSink | None = None
-    ) -> AsyncIterator[TokenChunk]:
-        """Stream chunks, then one terminal: in process or over the process's session to this worker (`generate_to`,
-        whose `sink` takes the non-terminal chunks of a session stream)."""
-        return generate_to(self._channels, self.address, "Worker", request, call, sink)
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
+        """Stream chunks, then one terminal: in process or over the process's session to this worker (`generate_to`;
+        a session stream may hand its non-terminal chunks to `call.relay`)."""
+        return generate_to(self._channels, self.address, "Worker", request, call)
 
     def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""

@@ -29,7 +29,7 @@ from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamInco
 from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.auth import caller_identity, session_scope
 from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
-from meshllm.plane.transport import CallInfo, ChunkSink
+from meshllm.plane.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate
@@ -77,22 +77,18 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self.on_drain_request: Callable[[], Any] | None = None
         self.trace_service: str | None = None  # the service.name of its spans (set by the runtime)
         self.sessions = SessionServer(
-            self._session_stream, "/meshllm.v1.Worker/Generate", min_interval_s=stream_interval_s, relay=self._session_stream
+            self._session_stream, "/meshllm.v1.Worker/Generate", min_interval_s=stream_interval_s, relays=True
         )
 
     # ------------------------------------------------------------ generate
-    def _session_stream(
-        self, req: TokenRequest, call: CallInfo, sink: ChunkSink | None = None
-    ) -> AsyncGenerator[TokenChunk, None]:
-        """A GenerateSession stream (or an in-process caller's, without a sink), scoped to the session's caller."""
-        return self.run_request(req, call.traceparent, scope=session_scope.get() or "local", sink=sink)
+    def _session_stream(self, req: TokenRequest, call: CallInfo) -> AsyncGenerator[TokenChunk, None]:
+        """A GenerateSession stream (or an in-process caller's, without a relay), scoped to the session's caller."""
+        return self.run_request(req, call, scope=session_scope.get() or "local")
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
-        gen = self.run_request(
-            request_from_proto(request), CallInfo.from_context(context).traceparent, scope=caller_identity(context)
-        )
+        gen = self.run_request(request_from_proto(request), CallInfo.from_context(context), scope=caller_identity(context))
         try:
             async for chunk in gen:
                 yield chunk_to_proto(chunk)
@@ -111,22 +107,23 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
     async def run_request(
         self,
         req: TokenRequest,
-        traceparent: str | None = None,
+        call: CallInfo | None = None,
         *,
         scope: str = "internal",
-        sink: ChunkSink | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Run one request through the engine for the caller `scope` (also used by the health canary).
 
         Steps: admission (`_admit`), tracing and metrics (`_RequestTrace`), the
         engine's stream up to its terminal, cancellation (`_cancel`), release
-        (`_release`). With a `sink` (a GenerateSession stream), the engine may
-        hand it non-terminal chunks from its step loop (`Context.sink`, for an
-        engine whose `takes_sink()` is true) after the same tracing, instead of
-        yielding them; not while streams are validated (`validate_streams`),
+        (`_release`). With a `call.relay` (a GenerateSession stream), the engine
+        may hand it non-terminal chunks from its step loop (`Context.sink`, for
+        an engine whose `takes_sink()` is true) after the same tracing, instead
+        of yielding them; not while streams are validated (`validate_streams`),
         where every chunk is checked on its way.
         """
-        ctx = self._admit(req, traceparent, scope)
+        call = call or CallInfo()
+        sink = call.relay
+        ctx = self._admit(req, call.traceparent, scope)
         trace = _RequestTrace(self.trace_service, req, ctx.id)
         if sink is not None and self._takes_sink:
 

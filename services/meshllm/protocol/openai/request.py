@@ -43,7 +43,16 @@ from meshllm.protocol.validate import (
     check_top_k,
 )
 
-__all__ = ["MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "RequestKind", "TextRequest", "parse_chat", "parse_completion"]
+__all__ = [
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
+    "EmbeddingsRequest",
+    "RequestKind",
+    "TextRequest",
+    "parse_chat",
+    "parse_completion",
+]
 
 RequestKind = Literal["chat", "completion"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -79,6 +88,19 @@ class TextRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every streamed chunk
     continue_final_message: bool = False  # chat: the prompt ends inside the last (assistant) message
     ignored: tuple[str, ...] = ()  # body fields the frontend does not act on (x-meshllm-ignored-params)
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt token the engine must compute: `prompt_logprobs`, or completions' `echo` + `logprobs`."""
+        echoed = self.logprobs if self.kind == "completion" and self.echo else None  # chat echo is the answer's opening
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asked) if asked else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingsRequest(TextRequest):
+    """An embeddings request as the completion path runs it (one prompt per input; parsed by the embeddings API)."""
+
+    encoding_format: str = "float"
 
 
 # ---------------------------------------------------------------- field readers
