@@ -346,13 +346,15 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
         )
     lines += [
         "",
-        "Ratios are meshllm ÷ the engine's own server (below 1 favours meshllm). Cached tokens = the share of prompt "
+        "Ratios are meshllm ÷ the engine's own server (below 1 favours meshllm). SSE events per response = the mean "
+        "number of streamed events with text per response (one event per token gives the output length: 32, or 256 "
+        "in the decode-heavy c=4 workload). Cached tokens = the share of prompt "
         "tokens each system reported as cached (`usage.prompt_tokens_details.cached_tokens`; llama-cpp-python's "
         "server reports none, so 0.00 there says nothing about its cache).",
         "",
-        "| group | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached tokens "
-        "| CPU ms per request |",
-        "|---|---|---|---|---|---:|---:|---|",
+        "| group | workload | system | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | SSE events per "
+        "response | cached tokens | CPU ms per request |",
+        "|---|---|---|---|---|---:|---:|---:|---|",
     ]
     for group, systems in results.items():
         for w in measured:
@@ -362,7 +364,8 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
                 lines.append(
                     f"| {group} | {w.name} | {kind} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
                     f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p90_ms']:.2f} / {r['itl_p99_ms']:.2f} "
-                    f"| {r['req_per_s']:.3f} | {r.get('cached_ratio', math.nan):.2f} | {cpu} |"
+                    f"| {r['req_per_s']:.3f} | {r.get('events_per_request', math.nan):.1f} "
+                    f"| {r.get('cached_ratio', math.nan):.2f} | {cpu} |"
                 )
     batching = 1.5 if engine == "llama.cpp" else 1.0
     targets = (
