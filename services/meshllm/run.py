@@ -57,6 +57,7 @@ from meshllm.plane.server import GrpcServer, start_server
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterCore
+from meshllm.router.config import RoutingTuning, add_tuning_args
 from meshllm.router.service import router_binding
 from meshllm.worker.runtime import Worker
 
@@ -74,6 +75,7 @@ class RunConfig:
     engine: str = "mocker"
     engine_args: tuple[str, ...] = ()
     router_mode: str = "kv"
+    routing: RoutingTuning = field(default_factory=RoutingTuning)  # the embedded core's tuning flags
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 0
@@ -115,6 +117,7 @@ class RunConfig:
             http_port=self.http_port,
             grpc=ServerConfig(host=self.http_host, port=self.grpc_port),
             router_mode=self.router_mode,
+            routing=self.routing,
             max_inflight=self.max_inflight,
             model_path=self.model_path,
             model_name=self.model_name,
@@ -170,6 +173,7 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
         "--frontend-workers", type=int, default=1,
         help="frontend processes (only 1: the in-memory planes cannot be shared; see meshllm frontend --workers)",
     )  # fmt: skip
+    add_tuning_args(parser)
     add_output_args(parser)
     add_coalesce_arg(g)
     add_api_key_args(parser)
@@ -196,6 +200,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         engine=ns.engine,
         engine_args=tuple(engine_args),
         router_mode=ns.router_mode,
+        routing=RoutingTuning.from_namespace(ns),
         http_host=ns.http_host,
         http_port=ns.http_port,
         grpc_port=ns.grpc_port,

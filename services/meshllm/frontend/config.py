@@ -38,7 +38,7 @@ from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.liveness import SessionLiveness
 from meshllm.plane.tls import TlsConfig
-from meshllm.router.config import RouterMode, add_liveness_args, check_health_flags
+from meshllm.router.config import RouterMode, RoutingTuning, add_liveness_args, add_tuning_args, check_health_flags
 
 __all__ = [
     "MAX_FRONTEND_WORKERS",
@@ -89,6 +89,7 @@ class FrontendConfig:
     router_addresses: tuple[str, ...] = ()
     router_wait_s: float = DEFAULT_ROUTER_WAIT_S  # how long a request waits while no router replica can be reached
     router_mode: str = "kv"
+    routing: RoutingTuning = field(default_factory=RoutingTuning)  # the embedded core's tuning (no --router-address)
     max_inflight: int = 4096  # 0 = unlimited
     retry_after_s: float = 1.0
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -213,6 +214,7 @@ class FrontendConfig:
             router_addresses=routers,
             router_wait_s=ns.router_wait_s,
             router_mode=ns.router_mode,
+            routing=RoutingTuning.from_namespace(ns),
             max_inflight=ns.max_inflight,
             retry_after_s=ns.retry_after,
             max_body_bytes=ns.max_body_bytes,
@@ -300,6 +302,7 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     add_output_args(parser)
     add_coalesce_arg(parser)
     add_api_key_args(parser)
+    add_tuning_args(parser)
     add_liveness_args(parser, health=True)
     s = parser.add_argument_group("static mode (no etcd, no NATS)")
     s.add_argument("--static-endpoint", default="", help="namespace.component.endpoint of the workers")

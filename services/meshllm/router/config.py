@@ -31,7 +31,16 @@ from meshllm.config import (
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.liveness import SessionLiveness
 
-__all__ = ["RouterConfig", "RouterMode", "StaticEndpoint", "add_liveness_args", "check_health_flags", "router_arg_parser"]
+__all__ = [
+    "RouterConfig",
+    "RouterMode",
+    "RoutingTuning",
+    "StaticEndpoint",
+    "add_liveness_args",
+    "add_tuning_args",
+    "check_health_flags",
+    "router_arg_parser",
+]
 
 
 class RouterMode(enum.StrEnum):
@@ -42,6 +51,100 @@ class RouterMode(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoutingTuning:
+    """How a routing core weighs, samples, disaggregates and retries: the router's tuning flags
+    (`add_tuning_args`), the same in a `meshllm router` process and in the core a frontend or `meshllm run`
+    embeds. Validated when built (one-line errors)."""
+
+    temperature: float = 0.0
+    overlap_weight: float = 1.0
+    capacity_weight: float = 1.0
+    wait_weight: float = 1.0
+    ttl_s: float = 120.0
+    migration_limit: int = 3
+    disagg_min_prompt_tokens: int = 0
+    disagg_max_local_hit: float = 0.9
+    # Assumed network bandwidth of a peer KV pull, GB/s (router/kv_pull.py); 0 = never pull from a peer.
+    kv_pull_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        weights = (
+            ("--router-temperature", self.temperature),
+            ("--kv-overlap-weight", self.overlap_weight),
+            ("--kv-capacity-weight", self.capacity_weight),
+            ("--kv-wait-weight", self.wait_weight),
+        )
+        for name, value in weights:
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.ttl_s) or self.ttl_s <= 0:
+            raise ConfigError(f"--router-ttl must be > 0 seconds, got {self.ttl_s}")
+        if self.migration_limit < 0:
+            raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.disagg_min_prompt_tokens < 0:
+            raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {self.disagg_min_prompt_tokens}")
+        if not 0.0 <= self.disagg_max_local_hit <= 1.0:
+            raise ConfigError(f"--disagg-max-local-hit must be a fraction in [0, 1], got {self.disagg_max_local_hit}")
+        if not math.isfinite(self.kv_pull_gbps) or self.kv_pull_gbps < 0:
+            raise ConfigError(f"--kv-pull-gbps must be a finite number >= 0 (GB/s; 0 = no peer pulls), got {self.kv_pull_gbps}")
+
+    def as_kwargs(self) -> dict[str, float | int]:
+        """The fields by name: `RouterConfig(**tuning.as_kwargs(), ...)` (RouterConfig keeps them flat)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> RoutingTuning:
+        """Build from the flags of `add_tuning_args`."""
+        return cls(
+            temperature=ns.router_temperature,
+            overlap_weight=ns.kv_overlap_weight,
+            capacity_weight=ns.kv_capacity_weight,
+            wait_weight=ns.kv_wait_weight,
+            ttl_s=ns.router_ttl,
+            migration_limit=ns.migration_limit,
+            disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
+            disagg_max_local_hit=ns.disagg_max_local_hit,
+            kv_pull_gbps=ns.kv_pull_gbps,
+        )
+
+
+def add_tuning_args(parser: argparse.ArgumentParser) -> None:
+    """The routing core's tuning flags (`RoutingTuning`): on `meshllm router`, and on `meshllm frontend` and
+    `meshllm run` for the core they embed."""
+    g = parser.add_argument_group("routing")
+    g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
+    g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")
+    g.add_argument(
+        "--kv-capacity-weight",
+        type=float,
+        default=1.0,
+        help="weight of cache pressure and evicted reused blocks in the kv cost (0 = ignore cache capacity)",
+    )
+    g.add_argument(
+        "--kv-wait-weight",
+        type=float,
+        default=1.0,
+        help="weight of the measured wait behind a busy worker's running requests in the kv cost (0 = ignore it)",
+    )
+    g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
+    g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
+    g.add_argument("--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker")
+    g.add_argument(
+        "--disagg-max-local-hit",
+        type=float,
+        default=0.9,
+        help="skip remote prefill when the decode worker caches (device or lower tiers) at least this fraction of the prompt",
+    )
+    g.add_argument(
+        "--kv-pull-gbps",
+        type=float,
+        default=0.0,
+        help="assumed GB/s of a peer KV pull: a prefill leg pulls a prompt prefix another worker holds (device or "
+        "lower tier) when restore + transfer beats recomputing it (0 = never)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,27 +206,9 @@ class RouterConfig:
     security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token (plane/auth.py)
 
     def __post_init__(self) -> None:
-        weights = (
-            ("--router-temperature", self.temperature),
-            ("--kv-overlap-weight", self.overlap_weight),
-            ("--kv-capacity-weight", self.capacity_weight),
-            ("--kv-wait-weight", self.wait_weight),
-        )
-        for name, value in weights:
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
-        if not math.isfinite(self.ttl_s) or self.ttl_s <= 0:
-            raise ConfigError(f"--router-ttl must be > 0 seconds, got {self.ttl_s}")
+        _ = self.tuning  # validates the tuning flags
         _ = self.liveness  # validates the stall flags
         check_health_flags(self.health_interval_s, self.health_timeout_s)
-        if self.migration_limit < 0:
-            raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
-        if self.disagg_min_prompt_tokens < 0:
-            raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {self.disagg_min_prompt_tokens}")
-        if not 0.0 <= self.disagg_max_local_hit <= 1.0:
-            raise ConfigError(f"--disagg-max-local-hit must be a fraction in [0, 1], got {self.disagg_max_local_hit}")
-        if not math.isfinite(self.kv_pull_gbps) or self.kv_pull_gbps < 0:
-            raise ConfigError(f"--kv-pull-gbps must be a finite number >= 0 (GB/s; 0 = no peer pulls), got {self.kv_pull_gbps}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port} is out of range 0..65535")
         if not self.component or not all(c.isalnum() or c in "-_" for c in self.component):
@@ -139,6 +224,11 @@ class RouterConfig:
                 raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
             if not self.model_name:
                 raise ConfigError("static mode needs --model-name")
+
+    @property
+    def tuning(self) -> RoutingTuning:
+        """The tuning flags (kept flat here, so that tests and embedders name them directly)."""
+        return RoutingTuning(**{name: getattr(self, name) for name in RoutingTuning.__dataclass_fields__})
 
     @property
     def liveness(self) -> SessionLiveness:
@@ -162,15 +252,7 @@ class RouterConfig:
             plane=plane,
             server=server_config(ns),
             mode=RouterMode(ns.router_mode),
-            temperature=ns.router_temperature,
-            overlap_weight=ns.kv_overlap_weight,
-            capacity_weight=ns.kv_capacity_weight,
-            wait_weight=ns.kv_wait_weight,
-            ttl_s=ns.router_ttl,
-            migration_limit=ns.migration_limit,
-            disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
-            disagg_max_local_hit=ns.disagg_max_local_hit,
-            kv_pull_gbps=ns.kv_pull_gbps,
+            **RoutingTuning.from_namespace(ns).as_kwargs(),  # type: ignore[arg-type]
             static_endpoint=endpoint,
             static_workers=workers,
             model_name=ns.model_name,
@@ -199,42 +281,13 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
     add_stream_args(g)
     g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
-    g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
-    g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")
-    g.add_argument(
-        "--kv-capacity-weight",
-        type=float,
-        default=1.0,
-        help="weight of cache pressure and evicted reused blocks in the kv cost (0 = ignore cache capacity)",
-    )
-    g.add_argument(
-        "--kv-wait-weight",
-        type=float,
-        default=1.0,
-        help="weight of the measured wait behind a busy worker's running requests in the kv cost (0 = ignore it)",
-    )
-    g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
-    g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
-    g.add_argument("--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker")
-    g.add_argument(
-        "--disagg-max-local-hit",
-        type=float,
-        default=0.9,
-        help="skip remote prefill when the decode worker caches (device or lower tiers) at least this fraction of the prompt",
-    )
-    g.add_argument(
-        "--kv-pull-gbps",
-        type=float,
-        default=0.0,
-        help="assumed GB/s of a peer KV pull: a prefill leg pulls a prompt prefix another worker holds (device or "
-        "lower tier) when restore + transfer beats recomputing it (0 = never)",
-    )
     g.add_argument("--static-endpoint", default="", help="static mode: namespace.component.endpoint of the workers")
     g.add_argument("--static-workers", default="", help="static mode: comma-separated worker host:port list")
     g.add_argument("--model-name", default=None, help="static mode: the model the workers serve")
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
     g.add_argument("--router-id", default="", help="replica id shared with other routers (default: random)")
     g.add_argument("--component", default="router", help="discovery component / replica-sync subject of this router")
+    add_tuning_args(parser)
     add_liveness_args(parser, health=True)
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
     add_security_args(parser)
