@@ -40,7 +40,7 @@ from meshllm.plane.transport import CallInfo
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
-from meshllm.router.decision import Decision, Plan
+from meshllm.router.decision import AttemptPlan, Decision
 from meshllm.router.feed import EventFeed
 from meshllm.router.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
 from meshllm.router.kv_index import KvIndex, SlotCapacities, SlotKey
@@ -56,7 +56,7 @@ from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, Work
 from meshllm.v1 import discovery_pb2, router_pb2
 from meshllm.worker.client import WorkerClient
 
-__all__ = ["Decision", "Plan", "RouterCore"]
+__all__ = ["AttemptPlan", "Decision", "RouterCore"]
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class RouterCore(AsyncCloseable):
 
     def plan(
         self, model: str, tokens: list[int], hints: RouteHints, excluded: set[str], *, max_tokens: int | None = None
-    ) -> Plan:
+    ) -> AttemptPlan:
         """Choose the worker(s) of one attempt: aggregated, or decode + remote prefill."""
         bs = self.block_size(model)
         hashes = block_hashes(tokens, bs)
@@ -289,7 +289,7 @@ class RouterCore(AsyncCloseable):
         if main_role == DECODE and pools[PREFILL] and self._remote_prefill(main, len(tokens), max_tokens):
             prefill = self.decide(model, PREFILL, tokens, hashes, bs, hints, excluded)
             prefill.pull = self._peer_pull(model, prefill, hashes, excluded)
-        return Plan(main, prefill, hashes)
+        return AttemptPlan(main, prefill, hashes)
 
     def _peer_pull(self, model: str, prefill: Decision, hashes: list[int], excluded: set[str]) -> PullDecision | None:
         """The peer prefix pull for the chosen prefill worker (router/kv_pull.py; kv mode, --kv-pull-gbps > 0)."""

@@ -1,4 +1,4 @@
-"""What a routing core decides: one `Decision` (a worker and everything that led to it) and an attempt's `Plan`."""
+"""What a routing core decides: a `Decision` (a worker and what led to it) and where an attempt runs (`AttemptPlan`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from meshllm.router.kv_pull import PullDecision
 from meshllm.router.policy import REUSED_EVICT_COST, Candidate
 from meshllm.v1 import router_pb2
 
-__all__ = ["Decision", "Plan"]
+__all__ = ["AttemptPlan", "Decision"]
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ class Decision:
 
 
 @dataclass(slots=True)
-class Plan:
+class AttemptPlan:
     """Where one attempt runs: `main` (aggregated or decode) and, when disaggregated, `prefill`."""
 
     main: Decision

@@ -40,7 +40,7 @@ from meshllm.plane.transport import CallInfo, ChunkSink
 from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
-from meshllm.router.decision import Decision, Plan
+from meshllm.router.decision import AttemptPlan, Decision
 from meshllm.router.kv_index import KvIndex
 from meshllm.router.load import LoadTracker
 from meshllm.router.metrics import RouterMetrics
@@ -76,7 +76,7 @@ class RoutingCore(Protocol):
 
     def plan(
         self, model: str, tokens: list[int], hints: RouteHints, excluded: set[str], *, max_tokens: int | None = None
-    ) -> Plan: ...
+    ) -> AttemptPlan: ...
 
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _attempt(core: RoutingCore, req: TokenRequest, state: MigrationState, call: 
 
 
 async def _disaggregated(
-    core: RoutingCore, req: TokenRequest, plan: Plan, state: MigrationState, call: CallInfo
+    core: RoutingCore, req: TokenRequest, plan: AttemptPlan, state: MigrationState, call: CallInfo
 ) -> AsyncGenerator[TokenChunk, None]:
     assert plan.prefill is not None
     prefill_req = req.copy()
