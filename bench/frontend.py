@@ -43,6 +43,7 @@ import orjson
 from benchdoc import write_section
 from runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
 
+from meshllm.config import DEFAULT_STREAM_INTERVAL_MS
 from meshllm.plane.channels import ChannelCache
 from meshllm.worker.client import WorkerClient
 
@@ -260,7 +261,8 @@ Baseline: the same two static workers driven directly by `WorkerClient`s over gR
 tokenizer) at concurrency 32 from the benchmark process, once per repeat: {median_range(bases, "{:,.0f}")} output
 tok/s; the split frontend delivers {median_range(ratios, "{:.2f}", "×")} of it through HTTP/SSE (each repeat's
 frontend against that repeat's baseline). TTFT is request sent → first SSE event with text;
-ITL is the gap between SSE events with text. Engine steps closer together than the stream interval (1 ms) travel
+ITL is the gap between SSE events with text. Engine steps closer together than the stream interval
+({DEFAULT_STREAM_INTERVAL_MS:g} ms, the default `--stream-interval-ms` every process here ran with) travel
 as one message, and tokens that pile up while a consumer is busy are merged where they wait (the worker's session
 outbox, the stream's pipe; in `meshllm run`, the engine's own stream), so one event can carry several tokens and
 TPOT (e2e time per output token) can be below ITL. The load generator, the frontend, the router and both
