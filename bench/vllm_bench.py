@@ -243,6 +243,7 @@ class Result:
     itl_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    events: int = 0  # SSE events with text, over every recorded response
     seconds: float = 0.0
     requests: int = 0
     cpu_ms: dict[str, float] = field(default_factory=dict)
@@ -281,6 +282,7 @@ async def one(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], r
     if res is None or not stamps:
         return
     res.ttft_ms.append((stamps[0] - t0) * 1000)
+    res.events += len(stamps)
     res.itl_ms += [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
     if usage is not None:
         res.prompt_tokens += usage.prompt_tokens
@@ -368,16 +370,16 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
             else "Dynamo + vLLM did not run here (bench/anchors/dynamo_vllm_install.sh installs it)."
         ),
         "",
-        "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | cached-token ratio "
-        "| CPU ms per request |",
-        "|---|---|---:|---|---|---:|---:|---|",
+        "| system | workload | c | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | req/s | SSE events per response "
+        "| cached-token ratio | CPU ms per request |",
+        "|---|---|---:|---|---|---:|---:|---:|---|",
     ]
     for name, rows in results.items():
         for (kind, c), r in rows.items():
             cpu = ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms.items())
             lines.append(
                 f"| {name} | {kind} | {c} | {dist(r.ttft_ms)} | {dist(r.itl_ms, '{:.2f}')} | {r.requests / r.seconds:.3f} "
-                f"| {ratio_of(r):.2f} | {cpu} |"
+                f"| {r.events / len(r.ttft_ms) if r.ttft_ms else math.nan:.1f} | {ratio_of(r):.2f} | {cpu} |"
             )
     lines += ["", "Targets (issue 37):", ""]
     serve_r, run_r = results.get("serve"), results.get("run") or results.get("split-1")

@@ -36,3 +36,14 @@ def test_kv_is_judged_against_round_robin_and_dynamo_and_the_report_says_which_r
     del results["dynamo-2 kv"]
     text = vb.report(results, "quiet machine")
     assert "against Dynamo: not run" in text and "Dynamo + vLLM did not run here" in text
+
+
+def test_each_row_shows_sse_events_per_response() -> None:
+    """Locks: the mean number of SSE events with text per recorded response, beside each row's figures."""
+    vb = load_bench("vllm_bench")
+    rows = _rows(vb, 100.0, 10.0, 0)
+    for r in rows.values():
+        r.events = 4 * 31  # type: ignore[attr-defined]
+    text = vb.report({"serve": rows}, "quiet machine")
+    assert "SSE events per response" in text
+    assert "| 2.000 | 31.0 | 0.00 | p 1 |" in text
