@@ -20,7 +20,7 @@ from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
 from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
-from meshllm.router.config import RouterConfig
+from meshllm.router.config import RouterConfig, RoutingTuning
 from meshllm.router.core import RouterCore
 from meshllm.worker.runtime import Worker
 
@@ -47,6 +47,12 @@ async def wait_for(
             seen = f"; saw {state()}" if state is not None else ""
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{seen}")
         await asyncio.sleep(0.01)
+
+
+def router_config(**cfg: Any) -> RouterConfig:
+    """A RouterConfig on the in-memory planes; the tuning fields (`RoutingTuning`'s) may be named directly."""
+    tuning = {k: cfg.pop(k) for k in list(cfg) if k in RoutingTuning.__dataclass_fields__}
+    return RouterConfig(plane=PLANE, tuning=RoutingTuning(**tuning), **cfg)
 
 
 async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
@@ -100,7 +106,7 @@ class Mesh:
         return w
 
     async def router(self, *, wait_workers: int | None = None, wait_synced: bool = True, **cfg: Any) -> RouterCore:
-        config = RouterConfig(plane=PLANE, **cfg)
+        config = router_config(**cfg)
         discovery = MemoryDiscovery(self.store)
         bus = MemoryEventBus(self.broker)
         core = RouterCore(config, discovery, bus, self.channels)

@@ -15,15 +15,15 @@ def build(*argv: str, env: dict[str, str] | None = None) -> RouterConfig:
 
 def test_defaults_follow_the_issue() -> None:
     cfg = build()
-    assert cfg.mode is RouterMode.KV and cfg.temperature == 0 and cfg.overlap_weight == 1.0
-    assert cfg.ttl_s == 120 and cfg.migration_limit == 3
+    assert cfg.mode is RouterMode.KV and cfg.tuning.temperature == 0 and cfg.tuning.overlap_weight == 1.0
+    assert cfg.tuning.ttl_s == 120 and cfg.tuning.migration_limit == 3
     assert cfg.plane.discovery is DiscoveryKind.ETCD and cfg.plane.events is EventsKind.NATS
     assert not cfg.static
 
 
 def test_flags_and_environment_build_the_config() -> None:
     cfg = build("--router-mode", "round-robin", "--kv-overlap-weight", "2", env={"MESHLLM_ROUTER_TEMPERATURE": "0.5"})
-    assert cfg.mode is RouterMode.ROUND_ROBIN and cfg.overlap_weight == 2 and cfg.temperature == 0.5
+    assert cfg.mode is RouterMode.ROUND_ROBIN and cfg.tuning.overlap_weight == 2 and cfg.tuning.temperature == 0.5
 
 
 def test_static_mode_needs_no_planes() -> None:

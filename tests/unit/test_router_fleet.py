@@ -21,7 +21,7 @@ from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.config import RouterConfig
+from meshllm.router.config import RouterConfig, RoutingTuning
 from meshllm.router.core import RouterCore
 from meshllm.router.fleet import bit_indices
 from meshllm.router.kv_index import BlockMap
@@ -34,7 +34,7 @@ MODEL = "m"
 
 
 def make_core(**cfg: float) -> RouterCore:
-    config = RouterConfig(plane=PLANE, **cfg)  # type: ignore[arg-type]
+    config = RouterConfig(plane=PLANE, tuning=RoutingTuning(**cfg))  # type: ignore[arg-type]
     return RouterCore(config, MemoryDiscovery(MemoryStore()), MemoryEventBus(MemoryBroker()), ChannelCache())
 
 
@@ -283,7 +283,7 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
         counts = np.array([len(bmap.blocks[s]) for s in table.slot_list], dtype=np.int64)
         hot = np.array([bmap.hot[s] for s in table.slot_list], dtype=np.int64)
         ov = np.array([c.overlap_blocks for c in ref.candidates], dtype=np.int64)
-        cfg = core.config
+        cfg = core.config.tuning
         b = lower_bounds(
             table, ov, counts, hot, tokens=len(tokens), hashes=len(hashes), block_size=BS,
             request_blocks=-(-len(tokens) // BS), block_ms=ref.block_ms, fixed_ms=ref.fixed_ms,

@@ -216,7 +216,7 @@ class Frontend(AsyncCloseable):
         rc = RouterConfig(
             plane=cfg.plane,
             mode=RouterMode(cfg.router_mode),
-            **cfg.routing.as_kwargs(),  # type: ignore[arg-type]
+            tuning=cfg.routing,
             static_endpoint=endpoint,
             static_workers=cfg.static_workers,
             model_name=cfg.model_name if cfg.static else None,

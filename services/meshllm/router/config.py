@@ -91,10 +91,6 @@ class RoutingTuning:
         if not math.isfinite(self.kv_pull_gbps) or self.kv_pull_gbps < 0:
             raise ConfigError(f"--kv-pull-gbps must be a finite number >= 0 (GB/s; 0 = no peer pulls), got {self.kv_pull_gbps}")
 
-    def as_kwargs(self) -> dict[str, float | int]:
-        """The fields by name: `RouterConfig(**tuning.as_kwargs(), ...)` (RouterConfig keeps them flat)."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RoutingTuning:
         """Build from the flags of `add_tuning_args`."""
@@ -173,16 +169,7 @@ class RouterConfig:
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     mode: RouterMode = RouterMode.KV
-    temperature: float = 0.0
-    overlap_weight: float = 1.0
-    capacity_weight: float = 1.0
-    wait_weight: float = 1.0
-    ttl_s: float = 120.0
-    migration_limit: int = 3
-    disagg_min_prompt_tokens: int = 0
-    disagg_max_local_hit: float = 0.9
-    # Assumed network bandwidth of a peer KV pull, GB/s (router/kv_pull.py); 0 = never pull from a peer.
-    kv_pull_gbps: float = 0.0
+    tuning: RoutingTuning = field(default_factory=RoutingTuning)  # how the core weighs, samples and retries
     static_endpoint: StaticEndpoint | None = None
     static_workers: tuple[str, ...] = ()
     model_name: str | None = None
@@ -206,7 +193,6 @@ class RouterConfig:
     security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token (plane/auth.py)
 
     def __post_init__(self) -> None:
-        _ = self.tuning  # validates the tuning flags
         _ = self.liveness  # validates the stall flags
         check_health_flags(self.health_interval_s, self.health_timeout_s)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -224,11 +210,6 @@ class RouterConfig:
                 raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
             if not self.model_name:
                 raise ConfigError("static mode needs --model-name")
-
-    @property
-    def tuning(self) -> RoutingTuning:
-        """The tuning flags (kept flat here, so that tests and embedders name them directly)."""
-        return RoutingTuning(**{name: getattr(self, name) for name in RoutingTuning.__dataclass_fields__})
 
     @property
     def liveness(self) -> SessionLiveness:
@@ -252,7 +233,7 @@ class RouterConfig:
             plane=plane,
             server=server_config(ns),
             mode=RouterMode(ns.router_mode),
-            **RoutingTuning.from_namespace(ns).as_kwargs(),  # type: ignore[arg-type]
+            tuning=RoutingTuning.from_namespace(ns),
             static_endpoint=endpoint,
             static_workers=workers,
             model_name=ns.model_name,

@@ -107,11 +107,11 @@ class RouterCore(AsyncCloseable):
         if self.mode is RouterMode.KV and isinstance(bus, NullEventBus):
             log.warning("router mode kv without an event plane: using approximate routing")
             self.mode = RouterMode.APPROXIMATE
-        self.policy = make_policy(self.mode, temperature=config.temperature, rng=rng or random.Random())
+        self.policy = make_policy(self.mode, temperature=config.tuning.temperature, rng=rng or random.Random())
         self.index = KvIndex()
         self.load = LoadTracker()
         self.inflight = PredictedIndex()
-        self.approx = RoutedCache(ttl_s=config.ttl_s)
+        self.approx = RoutedCache(ttl_s=config.tuning.ttl_s)
         self.times = WorkerTimes()
         workers = tuple(static_workers) if static_workers is not None else config.static_workers
         self.pool = WorkerPool(
@@ -262,8 +262,8 @@ class RouterCore(AsyncCloseable):
     def migration_limit(self, model: str) -> int:
         card = self.pool.card(model)
         if card is None:
-            return self.config.migration_limit
-        return min(self.config.migration_limit, card.migration_limit)
+            return self.config.tuning.migration_limit
+        return min(self.config.tuning.migration_limit, card.migration_limit)
 
     def plan(
         self, model: str, tokens: list[int], hints: RouteHints, excluded: set[str], *, max_tokens: int | None = None
@@ -293,7 +293,7 @@ class RouterCore(AsyncCloseable):
 
     def _peer_pull(self, model: str, prefill: Decision, hashes: list[int], excluded: set[str]) -> PullDecision | None:
         """The peer prefix pull for the chosen prefill worker (router/kv_pull.py; kv mode, --kv-pull-gbps > 0)."""
-        gbps = self.config.kv_pull_gbps
+        gbps = self.config.tuning.kv_pull_gbps
         if gbps <= 0 or self.mode is not RouterMode.KV or not hashes:
             return None
         chosen = prefill.chosen
@@ -323,7 +323,7 @@ class RouterCore(AsyncCloseable):
 
     def _remote_prefill(self, decode: Decision, prompt_tokens: int, max_tokens: int | None) -> bool:
         """Conditional disaggregation: is a remote prefill worth it for this decode choice?"""
-        cfg = self.config
+        cfg = self.config.tuning
         if max_tokens is not None and max_tokens <= 1:
             return False  # the prefill leg alone would answer: no KV to hand over
         # Blocks the decode worker restores from its own lower tiers count as local hits: restoring them
@@ -363,7 +363,7 @@ class RouterCore(AsyncCloseable):
         if not workers:
             raise Unavailable(f"no live {role_name(role)} worker for model {model!r} (excluded: {sorted(excluded)})")
         pin_rank = hints.get("dp_rank")
-        cfg = self.config
+        cfg = self.config.tuning
         ask = _Ask(
             tokens=len(tokens), hashes=len(hashes), block_size=bs, request_blocks=-(-len(tokens) // bs),
             prompt=set(hashes), block_ms=self.times.block_ms(model, bs), fixed_ms=self.times.fixed_ms(model),
@@ -424,7 +424,7 @@ class RouterCore(AsyncCloseable):
         # sequences, so every prompt block but those its in-flight requests share becomes active
         # (a block cached there but idle is made active again, not saved).
         decode = load.active_blocks + ask.request_blocks - shared
-        total = room.total if self.config.capacity_weight > 0 else 0
+        total = room.total if self.config.tuning.capacity_weight > 0 else 0
         no_room = total > 0 and decode > total
         wait = wait_blocks(load.in_flight, step_ms, ask.block_ms, prefilling=load.prefilling, fixed_ms=ask.fixed_ms)
         return Candidate(
@@ -517,7 +517,7 @@ class RouterCore(AsyncCloseable):
             if (tov := tiers.get(key)) is not None:
                 dev, lower = dev + tov.device, tov.lower
             cands.append(self._candidate(w, r, dev, lower, shared, ask))
-        cfg = self.config
+        cfg = self.config.tuning
 
         def scored(cs: list[Candidate]) -> None:
             score(
