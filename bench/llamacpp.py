@@ -36,8 +36,9 @@ from benchdoc import write_section
 from runinfo import LoadMonitor, best_phrase, llama_cpp_build, load_sentence, machine, median_range, today
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
+from meshllm.engine.base import Context, DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest

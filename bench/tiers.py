@@ -41,9 +41,9 @@ from routing import PLANE, TRACE, Arrival, Result
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.mocker.config import DEFAULT_KV_BYTES_PER_TOKEN
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus

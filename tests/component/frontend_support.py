@@ -20,7 +20,8 @@ import orjson
 
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig, ServerConfig
-from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, WorkerConfig, terminal
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, terminal
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET, EOS_ID

@@ -19,8 +19,8 @@ import pytest
 from tls_support import PLANE, Pki, grpc_credentials, health_status, make_pki, start_secure_mesh
 
 from meshllm.config import ConfigError
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.sample import SampleEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.auth import TOKEN_HEADER, MeshSecurity
 from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk

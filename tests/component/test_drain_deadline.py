@@ -19,7 +19,8 @@ from frontend_support import PLANE, EchoEngine, start_mesh
 
 from meshllm import errors
 from meshllm.bench.http import Connection, Endpoint
-from meshllm.engine.base import TokenChunk, WorkerConfig
+from meshllm.engine.base import TokenChunk
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET
 from meshllm.plane.channels import ChannelCache
 from meshllm.v1 import inference_pb2, inference_pb2_grpc

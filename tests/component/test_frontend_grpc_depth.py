@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from frontend_support import PLANE, EchoEngine, Mesh, request, start_mesh
 
-from meshllm.engine.base import WorkerConfig
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.v1 import generate_pb2, inference_pb2, inference_pb2_grpc
 from meshllm.worker.runtime import Worker
 

@@ -11,7 +11,8 @@ import pytest
 from frontend_support import PLANE, EchoEngine, request, start_mesh, wait_until
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshllm.engine.base import EngineConfig, WorkerConfig
+from meshllm.engine.base import EngineConfig
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.worker.runtime import Worker
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "ECHO:", "a", "b"]

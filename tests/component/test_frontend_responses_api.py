@@ -19,7 +19,8 @@ import pytest
 import pytest_asyncio
 from frontend_support import PLANE, EchoEngine, Mesh, _text_of, start_mesh
 
-from meshllm.engine.base import EngineConfig, WorkerConfig
+from meshllm.engine.base import EngineConfig
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.tokenizer_builtin import EOS_ID
 from meshllm.worker.runtime import Worker
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from frontend_support import PLANE, request
 
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.frontend.upstream import RouterReplicas

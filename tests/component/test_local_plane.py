@@ -10,8 +10,9 @@ import pytest
 
 from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import WorkerConfig, terminal
+from meshllm.engine.base import terminal
 from meshllm.engine.sample import SampleEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker

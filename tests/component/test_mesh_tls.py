@@ -35,7 +35,7 @@ from tls_support import (
 
 from meshllm.certs import DevPki
 from meshllm.config import ConfigError, ServerConfig
-from meshllm.engine.base import WorkerConfig
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
 from meshllm.plane.channels import ChannelCache

@@ -7,8 +7,9 @@ import asyncio
 import random
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import KvTier, WorkerConfig
+from meshllm.engine.base import KvTier
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus

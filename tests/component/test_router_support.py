@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import DisaggregationMode, LLMEngine, WorkerConfig
+from meshllm.engine.base import DisaggregationMode, LLMEngine
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus

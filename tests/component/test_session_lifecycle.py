@@ -32,8 +32,8 @@ from session_support import (
 
 from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.sample import SampleEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryStore
 from meshllm.plane.events import MemoryBroker

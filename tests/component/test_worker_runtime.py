@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, WorkerConfig, terminal
+from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, terminal
 from meshllm.engine.sample import SampleEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus

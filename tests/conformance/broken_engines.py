@@ -12,9 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Self
 
-from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, WorkerConfig, terminal
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, terminal
 from meshllm.engine.mocker import MockerEngine
 from meshllm.engine.sample import SampleEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.testing.conformance import Clause
 
 #: A mocker the kit can push into its lower tiers quickly: 160 device blocks of 16 tokens, host and disk of 64 each.

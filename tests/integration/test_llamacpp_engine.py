@@ -14,8 +14,9 @@ import pytest
 from test_llamacpp_support import MODEL, SYSTEM, chat_tokens, greedy, question, require_model, run
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import Context, DisaggregationMode, WorkerConfig
+from meshllm.engine.base import Context, DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import FailedPrecondition, InvalidArgument, NotFound
 from meshllm.frontend.tokenizer import load_tokenizer
 from meshllm.plane.channels import ChannelCache

@@ -17,8 +17,9 @@ import pytest
 from test_llamacpp_support import ONE_SLOT, greedy, one_slot_engine, question, require_model, run
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import DisaggregationMode, WorkerConfig
+from meshllm.engine.base import DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import NotFound
 from meshllm.plane.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle

@@ -20,8 +20,8 @@ import pytest
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import open_discovery
 from meshllm.plane.events import open_events

@@ -60,8 +60,8 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
 
 #: Single imports that break the table, each with the reason it stays.
 EXCEPTIONS: Mapping[tuple[str, str], str] = {
-    ("meshllm.engine.base", "meshllm.plane.auth"): (
-        "WorkerConfig (the worker's flags, defined beside the engine contract that parses them) carries the mesh "
+    ("meshllm.engine.worker_config", "meshllm.plane.auth"): (
+        "WorkerConfig (the worker's flags, beside the engine contract whose engines parse them) carries the mesh "
         "security flags; the engine itself never uses them"
     ),
 }

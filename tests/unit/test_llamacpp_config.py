@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from meshllm.config import ConfigError
-from meshllm.engine.base import worker_arg_parser
 from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, default_model_path
 from meshllm.engine.llamacpp.sampling import SamplingSpec, guided_grammar
 from meshllm.engine.llamacpp.transfer import PIECE_BYTES, KvHandle, KvHolds, check_layout, pieces
+from meshllm.engine.worker_config import worker_arg_parser
 from meshllm.errors import FailedPrecondition, InvalidArgument
 from meshllm.protocol.kv import tokens_hash
 

@@ -17,7 +17,7 @@ import pytest
 
 from meshllm.config import DiscoveryKind, EnvArgumentParser, add_plane_args, env_name
 from meshllm.engine import load_engine_class
-from meshllm.engine.base import worker_arg_parser
+from meshllm.engine.worker_config import worker_arg_parser
 from meshllm.frontend.config import frontend_arg_parser
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.router.config import router_arg_parser

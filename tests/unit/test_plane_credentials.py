@@ -92,7 +92,7 @@ def test_https_endpoints_are_accepted() -> None:
 
 
 def test_credentials_are_part_of_every_service_parser() -> None:
-    from meshllm.engine.base import worker_arg_parser
+    from meshllm.engine.worker_config import worker_arg_parser
     from meshllm.frontend.config import frontend_arg_parser
     from meshllm.router.config import router_arg_parser
 

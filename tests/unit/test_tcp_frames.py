@@ -31,7 +31,7 @@ def test_a_frame_over_the_limit_or_of_no_known_kind_is_refused_from_its_header(d
 
 
 def test_session_port_is_ephemeral_by_default_minus_one_is_off_and_other_values_are_checked_at_startup() -> None:
-    from meshllm.engine.base import worker_arg_parser
+    from meshllm.engine.worker_config import worker_arg_parser
 
     parse = worker_arg_parser("mocker", env={}).parse_known_args
     assert server_config(parse([])[0]).session_port == 0

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from meshllm.config import ConfigError
-from meshllm.engine.base import worker_arg_parser
 from meshllm.engine.trtllm.config import (
     DEFAULT_EVENT_BUFFER_MAX_SIZE,
     TrtllmConfig,
     add_trtllm_args,
     build_llm_kwargs,
 )
+from meshllm.engine.worker_config import worker_arg_parser
 
 DISAGG_YAML = """\
 # cache_transceiver_config / kv_cache_config field names: tensorrt_llm/llmapi/llm_args.py

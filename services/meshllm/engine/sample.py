@@ -13,17 +13,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Self
 
-from meshllm.engine.base import (
-    Context,
-    EngineConfig,
-    LLMEngine,
-    LoadMetrics,
-    TokenChunk,
-    TokenRequest,
-    WorkerConfig,
-    terminal,
-    worker_arg_parser,
-)
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, LoadMetrics, TokenChunk, TokenRequest, terminal
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import DisaggInfo, TokenUsage
 

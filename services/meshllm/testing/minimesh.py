@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig, ServerConfig
-from meshllm.engine.base import WorkerConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.lifecycle import AsyncCloseable

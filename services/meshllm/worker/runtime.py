@@ -23,7 +23,8 @@ from typing import Any
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import __version__
-from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics, WorkerConfig
+from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery

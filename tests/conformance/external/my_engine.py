@@ -10,16 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Self
 
-from meshllm.engine.base import (
-    Context,
-    EngineConfig,
-    LLMEngine,
-    TokenChunk,
-    TokenRequest,
-    WorkerConfig,
-    terminal,
-    worker_arg_parser,
-)
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, TokenRequest, terminal
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import InvalidArgument
 
 

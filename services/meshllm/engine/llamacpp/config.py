@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.config import ConfigError, EnvArgumentParser, flag_value, parse_byte_size
-from meshllm.engine.base import worker_arg_parser
 from meshllm.engine.llamacpp.openmp import CHOICES as OMP_WAIT_CHOICES
+from meshllm.engine.worker_config import worker_arg_parser
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LlamaCppConfig", "add_llamacpp_args", "default_model_path", "per_worker_disk_dir"]
 

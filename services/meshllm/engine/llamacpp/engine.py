@@ -40,16 +40,7 @@ from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 from meshllm.config import ConfigError
-from meshllm.engine.base import (
-    Context,
-    EngineConfig,
-    KvTransfer,
-    LLMEngine,
-    LoadMetrics,
-    WorkerConfig,
-    terminal,
-    worker_arg_parser,
-)
+from meshllm.engine.base import Context, EngineConfig, KvTransfer, LLMEngine, LoadMetrics, terminal
 from meshllm.engine.llamacpp import openmp
 from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, per_worker_disk_dir
 from meshllm.engine.llamacpp.files import write_model_files
@@ -60,6 +51,7 @@ from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.tiers import TierStats
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
 from meshllm.protocol.kv import kv_source_prefix, parse_prefix_handle, stored_blocks
 from meshllm.protocol.types import DisaggInfo, KvSourceInfo, LogprobItem, TokenChunk, TokenRequest

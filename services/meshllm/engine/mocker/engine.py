@@ -41,17 +41,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Self
 
-from meshllm.engine.base import (
-    Context,
-    EngineConfig,
-    KvTier,
-    KvTransfer,
-    LLMEngine,
-    LoadMetrics,
-    WorkerConfig,
-    terminal,
-    worker_arg_parser,
-)
+from meshllm.engine.base import Context, EngineConfig, KvTier, KvTransfer, LLMEngine, LoadMetrics, terminal
 from meshllm.engine.mocker.block_manager import BlockManager, PrefixHit
 from meshllm.engine.mocker.config import MockerConfig, add_mocker_args
 from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
@@ -59,6 +49,7 @@ from meshllm.engine.mocker.scheduler import CacheStats, Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 from meshllm.engine.mocker.tiers import LowerTier
 from meshllm.engine.mocker.timing import StepPacer, restore_seconds, step_ms, transfer_seconds
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import (
     ContextLengthExceeded,
     EngineShutdown,

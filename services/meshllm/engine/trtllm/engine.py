@@ -29,21 +29,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
 
-from meshllm.engine.base import (
-    Context,
-    EngineConfig,
-    LLMEngine,
-    LoadMetrics,
-    TokenChunk,
-    TokenRequest,
-    WorkerConfig,
-    terminal,
-    worker_arg_parser,
-)
+from meshllm.engine.base import Context, EngineConfig, LLMEngine, LoadMetrics, TokenChunk, TokenRequest, terminal
 from meshllm.engine.optional import first_line, import_engine_library
 from meshllm.engine.trtllm import translate as tr
 from meshllm.engine.trtllm.config import TrtllmConfig, add_trtllm_args, build_llm_kwargs
 from meshllm.engine.trtllm.kv_events import KvEventConverter, block_size_from_stats, load_from_stats, total_blocks_from_stats
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import EngineShutdown, FailedPrecondition, InvalidArgument, ResponseTimeout, Unknown
 from meshllm.protocol.types import DisaggInfo
 

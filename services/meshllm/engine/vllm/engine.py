@@ -47,9 +47,7 @@ from meshllm.engine.base import (
     LoadMetrics,
     TokenChunk,
     TokenRequest,
-    WorkerConfig,
     terminal,
-    worker_arg_parser,
 )
 from meshllm.engine.cpus import cpu_shares, usable_cpus
 from meshllm.engine.optional import first_line, import_engine_library
@@ -57,6 +55,7 @@ from meshllm.engine.vllm.config import BIND_ENV, VllmConfig, add_vllm_args, cpu_
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs
+from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.types import DisaggInfo
 

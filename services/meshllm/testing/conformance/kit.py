@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.engine.base import Context, EngineSink, KvTier, LLMEngine, LoadMetrics, TierUsage, WorkerConfig
+from meshllm.engine.base import Context, EngineSink, KvTier, LLMEngine, LoadMetrics, TierUsage
+from meshllm.engine.worker_config import WorkerConfig
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
 EngineFactory = Callable[[], Awaitable[LLMEngine]]
