@@ -245,6 +245,7 @@ async def measure(
             todo = [gen.next() for _ in range(requests * w.repeats)]
             records: dict[str, list[RequestRecord]] = {k: [] for k in kinds}
             busy = dict.fromkeys(kinds, 0.0)
+            blocks: dict[str, list[float]] = {k: [] for k in kinds}  # block j: the same prompts on every system
             cpu = {k: dict.fromkeys(systems[k].pids, 0.0) for k in kinds}
 
             for kind in kinds:  # unrecorded: connections open, the shared prefix cached
@@ -254,7 +255,8 @@ async def measure(
                 for kind in rotated(kinds, j // step):
                     before, t0 = meters[kind].sample(), time.perf_counter()
                     result = await replay(todo[j : j + step], senders[kind], mode=ReplayMode.CLOSED, concurrency=w.concurrency)
-                    busy[kind] += time.perf_counter() - t0
+                    blocks[kind].append(time.perf_counter() - t0)
+                    busy[kind] += blocks[kind][-1]
                     for name, sec in CpuMeter.delta(before, meters[kind].sample()).items():
                         cpu[kind][name] += sec
                     records[kind].extend(result.records)
@@ -266,8 +268,10 @@ async def measure(
                 ok = [r for r in records[kind] if r.error is None]
                 prompt = sum(r.prompt_tokens for r in ok)
                 row["cached_ratio"] = sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan
-                if w.concurrency == 1:  # request j of every system had the same prompt: paired_ttft() compares them
+                row["blocks"] = blocks[kind]  # paired_lines() compares them block by block
+                if w.concurrency == 1:  # request j of every system had the same prompt: paired_lines() compares them
                     row["ttfts"] = [r.ttft if r.error is None else None for r in records[kind]]
+                    row["itls"] = [statistics.median(r.gaps) if r.error is None and r.gaps else None for r in records[kind]]
                 rows[kind][w.name] = row
                 print(
                     f"  {label} {kind:6} {w.name:32} TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 "
@@ -294,10 +298,10 @@ async def measure_group(
         return await measure(systems, model, label, requests, workloads)
 
 
-def paired_ttft(mine: Sequence[float | None], base: Sequence[float | None], seed: int = 0) -> tuple[float, float, float]:
-    """Median over prompts of (this system's TTFT ÷ the baseline's on the same prompt), with a 90 % bootstrap
-    interval (2,000 resamples of the prompts). Each pair shares its prompt and its minute of this machine's
-    drifting speed, so the ratio's spread is the systems' own, not the machine's."""
+def paired_ratio(mine: Sequence[float | None], base: Sequence[float | None], seed: int = 0) -> tuple[float, float, float]:
+    """Median over pairs of (this system's figure ÷ the baseline's on the same prompt or block), with a 90 %
+    bootstrap interval (2,000 resamples of the pairs). Each pair shares its prompts and its minute of this
+    machine's drifting speed, so the ratio's spread is the systems' own, not the machine's."""
     ratios = sorted(m / b for m, b in zip(mine, base, strict=False) if m is not None and b)
     if not ratios:
         return math.nan, math.nan, math.nan
@@ -418,16 +422,27 @@ def report(engine: str, results: dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 
 def paired_lines(results: dict[str, dict[str, dict[str, dict[str, Any]]]], measured: Sequence[Workload]) -> list[str]:
-    """The c=1 TTFTs compared prompt by prompt (`paired_ttft`): the same question as the p50 ratio above, with the
+    """The targets' figures compared pair by pair (`paired_ratio`): the same questions as the ratios above, with the
     machine's drift between prompts taken out, and an interval that says how sure the run is."""
+    columns: list[tuple[str, str, bool]] = []  # (workload, figure, inverted: a time whose inverse is the target's rate)
+    for w in measured:
+        if w.concurrency == 1:
+            columns.append((w.name, "ttfts", False))
+            if w.key == "300":
+                columns.append((w.name, "itls", False))
+        else:
+            columns.append((w.name, "blocks", True))
+    label = {"ttfts": "TTFT", "itls": "ITL (each request's median)", "blocks": "req/s (per block of 4)"}
     lines = [
         "",
-        "TTFT prompt by prompt at c=1: the median over prompts of meshllm's TTFT ÷ the server's on the same prompt, "
-        "with a 90 % bootstrap interval. It asks what the p50 ratio asks, with this machine's drift between prompts "
-        "taken out; an interval that holds 1.0 means the run cannot tell the two apart.",
+        "The same figures compared pair by pair: at c=1 prompt by prompt (meshllm's TTFT, or its request's median ITL, "
+        "÷ the server's on the same prompt), at c=4 block by block (the server's time for a block of 4 ÷ meshllm's on "
+        "the same 4 prompts: a req/s ratio). Median over the pairs, with a 90 % bootstrap interval. It asks what the "
+        "ratios above ask, with this machine's drift between turns taken out; an interval that holds 1.0 means the "
+        "run cannot tell the two apart.",
         "",
-        "| group | system | " + " | ".join(w.name for w in measured if w.concurrency == 1) + " |",
-        "|---|---|" + "---|" * sum(w.concurrency == 1 for w in measured),
+        "| group | system | " + " | ".join(f"{label[f]}, {name}" for name, f, _ in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]
     for group, systems in results.items():
         base_kind = next((k for k in BASELINE if k in systems), None)
@@ -437,10 +452,9 @@ def paired_lines(results: dict[str, dict[str, dict[str, dict[str, Any]]]], measu
             if kind == base_kind:
                 continue
             cells = []
-            for w in measured:
-                if w.concurrency != 1:
-                    continue
-                mid, lo, hi = paired_ttft(rows[w.name].get("ttfts", []), systems[base_kind][w.name].get("ttfts", []))
+            for name, figure, inverted in columns:
+                mine, base = rows[name].get(figure, []), systems[base_kind][name].get(figure, [])
+                mid, lo, hi = paired_ratio(base, mine) if inverted else paired_ratio(mine, base)
                 cells.append("–" if math.isnan(mid) else f"{mid:.3f}× ({lo:.3f}–{hi:.3f})")
             lines.append(f"| {group} | {kind} | " + " | ".join(cells) + " |")
     return lines

@@ -70,12 +70,12 @@ def test_paired_ttft_compares_prompt_by_prompt_and_says_how_sure() -> None:
     es = load_bench("engine_server")
     base = [100.0 * (1 + j / 10) for j in range(12)]  # the machine slows down over the run
     slower = [b * 1.10 for b in base]
-    mid, lo, hi = es.paired_ttft(slower, base)
+    mid, lo, hi = es.paired_ratio(slower, base)
     assert mid == pytest.approx(1.10) and lo == pytest.approx(1.10) and hi == pytest.approx(1.10)
     noisy = [b * (1.10 + (0.04 if j % 2 else -0.04)) for j, b in enumerate(base)]
-    mid, lo, hi = es.paired_ttft([*noisy, None], [*base, 100.0])
+    mid, lo, hi = es.paired_ratio([*noisy, None], [*base, 100.0])
     assert 1.0 < lo <= mid <= hi and lo <= 1.10 <= hi
-    assert all(math.isnan(x) for x in es.paired_ttft([None], [1.0]))
+    assert all(math.isnan(x) for x in es.paired_ratio([None], [1.0]))
 
 
 def test_the_report_shows_paired_ttft_for_c1_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,8 +83,29 @@ def test_the_report_shows_paired_ttft_for_c1_workloads(monkeypatch: pytest.Monke
     es = load_bench("engine_server")
     monkeypatch.setattr(es, "llama_cpp_build", lambda: "llama-cpp-python x")
     prefix = next(w for w in es.WORKLOADS if w.key == "prefix")
-    server = _row(100.0, 10.0, 1.0) | {"ttfts": [0.1, 0.2, 0.3]}
-    run = _row(95.0, 9.0, 1.0) | {"ttfts": [0.09, 0.18, 0.27]}
+    server = _row(100.0, 10.0, 1.0) | {"ttfts": [0.1, 0.2, 0.3], "blocks": [1.0, 2.0, 3.0]}
+    run = _row(95.0, 9.0, 1.0) | {"ttfts": [0.09, 0.18, 0.27], "blocks": [0.9, 1.8, 2.7]}
     results = {"llama.cpp T=1": {"server": {prefix.name: server}, "run": {prefix.name: run}}}
     text = es.report("llama.cpp", results, argparse.Namespace(requests=5), "quiet machine")
     assert "| llama.cpp T=1 | run | 0.900× (0.900–0.900) |" in text
+
+
+def test_the_report_pairs_itl_at_c1_and_block_times_at_c4_as_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Locks: the 300-token c=1 workload also pairs each request's median ITL; a c=4 workload pairs its blocks as
+    a rate (server time ÷ meshllm time: above 1 = meshllm serves faster)."""
+    es = load_bench("engine_server")
+    monkeypatch.setattr(es, "llama_cpp_build", lambda: "llama-cpp-python x")
+    cold = next(w for w in es.WORKLOADS if w.key == "300")
+    c4 = next(w for w in es.WORKLOADS if w.key == "c4")
+    server = {
+        cold.name: _row(100.0, 10.0, 1.0) | {"ttfts": [0.1, 0.1], "itls": [0.010, 0.020], "blocks": [1.0, 1.0]},
+        c4.name: _row(100.0, 10.0, 1.0) | {"blocks": [4.0, 6.0]},
+    }
+    run = {
+        cold.name: _row(100.0, 10.0, 1.0) | {"ttfts": [0.1, 0.1], "itls": [0.011, 0.022], "blocks": [1.0, 1.0]},
+        c4.name: _row(100.0, 10.0, 1.0) | {"blocks": [2.0, 3.0]},
+    }
+    text = es.report("llama.cpp", {"llama.cpp T=2": {"server": server, "run": run}}, argparse.Namespace(requests=2), "q")
+    head = "| TTFT, 300 tokens, c=1 | ITL (each request's median), 300 tokens, c=1 | req/s (per block of 4), 300 tokens, c=4 |"
+    assert f"| group | system {head}" in text
+    assert "| llama.cpp T=2 | run | 1.000× (1.000–1.000) | 1.100× (1.100–1.100) | 2.000× (2.000–2.000) |" in text
