@@ -244,7 +244,6 @@ async def measure(
             warmup = gen.next()
             todo = [gen.next() for _ in range(requests * w.repeats)]
             records: dict[str, list[RequestRecord]] = {k: [] for k in kinds}
-            busy = dict.fromkeys(kinds, 0.0)
             blocks: dict[str, list[float]] = {k: [] for k in kinds}  # block j: the same prompts on every system
             cpu = {k: dict.fromkeys(systems[k].pids, 0.0) for k in kinds}
 
@@ -256,12 +255,11 @@ async def measure(
                     before, t0 = meters[kind].sample(), time.perf_counter()
                     result = await replay(todo[j : j + step], senders[kind], mode=ReplayMode.CLOSED, concurrency=w.concurrency)
                     blocks[kind].append(time.perf_counter() - t0)
-                    busy[kind] += blocks[kind][-1]
                     for name, sec in CpuMeter.delta(before, meters[kind].sample()).items():
                         cpu[kind][name] += sec
                     records[kind].extend(result.records)
             for kind in kinds:
-                row = summarize(w.concurrency, records[kind], busy[kind]).to_dict()
+                row = summarize(w.concurrency, records[kind], sum(blocks[kind])).to_dict()
                 row = {k: math.nan if v is None else v for k, v in row.items()}
                 done = max(1, row.get("completed", 0))
                 row["cpu_ms"] = {name: 1000 * sec / done for name, sec in cpu[kind].items()}

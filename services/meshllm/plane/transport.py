@@ -169,8 +169,8 @@ class CallInfo:
     relay: ChunkSink | None = field(default=None, compare=False, repr=False)
 
     def relaying(self, relay: ChunkSink | None) -> CallInfo:
-        """This call with another relay (None: every chunk is yielded)."""
-        return CallInfo(self.traceparent, self.deadline, relay)
+        """This call with another relay (None: every chunk is yielded); itself when the relay is the same."""
+        return self if relay is self.relay else CallInfo(self.traceparent, self.deadline, relay)
 
     @classmethod
     def from_context(cls, context: grpc.aio.ServicerContext) -> CallInfo:
