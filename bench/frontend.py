@@ -261,9 +261,10 @@ Baseline: the same two static workers driven directly by `WorkerClient`s over gR
 tokenizer) at concurrency 32 from the benchmark process, once per repeat: {median_range(bases, "{:,.0f}")} output
 tok/s; the split frontend delivers {median_range(ratios, "{:.2f}", "×")} of it through HTTP/SSE (each repeat's
 frontend against that repeat's baseline). TTFT is request sent → first SSE event with text;
-ITL is the gap between SSE events with text. Engine steps closer together than the stream interval
-({DEFAULT_STREAM_INTERVAL_MS:g} ms, the default `--stream-interval-ms` every process here ran with) travel
-as one message, and tokens that pile up while a consumer is busy are merged where they wait (the worker's session
+ITL is the gap between SSE events with text. Every process ran with the default `--stream-interval-ms`
+({DEFAULT_STREAM_INTERVAL_MS:g} ms; at 0 no clock: a session's next message leaves when its client has taken the
+last one),
+and tokens that pile up meanwhile are merged where they wait (the worker's session
 outbox, the stream's pipe; in `meshllm run`, the engine's own stream), so one event can carry several tokens and
 TPOT (e2e time per output token) can be below ITL. The load generator, the frontend, the router and both
 simulated engines share the machine's {os.cpu_count()} cores.

@@ -264,6 +264,57 @@ def _targets(res: Results) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def _targets_38(res: Results) -> list[str]:
+    """Issue 38's targets that this run measured: the default configuration's, or those at one event per token."""
+    if "dynamo" not in res.systems:
+        return []
+    one_per_token = "--no-coalesce" in res.extra
+    lines = [f"| target (issue 38, {'`--no-coalesce`' if one_per_token else 'default configuration'}) | measured | |",
+             "|---|---|---|"]  # fmt: skip
+
+    def rows(s: float, kind: str, c: int) -> list[Row]:
+        return res.rows.get((s, kind, c), [])
+
+    def per_token(r: Sequence[Row]) -> float:
+        return _cpu(r, "frontend") * 1000 / _med(r, "mean_osl")
+
+    for s in res.speedups:
+        for c in res.levels:
+            dyn = rows(s, "dynamo", c)
+            if not dyn:
+                continue
+            d_rps, d_events = _med(dyn, "req_per_s"), _med(dyn, "events_per_request")
+            for kind in ("split", "router"):
+                mine = rows(s, kind, c)
+                if not mine:
+                    continue
+                label, rps = f"{LABELS[kind]}, speedup {s:g}, c={c}", _med(mine, "req_per_s")
+                if one_per_token:
+                    events = _med(mine, "events_per_request")
+                    lines.append(f"| {label}: SSE events per response ≥ 0.95× Dynamo's | {events:.1f} vs {d_events:.1f} "
+                                 f"({events / d_events:.2f}×) | {_verdict(events >= 0.95 * d_events)} |")  # fmt: skip
+                    if s < 100:
+                        lines.append(f"| {label}: ≥ 1.0× Dynamo req/s | {rps / d_rps:.2f}× | {_verdict(rps >= d_rps)} |")
+                    fe, d_fe = per_token(mine), per_token(dyn)
+                    lines.append(f"| {label}: frontend CPU µs per output token ≤ Dynamo's | {fe:.1f} vs {d_fe:.1f} | "
+                                 f"{_verdict(fe <= d_fe)} |")  # fmt: skip
+                    continue
+                goal = 1.5 if s >= 100 else 1.1
+                lines.append(f"| {label}: ≥ {goal}× Dynamo req/s | {rps / d_rps:.2f}× | {_verdict(rps >= goal * d_rps)} |")
+                mesh, d_mesh = _mesh_cpu(mine), _mesh_cpu(dyn)
+                lines.append(f"| {label}: whole-mesh CPU per request ≤ 0.8× Dynamo's | {mesh:.2f} vs {d_mesh:.2f} ms "
+                             f"({mesh / d_mesh:.2f}×) | {_verdict(mesh <= 0.8 * d_mesh)} |")  # fmt: skip
+                if kind == "router" and (split := rows(s, "split", c)):
+                    ratio = rps / _med(split, "req_per_s")
+                    lines.append(f"| {label}: ≥ 0.9× the split mesh's req/s | {ratio:.2f}× | {_verdict(ratio >= 0.9)} |")
+                engines = res.engines.get((s, c))
+                if s < 100 and c == 32 and engines:
+                    itl, e_itl = _med(mine, "itl_p50_ms"), _med(engines, "itl_p50_ms")
+                    lines.append(f"| {label}: ITL p50 within 0.3 ms of the engines alone | {itl:.2f} vs {e_itl:.2f} ms "
+                                 f"({itl - e_itl:+.2f}) | {_verdict(itl - e_itl <= 0.3)} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
 def _overhead(res: Results) -> str:
     eng = res.overhead.get("engine")
     out = [
@@ -329,6 +380,8 @@ def section(res: Results, heading: str) -> str:
     for s in res.speedups if res.rows else []:
         text += [f"**--speedup-ratio {s:g}**", "", _speed_tables(res, s), ""]
     if targets := _targets(res):
+        text += targets + [""]
+    if targets := _targets_38(res):
         text += targets + [""]
     if res.overhead:
         text += [

@@ -163,10 +163,12 @@ def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port_s)
 
 
-# Default least time between two stream messages to one peer (--stream-interval-ms). A message
-# costs a fixed ~100 µs of CPU at each end whatever it carries, so engines stepping faster than
-# this have their steps sent together; a stream's first chunk never waits (TTFT).
-DEFAULT_STREAM_INTERVAL_MS = 2.0
+# Default least time between two stream messages to one peer (--stream-interval-ms): none. A session's
+# writer sends as soon as its previous write has completed, and whatever engines made while that write
+# was in flight (or while the reader lagged) goes together in the next message: coalescing by
+# backpressure, not by a clock. A cap > 0 also holds later messages of a session for the rest of the
+# interval after the previous one (a stream's first chunk never waits).
+DEFAULT_STREAM_INTERVAL_MS = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,8 +178,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = ephemeral
     max_message_bytes: int = 64 * 1024 * 1024
-    # Least time between two messages of one Generate session (plane/session.py):
-    # engine steps closer together than this travel as one message.
+    # Optional least time between two messages of one Generate session (plane/session.py); 0 = none:
+    # messages leave as the previous write completes.
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
     # Where Generate sessions are also served as frames on TCP (plane/tcp_session.py): None = not, 0 = ephemeral.
     session_port: int | None = None
@@ -298,8 +300,8 @@ def add_stream_args(group: Any) -> None:
         "--stream-interval-ms",
         type=float,
         default=DEFAULT_STREAM_INTERVAL_MS,
-        help="least time between two stream messages to one client; faster engine steps are sent together "
-        "(0 = every step; a stream's first chunk never waits)",
+        help="optional least time between two stream messages to one client (default 0: none; a message leaves "
+        "when the previous write has completed, with all that was made meanwhile; a stream's first chunk never waits)",
     )
     group.add_argument(
         "--session-port",

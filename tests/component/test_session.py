@@ -159,6 +159,28 @@ async def test_a_streams_first_chunk_never_waits_for_the_interval_of_a_busy_sess
             await close(a)
 
 
+async def test_a_fast_engine_sends_one_message_per_client_turn_not_one_per_step() -> None:
+    """Locks flow control with no interval: an engine stepping at loop speed (200 steps, no clock anywhere) reaches
+    the client in far fewer messages than steps, since the server sends its next message only once the client has
+    taken the last; every token arrives, in order."""
+    n = 200
+
+    async def handler(request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
+        for i in range(n):
+            await asyncio.sleep(0)  # an engine step: one loop turn
+            yield {"token_ids": [i]}
+        yield done(n)
+
+    servicer = SessionWorker(handler, min_interval_s=0.0)
+    async with await serve(servicer) as srv, ChannelCache() as channels:
+        client = session_client(channels, srv.address)
+        chunks = await collect(client.generate(req("r")))
+        assert tokens_of(chunks) == list(range(n))
+        assert_one_terminal_last(chunks)
+        messages, _ = client.stats
+        assert messages < n // 2, f"{messages} messages for {n} engine steps: the server did not wait for the client"
+
+
 # ---------------------------------------------------------------- a slow reader
 
 

@@ -161,3 +161,47 @@ def test_no_coalesce_reaches_every_command_and_grpc_session_systems_have_labels(
     assert not any("--no-coalesce" in v for v in mesh.system_spec(mesh.parse_args([]), 10.0).extra.values())
     _, _, systems = bench
     assert systems.LABELS["split+grpc"] == "meshllm split, sessions on gRPC" and "router+grpc" in systems.LABELS
+
+
+def _row(rps: float, events: float, itl: float, cpu: dict[str, float]) -> dict:
+    return {"req_per_s": rps, "events_per_request": events, "itl_p50_ms": itl, "mean_osl": 150.0, "cpu_ms": cpu}
+
+
+def test_issue_38_targets_judge_the_default_run_and_the_one_event_per_token_run(bench: tuple) -> None:
+    """Locks the verdicts of bench/mesh_report.py's issue-38 rows: req/s goals by speedup, whole-mesh CPU ≤ 0.8×
+    Dynamo's, the router layout against the split mesh, ITL against the engines alone; and at one event per token
+    the events precondition, req/s at speedup 10 and the frontend's CPU per output token."""
+    import mesh_report
+
+    def results(extra: str) -> object:
+        res = mesh_report.Results(
+            argv="", systems=["split", "router", "dynamo"], speedups=[1000.0, 10.0], levels=[32], requests=1,
+            warmup=0, repeats=1, workers=2, router_mode="round-robin", load="", extra=extra,
+        )  # fmt: skip
+        dyn = {"frontend": 3.0, "worker 1": 1.0}  # 4.0 whole mesh; frontend 20 µs per output token
+        res.rows = {
+            (1000.0, "dynamo", 32): [_row(100, 150, 0.0, dyn)],
+            (1000.0, "split", 32): [_row(160, 150, 1.0, {"frontend": 2.0, "worker 1": 1.0})],  # 1.6×, 0.75×, 13 µs
+            (1000.0, "router", 32): [_row(140, 140, 1.0, {"frontend": 2.0, "router": 1.0, "worker 1": 1.0})],
+            (10.0, "dynamo", 32): [_row(100, 150, 0.0, dyn)],
+            (10.0, "split", 32): [_row(105, 150, 0.9, {"frontend": 3.3, "worker 1": 1.0})],  # 1.05×, 22 µs
+        }
+        res.engines = {(10.0, 32): [_row(120, 150, 0.5, {})]}
+        return res
+
+    default = "\n".join(mesh_report._targets_38(results("")))
+    assert "meshllm split, speedup 1000, c=32: ≥ 1.5× Dynamo req/s | 1.60× | meets" in default
+    assert "whole-mesh CPU per request ≤ 0.8× Dynamo's | 3.00 vs 4.00 ms (0.75×) | meets" in default
+    assert "split + router process, speedup 1000, c=32: ≥ 1.5× Dynamo req/s | 1.40× | misses" in default
+    assert "≥ 0.9× the split mesh's req/s | 0.88× | misses" in default
+    assert "speedup 10, c=32: ≥ 1.1× Dynamo req/s | 1.05× | misses" in default
+    assert "ITL p50 within 0.3 ms of the engines alone | 0.90 vs 0.50 ms (+0.40) | misses" in default
+    one = "\n".join(mesh_report._targets_38(results("every `meshllm` command `--no-coalesce`")))
+    assert (
+        "split + router process, speedup 1000, c=32: SSE events per response ≥ 0.95× Dynamo's | 140.0 vs 150.0 (0.93×) | misses"
+        in one
+    )
+    assert "meshllm split, speedup 10, c=32: ≥ 1.0× Dynamo req/s | 1.05× | meets" in one
+    assert "meshllm split, speedup 1000, c=32: frontend CPU µs per output token ≤ Dynamo's | 13.3 vs 20.0 | meets" in one
+    assert "meshllm split, speedup 10, c=32: frontend CPU µs per output token ≤ Dynamo's | 22.0 vs 20.0 | misses" in one
+    assert "whole-mesh" not in one

@@ -69,10 +69,12 @@ def _resolve(tick: asyncio.Future[None]) -> None:
 class LocalPeers:
     """Generate handlers of the peers that live in this process, by the address they serve on.
 
-    `min_interval_s` is the session rule (`--stream-interval-ms`) for in-process
-    streams: a stream's next chunk comes no sooner than one interval after the
-    previous one (waiting for a tick shared by all streams), so an engine that
-    steps faster has its tokens merged; slower engines' tokens go at once.
+    A consumer pulls its stream's next chunk when it is ready for it and gets
+    every token made since (the engine merges while it lags): coalescing by
+    backpressure. `min_interval_s` > 0 is the optional cap of the sessions
+    (`--stream-interval-ms`, default 0 = none) for in-process streams: a stream's
+    next chunk then comes no sooner than one interval after the previous one
+    (waiting for a tick shared by all streams).
     """
 
     def __init__(self, *, min_interval_s: float = DEFAULT_STREAM_INTERVAL_S) -> None:

@@ -10,11 +10,16 @@ cost is paid once per step and peer instead of once per token and request.
 Server side, per session: a reader task takes `SessionUp` messages (opens
 start one task per stream running the handler, cancels cancel that task); the
 stream tasks push chunks into one outbox; a writer task sends everything the
-outbox holds as one message whenever it has something. While a write waits
-(the client reads slowly), later tokens of a stream are merged into its
-pending chunk (`meshllm.protocol.chunks`), so nothing blocks the engine and
-memory stays bounded by tokens, not messages. Tokens reach the client as soon
-as they exist when it keeps up: the writer wakes on the first push. A server
+outbox holds as one message whenever it has something and the client has
+taken the previous one (flow control: a client that sets
+`SessionUp.flow_control` acknowledges each message once its streams'
+consumers have had their turn, and the server keeps at most `FLOW_WINDOW`
+unacknowledged). While a message waits (the window, the client reads
+slowly), later tokens of a stream are merged into its pending chunk
+(`meshllm.protocol.chunks`), so nothing blocks the engine and memory stays
+bounded by tokens, not messages: coalescing by backpressure, with no clock.
+Tokens reach the client as soon as they exist when it keeps up: the writer
+wakes on the first push, and a stream's first chunk never waits. A server
 whose handler relays (`relays=True`: the router, a worker whose engine takes
 chunks from its step loop) also gives each stream's call a sink into the
 outbox (`CallInfo.relay`), so chunks made elsewhere (a router's peer sessions,
@@ -73,6 +78,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = DEFAULT_STREAM_INTERVAL_S
+# Unacknowledged messages a server keeps in flight to a client that acknowledges (SessionUp.flow_control).
+FLOW_WINDOW = 1
 # A server's heartbeat interval: well under the least stall bound a client accepts (1 s).
 HEARTBEAT_S = 0.5
 SessionHandler = GenerateHandler
@@ -140,9 +147,11 @@ class _ServerSession:
         self.last: dict[int, int] = {}  # stream id -> index in items of its pending chunk
         self.ended: set[int] = set()  # streams whose terminal is pushed: nothing more of them is sent
         self.started: set[int] = set()  # streams that pushed something: a later chunk may wait for the interval
-        self.urgent = False  # a stream's first item is waiting: it goes without the interval (TTFT)
+        self.urgent = False  # a stream's first item is waiting: it goes without the interval or the window (TTFT)
         self.reading = True
         self.busy_since = 0.0  # loop time its first open stream started (heartbeats count from there)
+        self.flow = False  # the client acknowledges what it has taken: at most FLOW_WINDOW messages in flight
+        self.inflight = 0  # messages sent and not yet acknowledged (when `flow`)
         self.failed: MeshError | None = None  # a malformed or invalid message ended the reading: the call's status
         self._waiter: asyncio.Future[None] | None = None
         self._beat: asyncio.TimerHandle | None = None  # wakes the writer when a heartbeat may be due
@@ -177,13 +186,14 @@ class _ServerSession:
         sent_at = -1.0
         try:
             while True:
-                if not self.items:
-                    if self._ended():
+                if not self.items or (self.flow and self.inflight >= FLOW_WINDOW and not self.urgent):
+                    if not self.items and self._ended():
                         if self.failed is not None:
                             raise self.failed
                         return
                     if self.tasks and heartbeat > 0:
-                        # Streams are open but quiet (a long prefill): tell the client this peer is alive.
+                        # Streams are open but quiet (a long prefill), or the client has yet to take the last
+                        # message: tell it this peer is alive.
                         quiet = loop.time() - max(sent_at, self.busy_since)
                         if quiet >= heartbeat:
                             sent_at = loop.time()
@@ -197,8 +207,10 @@ class _ServerSession:
                     await waiter
                     continue
                 if interval > 0 and not self.urgent and coalescing() and (wait := sent_at + interval - loop.time()) > 0:
-                    await asyncio.sleep(wait)  # a fast engine's next steps merge into this message
+                    await asyncio.sleep(wait)  # the optional cap: a fast engine's next steps merge into this message
                 sent_at = loop.time()
+                if self.flow:
+                    self.inflight += 1
                 items, self.items, self.last, self.urgent = self.items, [], {}, False
                 down = session_pb2.SessionDown()
                 add = down.items.add
@@ -226,6 +238,11 @@ class _ServerSession:
     async def _read(self, request_iterator: AsyncIterator[session_pb2.SessionUp]) -> None:
         try:
             async for msg in request_iterator:
+                if msg.acked or msg.flow_control:
+                    if msg.flow_control:
+                        self.flow = True
+                    self.inflight = max(0, self.inflight - msg.acked)
+                    self.wake()
                 for sid in msg.cancel:
                     task = self.tasks.get(sid)
                     if task is not None:
@@ -237,8 +254,9 @@ class _ServerSession:
         except MeshError as exc:  # a message that does not parse (the transport's checked request stream)
             self.failed = exc
         finally:
-            # The client closed its side: it reads no more, so its streams are cancelled.
+            # The client closed its side: it reads no more, so its streams are cancelled (and acknowledges nothing).
             self.reading = False
+            self.flow = False
             for t in list(self.tasks.values()):
                 t.cancel()
             self.wake()

@@ -2,7 +2,9 @@
 
 Per (address, method): a reader task demultiplexes items into one pipe per
 stream (merging the same way as the server when its consumer lags), a writer
-task batches opens and cancels. A stream is an async iterator with the
+task batches opens, cancels and acknowledgements: each message taken is
+acknowledged once the consumers it woke have had their turn, and the server
+sends its next message only then (flow control, plane/session.py). A stream is an async iterator with the
 contract of `generate_stream`: chunks, then exactly one terminal, or the
 MeshError the server (or the broken call) stands for; dropping it sends a
 cancel. A session that breaks fails all its open streams (`Unavailable` /
@@ -133,6 +135,9 @@ class _ClientSession:
         self._stall: MeshError | None = None  # why the watchdog broke the session
         self._opens: list[session_pb2.StreamOpen] = []
         self._cancels: list[int] = []
+        self._acks = 0  # messages taken and not yet acknowledged (SessionUp.acked)
+        self._ack_due = False  # an acknowledgement is scheduled for after the consumers' turn
+        self._flow_sent = False  # SessionUp.flow_control goes in the session's first message
         self._send_waiter: asyncio.Future[None] | None = None
         self._busy_waiter: asyncio.Future[None] | None = None
         self._reader = asyncio.ensure_future(self._read())
@@ -157,16 +162,24 @@ class _ClientSession:
     def _kick(self) -> None:
         wake(self._send_waiter)
 
+    def _acknowledge(self) -> None:
+        # Runs after the consumers woken by the message(s) taken have had their turn: the server's next
+        # message then carries everything its engines made while this process was busy with the last one.
+        self._ack_due = False
+        self._kick()
+
     async def _write(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not self._opens and not self._cancels:
+                if not self._opens and not self._cancels and (not self._acks or self._ack_due):
                     self._send_waiter = loop.create_future()
                     await self._send_waiter
                     continue
-                msg = session_pb2.SessionUp(open=self._opens, cancel=self._cancels)
-                self._opens, self._cancels = [], []
+                msg = session_pb2.SessionUp(open=self._opens, cancel=self._cancels, acked=self._acks)
+                if not self._flow_sent:
+                    msg.flow_control = self._flow_sent = True
+                self._opens, self._cancels, self._acks = [], [], 0
                 await self.call.write(msg)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             log.debug("session to %s: write failed: %s", self.peer, exc)  # the reader reports the call's end
@@ -188,6 +201,10 @@ class _ClientSession:
                     continue  # a heartbeat
                 self.stats[0] += 1
                 self.stats[1] += len(msg.items)
+                self._acks += 1
+                if not self._ack_due:
+                    self._ack_due = True
+                    loop.call_soon(self._acknowledge)
                 for item in msg.items:
                     pipe = pipes.get(item.stream_id)
                     if pipe is None:

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from meshllm.v1 import generate_pb2 as meshllm_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meshllm/v1/session.proto\x12\nmeshllm.v1\x1a\x19meshllm/v1/generate.proto\"u\n\nStreamOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.meshllm.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"A\n\tSessionUp\x12$\n\x04open\x18\x01 \x03(\x0b\x32\x16.meshllm.v1.StreamOpen\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"k\n\nStreamItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.meshllm.v1.GenerateChunk\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.meshllm.v1.Error\"4\n\x0bSessionDown\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.meshllm.v1.StreamItemb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meshllm/v1/session.proto\x12\nmeshllm.v1\x1a\x19meshllm/v1/generate.proto\"u\n\nStreamOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.meshllm.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"f\n\tSessionUp\x12$\n\x04open\x18\x01 \x03(\x0b\x32\x16.meshllm.v1.StreamOpen\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\r\x12\x14\n\x0c\x66low_control\x18\x04 \x01(\x08\"k\n\nStreamItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.meshllm.v1.GenerateChunk\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.meshllm.v1.Error\"4\n\x0bSessionDown\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.meshllm.v1.StreamItemb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPEN']._serialized_start=67
   _globals['_STREAMOPEN']._serialized_end=184
   _globals['_SESSIONUP']._serialized_start=186
-  _globals['_SESSIONUP']._serialized_end=251
-  _globals['_STREAMITEM']._serialized_start=253
-  _globals['_STREAMITEM']._serialized_end=360
-  _globals['_SESSIONDOWN']._serialized_start=362
-  _globals['_SESSIONDOWN']._serialized_end=414
+  _globals['_SESSIONUP']._serialized_end=288
+  _globals['_STREAMITEM']._serialized_start=290
+  _globals['_STREAMITEM']._serialized_end=397
+  _globals['_SESSIONDOWN']._serialized_start=399
+  _globals['_SESSIONDOWN']._serialized_end=451
 # @@protoc_insertion_point(module_scope)

@@ -21,12 +21,16 @@ class StreamOpen(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionUp(_message.Message):
-    __slots__ = ("open", "cancel")
+    __slots__ = ("open", "cancel", "acked", "flow_control")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    FLOW_CONTROL_FIELD_NUMBER: _ClassVar[int]
     open: _containers.RepeatedCompositeFieldContainer[StreamOpen]
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, open: _Optional[_Iterable[_Union[StreamOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    acked: int
+    flow_control: bool
+    def __init__(self, open: _Optional[_Iterable[_Union[StreamOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., acked: _Optional[int] = ..., flow_control: _Optional[bool] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("stream_id", "chunk", "error")
