@@ -10,6 +10,7 @@ overrides `generate` is not given a sink (`takes_sink()` false), so its view of 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -144,8 +145,10 @@ async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
 
 async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
     """Locks: on a timed mocker, a task the sink wakes (a session's writer) runs before the step's own bookkeeping
-    (the step hook, the load report), so that work does not delay the tokens' way out."""
-    engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
+    (the step hook, the load report), so that work does not delay the tokens' way out. (A step already over on
+    the model's timeline when it ends, in a loop that ran late, is the exception: see the next test; the first
+    step here is a prefill, milliseconds long at speedup 10.)"""
+    engine, _, _ = await started(MockerConfig(speedup_ratio=10.0))
     woken = asyncio.Event()
     writer_ran: list[int] = []  # tokens the writer task had seen when it ran
     seen: list[int] = []
@@ -154,9 +157,13 @@ async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
         seen.extend(chunk["token_ids"])
         woken.set()
 
+    ended = False
+
     async def writer() -> None:
-        while len(writer_ran) < 3:
+        while True:
             await woken.wait()
+            if ended:
+                return
             woken.clear()
             writer_ran.append(len(seen))
 
@@ -173,12 +180,57 @@ async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
         ctx.sink = sink
         stream = engine.generate(req(PROMPT, "b", max_tokens=5, ignore_eos=True), ctx)
         [c async for c in stream]
+        ended = True
+        woken.set()
         await asyncio.wait_for(task, 5)
     finally:
         task.cancel()
         await engine.cleanup()
     assert order and all(woke >= 1 for _, woke in order)
     assert writer_ran[0] == order[0][0]  # the writer saw the step's token before the step's hook ran
+
+
+async def test_steps_that_fell_due_while_the_loop_was_busy_run_without_a_yield() -> None:
+    """Locks the mocker's catch-up: after its process held the event loop for 4 ms (far longer than a step at
+    speedup 100), the steps already due on the model's timeline run back to back, so the sink's writer task
+    takes several steps' tokens in one turn; a mocker that yielded after every step would hand it one each."""
+    engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
+    woken = asyncio.Event()
+    seen: list[int] = []
+    per_turn: list[int] = []  # new tokens the writer found at each of its turns
+    ended = False
+
+    def sink(chunk: TokenChunk) -> None:
+        seen.extend(chunk["token_ids"])
+        woken.set()
+
+    async def writer() -> None:
+        taken = 0
+        while True:
+            await woken.wait()
+            if ended:
+                return
+            woken.clear()
+            per_turn.append(len(seen) - taken)
+            taken = len(seen)
+            if len(per_turn) == 2:
+                busy_until = time.perf_counter() + 0.004  # the behaviour under test: this process keeps the loop busy
+                while time.perf_counter() < busy_until:
+                    pass
+
+    task = asyncio.ensure_future(writer())
+    try:
+        ctx = Context("c")
+        ctx.sink = sink
+        stream = engine.generate(req(PROMPT, "c", max_tokens=60, ignore_eos=True), ctx)
+        [c async for c in stream]
+        ended = True
+        woken.set()
+        await asyncio.wait_for(task, 5)
+    finally:
+        task.cancel()
+        await engine.cleanup()
+    assert max(per_turn[2:]) >= 2, per_turn
 
 
 @pytest.mark.parametrize("coalesce", [True, False])

@@ -2,7 +2,8 @@
 
 One asyncio task runs the step loop: `schedule()` picks the batch and
 allocates KV, the step's simulated duration passes (`timing`, divided by
-`--speedup-ratio`; at 0 the loop only yields), and `postprocess()` appends
+`--speedup-ratio`; at 0 the loop only yields; a step already due on the
+model's timeline passes at once, see `timing`), and `postprocess()` appends
 one token to every sequence that finished computing and wakes its stream.
 A stream (`generate`) only reads its sequence: tokens that piled up while the
 consumer was busy leave as one chunk.
@@ -70,6 +71,8 @@ log = logging.getLogger(__name__)
 
 KV_LAYOUT = "mocker-v1"
 LOAD_INTERVAL_S = 0.1
+# The longest the step loop runs steps that are already due without letting the rest of its process run.
+MAX_BURST_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +467,7 @@ class MockerEngine(LLMEngine):
         loop = asyncio.get_running_loop()
         sched, blocks, speedup = self.scheduler, self.blocks, self.config.speedup_ratio
         pacer = StepPacer()
+        yielded_at = loop.time()  # when the step loop last let the rest of the process run
         while True:
             if not sched.has_work():
                 pacer.idle()
@@ -484,15 +488,24 @@ class MockerEngine(LLMEngine):
                 continue
             usage = blocks.usage
             model_ms = step_ms(plan.prefill_tokens, plan.decode_seqs > 0, usage) + plan.restore_ms
+            behind = False
             if speedup > 0:  # the step's own compute counts towards its simulated duration
-                await asyncio.sleep(max(0.0, pacer.step_end(t0, model_ms / 1000.0 / speedup) - loop.time()))
+                wait = pacer.step_end(t0, model_ms / 1000.0 / speedup) - loop.time()
+                # A step already over on the model's timeline (the loop ran others meanwhile) ends now, without
+                # a yield: a GPU would have run it while this process was busy, so its tokens join the others
+                # its streams have not taken yet. The pacer bounds how far behind that may go (MAX_LAG_S).
+                behind = wait <= 0 and loop.time() - yielded_at < MAX_BURST_S
+                if not behind:
+                    await asyncio.sleep(max(0.0, wait))
+                    yielded_at = loop.time()
             else:
                 await asyncio.sleep(0)
             sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
-            if speedup > 0:
+            if speedup > 0 and not behind:
                 # The step's tokens are in their streams' sinks and queues: let the writers send them before
                 # this step's bookkeeping (load report, step hook) and the next step's scheduling delay them.
                 await asyncio.sleep(0)
+                yielded_at = loop.time()
             if self.on_step is not None:
                 n_wait, n_run = len(sched.waiting), len(sched.running)
                 self.on_step(

@@ -36,6 +36,14 @@ overshoot on every step: at --speedup-ratio 10 a busy mocker ran its steps
 was due to end, so one late wake-up shortens the next sleep instead of
 delaying every later token; after an idle period, or a lag too large to be a
 timer's (a stalled process), the timeline restarts at the present.
+
+A step whose end on the timeline has already passed when it is computed (the
+event loop ran other work meanwhile: a frontend's streams in `meshllm run`)
+ends at once, without a yield, and so may the next ones, for at most
+`engine.MAX_BURST_S` of the process's time: a GPU would have run them while
+the process was busy, so their tokens join those its streams have not taken
+yet. Without this the simulated engine would advance one step per turn of
+its streams' consumers, as slow as the process around it.
 """
 
 from __future__ import annotations
