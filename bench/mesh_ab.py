@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchdoc import write_section
-from mesh import measure_level
+from mesh import EXTRA_COMMANDS, measure_level
 from mesh_load import Load, calibrate_chars_per_token
 from mesh_report import build_info
 from mesh_systems import LABELS, MODEL_DIR, ROOT, SystemSpec, start_system
@@ -99,6 +99,7 @@ def metric_rows(sides: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
         ("req/s", lambda r: r["req_per_s"], "{:.1f}"),
         ("TTFT p50 ms", lambda r: r.get("ttft_p50_ms"), "{:.1f}"),
         ("ITL p50 ms", lambda r: r.get("itl_p50_ms"), "{:.2f}"),
+        ("SSE events per response", lambda r: r.get("events_per_request"), "{:.1f}"),
         *((f"CPU-ms/request, {p}", (lambda r, p=p: r["cpu_ms"].get(p)), "{:.2f}") for p in procs),
         ("CPU-ms/request, whole mesh", lambda r: sum(r["cpu_ms"].values()), "{:.2f}"),
     ]
@@ -143,7 +144,8 @@ async def run(args: argparse.Namespace, base_services: Path, load: Load, res: Re
             for kind in args.systems:
                 for side in order(pair):
                     path = str(base_services) if side == "base" else ""
-                    spec = SystemSpec(speedup=speedup, workers=args.workers, services_path=path)
+                    extra = {cmd: ["--no-coalesce"] for cmd in EXTRA_COMMANDS} if args.no_coalesce else {}
+                    spec = SystemSpec(speedup=speedup, workers=args.workers, services_path=path, extra=extra)
                     async with start_system(kind, spec) as running:
                         for c in args.concurrency:
                             row = await measure_level(running, load, c, args.requests, args.warmup, seed=c)
@@ -166,6 +168,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=640, help="measured requests per level")
     p.add_argument("--warmup", type=int, default=64, help="unmeasured requests before each level")
     p.add_argument("--workers", type=int, default=2, help="mocker worker processes")
+    p.add_argument("--no-coalesce", action="store_true", help="every meshllm command with --no-coalesce (one SSE event per step)")
     p.add_argument("--write", action="store_true", help=f"write the table to docs/benchmarks.md ({HEADING})")
     p.add_argument("--label", default="", help=f"what changed: the section becomes '{HEADING}: LABEL'")
     args = p.parse_args(argv)
