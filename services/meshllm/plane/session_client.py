@@ -166,6 +166,12 @@ class _ClientSession:
         # Runs after the consumers woken by the message(s) taken have had their turn: the server's next
         # message then carries everything its engines made while this process was busy with the last one.
         self._ack_due = False
+        if self._acks and not self._opens and not self._cancels and self._flow_sent:
+            # A carrier that can write at once (TCP) takes the acknowledgement here, without waking the writer.
+            write_now = getattr(self.call, "write_nowait", None)
+            if write_now is not None and write_now(session_pb2.SessionUp(acked=self._acks)):
+                self._acks = 0
+                return
         self._kick()
 
     async def _write(self) -> None:

@@ -263,6 +263,15 @@ class TcpCall:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
+    def write_nowait(self, message: session_pb2.SessionUp) -> bool:
+        """Write `message` now, without waiting for the kernel's buffer; False (nothing written) before the
+        connection is up or after it broke. For small control messages (acknowledgements)."""
+        up = self._connected
+        if not up.done() or up.cancelled() or up.exception() is not None or self._error is not None or self._conn.lost:
+            return False
+        self._conn.write(UP, message.SerializeToString())
+        return True
+
     async def write(self, message: session_pb2.SessionUp) -> None:
         if not self._connected.done():
             await asyncio.shield(self._connected)
