@@ -62,6 +62,7 @@ from meshllm.frontend.inference import Completion, InferenceCore
 if TYPE_CHECKING:
     from meshllm.plane.tls import TlsConfig
 from meshllm.frontend import embeddings_api
+from meshllm.frontend.ready_writes import write_ready
 from meshllm.frontend.responses import collect, sse_events
 from meshllm.frontend.responses_api import ResponsesApi
 from meshllm.frontend.tokenize_api import detokenize, model_info, tokenize, tokenizer_info
@@ -428,11 +429,14 @@ class OpenAIApp:
     ) -> int:
         first = await anext(events)  # errors before the first event become a plain HTTP error
         await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *(headers or ())]})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        async for event in events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await body(first)
+        last = await write_ready(events, body)  # events ready back to back share one write (ready_writes.py)
         watch.stop()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": last, "more_body": False})
         return 200
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
