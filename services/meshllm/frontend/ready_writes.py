@@ -13,7 +13,7 @@ one write.
 
 Knowing whether the next event needs a wait means starting the source's
 `__anext__` by hand (`send(None)`): it either finishes (ready) or stops at the
-future it waits on, which `_Resumed` then awaits on the task's behalf. A
+future it waits on, which `_resumed` then awaits on the task's behalf. A
 write that fails or is cancelled while such a step is in flight throws the
 cancellation into the step, so the source unwinds as it would under a
 cancelled `async for`.
@@ -22,6 +22,7 @@ cancelled `async for`.
 from __future__ import annotations
 
 import asyncio
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
@@ -30,30 +31,23 @@ __all__ = ["write_ready"]
 Step = Coroutine[Any, Any, bytes]
 
 
-class _Resumed:
+@types.coroutine
+def _resumed(step: Step, waiting: Any) -> Generator[Any, Any, bytes]:
     """Await the rest of a step that `send(None)` started and that waits on `waiting`."""
-
-    __slots__ = ("_step", "_waiting")
-
-    def __init__(self, step: Step, waiting: Any) -> None:
-        self._step = step
-        self._waiting = waiting
-
-    def __await__(self) -> Generator[Any, Any, bytes]:
-        step, value = self._step, self._waiting
-        while True:
+    value = waiting
+    while True:
+        try:
+            sent = yield value
+        except BaseException as exc:  # the task's cancellation goes on into the step
             try:
-                sent = yield value
-            except BaseException as exc:  # the task's cancellation goes on into the step
-                try:
-                    value = step.throw(exc)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
-            else:
-                try:
-                    value = step.send(sent)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
+                value = step.throw(exc)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+        else:
+            try:
+                value = step.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
 
 def _unwind(step: Step) -> None:
@@ -92,7 +86,7 @@ async def write_ready(events: AsyncIterator[bytes], write: Callable[[bytes], Awa
                 raise
             pending = []
         try:
-            pending.append(await _Resumed(step, waiting))
+            pending.append(await _resumed(step, waiting))
         except StopAsyncIteration:
             break
     return b"".join(pending)
