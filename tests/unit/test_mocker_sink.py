@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -143,21 +143,17 @@ async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
     assert not Wrapping(config).takes_sink() and Plain(config).takes_sink()
 
 
-async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
-    """Locks: on a timed mocker, a task the sink wakes (a session's writer) runs before the step's own bookkeeping
-    (the step hook, the load report), so that work does not delay the tokens' way out. (A step already over on
-    the model's timeline when it ends, in a loop that ran late, is the exception: see the next test; the first
-    step here is a prefill, milliseconds long at speedup 10.)"""
-    engine, _, _ = await started(MockerConfig(speedup_ratio=10.0))
+async def stream_to_writer(
+    engine: MockerEngine, rid: str, max_tokens: int, seen: list[int], on_turn: Callable[[int], None]
+) -> None:
+    """Run one request whose sink (extending `seen`) wakes a writer task, as a session's writer is woken;
+    `on_turn(tokens seen)` runs at each of the writer's turns."""
     woken = asyncio.Event()
-    writer_ran: list[int] = []  # tokens the writer task had seen when it ran
-    seen: list[int] = []
+    ended = False
 
     def sink(chunk: TokenChunk) -> None:
         seen.extend(chunk["token_ids"])
         woken.set()
-
-    ended = False
 
     async def writer() -> None:
         while True:
@@ -165,27 +161,37 @@ async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
             if ended:
                 return
             woken.clear()
-            writer_ran.append(len(seen))
+            on_turn(len(seen))
 
-    order: list[tuple[int, int]] = []  # per step with output: (tokens seen, writer wake-ups) when its hook ran
-
-    def on_step(_: Any) -> None:
-        if seen and len(order) < 3:
-            order.append((len(seen), len(writer_ran)))
-
-    engine.on_step = on_step
     task = asyncio.ensure_future(writer())
     try:
-        ctx = Context("b")
+        ctx = Context(rid)
         ctx.sink = sink
-        stream = engine.generate(req(PROMPT, "b", max_tokens=5, ignore_eos=True), ctx)
-        [c async for c in stream]
+        [c async for c in engine.generate(req(PROMPT, rid, max_tokens=max_tokens, ignore_eos=True), ctx)]
         ended = True
         woken.set()
         await asyncio.wait_for(task, 5)
     finally:
         task.cancel()
         await engine.cleanup()
+
+
+async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
+    """Locks: on a timed mocker, a task the sink wakes (a session's writer) runs before the step's own bookkeeping
+    (the step hook, the load report), so that work does not delay the tokens' way out. (A step already over on
+    the model's timeline when it ends, in a loop that ran late, is the exception: see the next test; the first
+    step here is a prefill, milliseconds long at speedup 10.)"""
+    engine, _, _ = await started(MockerConfig(speedup_ratio=10.0))
+    writer_ran: list[int] = []  # tokens the writer task had seen when it ran
+    order: list[tuple[int, int]] = []  # per step with output: (tokens seen, writer wake-ups) when its hook ran
+    seen: list[int] = []
+
+    def on_step(_: Any) -> None:
+        if seen and len(order) < 3:
+            order.append((len(seen), len(writer_ran)))
+
+    engine.on_step = on_step
+    await stream_to_writer(engine, "b", 5, seen, writer_ran.append)
     assert order and all(woke >= 1 for _, woke in order)
     assert writer_ran[0] == order[0][0]  # the writer saw the step's token before the step's hook ran
 
@@ -195,41 +201,18 @@ async def test_steps_that_fell_due_while_the_loop_was_busy_run_without_a_yield()
     speedup 100), the steps already due on the model's timeline run back to back, so the sink's writer task
     takes several steps' tokens in one turn; a mocker that yielded after every step would hand it one each."""
     engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
-    woken = asyncio.Event()
-    seen: list[int] = []
     per_turn: list[int] = []  # new tokens the writer found at each of its turns
-    ended = False
+    taken = [0]
 
-    def sink(chunk: TokenChunk) -> None:
-        seen.extend(chunk["token_ids"])
-        woken.set()
+    def on_turn(seen: int) -> None:
+        per_turn.append(seen - taken[0])
+        taken[0] = seen
+        if len(per_turn) == 2:
+            busy_until = time.perf_counter() + 0.004  # the behaviour under test: this process keeps the loop busy
+            while time.perf_counter() < busy_until:
+                pass
 
-    async def writer() -> None:
-        taken = 0
-        while True:
-            await woken.wait()
-            if ended:
-                return
-            woken.clear()
-            per_turn.append(len(seen) - taken)
-            taken = len(seen)
-            if len(per_turn) == 2:
-                busy_until = time.perf_counter() + 0.004  # the behaviour under test: this process keeps the loop busy
-                while time.perf_counter() < busy_until:
-                    pass
-
-    task = asyncio.ensure_future(writer())
-    try:
-        ctx = Context("c")
-        ctx.sink = sink
-        stream = engine.generate(req(PROMPT, "c", max_tokens=60, ignore_eos=True), ctx)
-        [c async for c in stream]
-        ended = True
-        woken.set()
-        await asyncio.wait_for(task, 5)
-    finally:
-        task.cancel()
-        await engine.cleanup()
+    await stream_to_writer(engine, "c", 60, [], on_turn)
     assert max(per_turn[2:]) >= 2, per_turn
 
 
