@@ -167,7 +167,7 @@ def _request_to_proto(r: TokenRequest) -> pb.GenerateRequest:
 
 
 def request_from_proto(m: pb.GenerateRequest) -> TokenRequest:
-    r: TokenRequest = {"request_id": m.request_id, "token_ids": list(m.token_ids)}
+    r: TokenRequest = {"request_id": m.request_id, "token_ids": m.token_ids[:]}  # a slice: a list made in C
     if m.model:
         r["model"] = m.model
     if m.HasField("sampling"):
@@ -177,7 +177,7 @@ def request_from_proto(m: pb.GenerateRequest) -> TokenRequest:
     if m.HasField("output"):
         r["output"] = output_from_proto(m.output)
     if m.eos_token_ids:
-        r["eos_token_ids"] = list(m.eos_token_ids)
+        r["eos_token_ids"] = m.eos_token_ids[:]
     if m.HasField("routing"):
         r["routing"] = hints_from_proto(m.routing)
     if m.HasField("disagg"):
@@ -238,7 +238,7 @@ def stop_into_proto(m: pb.StopConditions, st: StopSettings) -> None:
 
 
 def stop_from_proto(m: pb.StopConditions) -> StopSettings:
-    st = StopSettings(min_tokens=m.min_tokens, stop_token_ids=list(m.stop_token_ids), ignore_eos=m.ignore_eos)
+    st = StopSettings(min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids[:], ignore_eos=m.ignore_eos)
     if m.HasField("max_tokens"):
         st["max_tokens"] = m.max_tokens
     return st
@@ -318,8 +318,8 @@ def chunk_into_proto(m: pb.GenerateChunk, c: TokenChunk) -> None:
 def chunk_from_proto(m: pb.GenerateChunk) -> TokenChunk:
     fields = m.ListFields()  # one call; nearly every chunk of a stream sets token_ids alone
     if len(fields) == 1 and fields[0][0] is _CHUNK_TOKEN_IDS:
-        return {"token_ids": list(fields[0][1])}
-    c: TokenChunk = {"token_ids": list(m.token_ids)}
+        return {"token_ids": fields[0][1][:]}  # a slice is a list, made in C (list() iterates in Python: 2x slower)
+    c: TokenChunk = {"token_ids": m.token_ids[:]}
     if m.index:
         c["index"] = m.index
     if m.finish_reason:
@@ -337,7 +337,7 @@ def chunk_from_proto(m: pb.GenerateChunk) -> TokenChunk:
     if m.prompt_logprobs:
         c["prompt_logprobs"] = _logprobs_from(m.prompt_logprobs)
     if m.embedding:
-        c["embedding"] = list(m.embedding)
+        c["embedding"] = m.embedding[:]
     if m.HasField("disagg"):
         c["disagg"] = disagg_from_proto(m.disagg)
     if m.HasField("error"):
