@@ -17,10 +17,12 @@ A bad source raises `ConfigError` (an `InvalidArgument`) with a one-line message
 Every tokenizer is safe to share between concurrent requests: `encode` and
 `decode` hold no per-call state. `encode_async` moves long prompts to a thread so
 that tokenizing them never blocks the event loop. A tokenizer whose `encode`
-releases the GIL (`releases_gil = True`: the `tokenizers`-backed ones) has every
-prompt but the shortest encoded in a thread: that work then runs on another
-core, beside the event loop, instead of taking turns with it — unless the
-request is the only one in flight (`alone`), when nothing waits for the loop.
+releases the GIL (`releases_gil = True`: the `tokenizers`-backed ones) has
+prompts of more than `PARALLEL_ENCODE_THRESHOLD` characters encoded in a
+thread: that work then runs on another core, beside the event loop, instead of
+taking turns with it — unless the request is the only one in flight (`alone`),
+when nothing waits for the loop. Shorter prompts are cheaper inline than the
+hop to the thread and back.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ __all__ = [
 # Prompts longer than this (in characters) are tokenized in a worker thread;
 # shorter ones are faster inline than the thread hop (~50 µs).
 ASYNC_ENCODE_THRESHOLD = 4096
-# The same for tokenizers that release the GIL: above this the thread hop buys a second core.
-PARALLEL_ENCODE_THRESHOLD = 256
+# The same for tokenizers that release the GIL: above this the thread hop buys a second core. The hop is
+# not free: on a busy 2-core host it cost the frontend ~0.23 CPU-ms per request (the thread's wake-up and the
+# GIL's hand-back), about what `tokenizers` takes to encode 1,100 characters of prompt. So a prompt goes to
+# a thread only when its encode costs well over the hop: 256 characters here cost 7-13 % of the frontend's
+# CPU per request and 5 ms of TTFT p50 (docs/benchmarks.md, "Change against its base: prompts encoded inline").
+PARALLEL_ENCODE_THRESHOLD = 2048
 
 
 @runtime_checkable
