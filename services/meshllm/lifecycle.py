@@ -20,6 +20,8 @@ from typing import Any, Self, TypeVar
 
 import uvloop
 
+from meshllm.heap import settle_heap
+
 __all__ = [
     "FORCED_EXIT_STATUS",
     "Admission",
@@ -263,6 +265,7 @@ async def serve_until_signal(
             print(f"meshllm {command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         async with service:
+            settle_heap()
             for line in ready_lines(service):
                 print(line, flush=True)
             waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
