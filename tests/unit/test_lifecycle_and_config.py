@@ -116,10 +116,12 @@ async def test_serve_until_signal_reports_start_errors_in_one_line(capsys: pytes
 
 
 async def test_serve_until_signal_prints_ready_lines_and_closes_when_the_closing_hook_returns(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Locks: ready lines on stdout; the closing hook (e.g. a Drain RPC) ends the command with the service closed."""
     from meshllm.lifecycle import serve_until_signal
+
+    monkeypatch.setattr("meshllm.lifecycle.settle_heap", lambda: None)  # test_heap.py's; the test process's heap stays
 
     class Service(AsyncCloseable):
         drained = asyncio.Event()
