@@ -45,9 +45,9 @@ def test_settle_heap_collects_startup_garbage_before_freezing(restored_gc: None)
     garbage = _Startup()
     del garbage  # unreachable, kept alive by its own cycle until a collection
     settle_heap()
-    assert not any(isinstance(o, _Startup) for o in gc.get_objects())
+    assert not any(type(o) is _Startup for o in gc.get_objects())
     gc.unfreeze()
-    assert not any(isinstance(o, _Startup) for o in gc.get_objects())  # freed, not frozen
+    assert not any(type(o) is _Startup for o in gc.get_objects())  # freed, not frozen
 
 
 async def test_a_service_settles_its_heap_once_it_is_up(restored_gc: None) -> None:
