@@ -2,10 +2,9 @@
 
 CPython's cyclic collector scans, at every full (oldest-generation)
 collection, every container object the process holds. A started service holds
-well over 100,000 of them (modules, classes, protobuf descriptors, the
-tokenizer's tables) that live as long as the process, and a busy frontend ran
-a full collection every ~0.5 s: in a measured run the collector took about a
-fifth of the frontend's CPU. `gc.freeze()` after startup moves everything
+a great many of them (modules, classes, protobuf descriptors, the tokenizer's
+tables) that live as long as the process, and a busy frontend ran full
+collections several times a second. `gc.freeze()` after startup moves everything
 alive then into the permanent generation, which collections skip; what
 requests allocate afterwards is collected as before. The youngest
 generation's threshold goes from 700 to `YOUNG_THRESHOLD` allocations, so

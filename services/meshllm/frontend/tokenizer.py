@@ -51,13 +51,12 @@ __all__ = [
 ]
 
 # Prompts longer than this (in characters) are tokenized in a worker thread;
-# shorter ones are faster inline than the thread hop (~50 µs).
+# shorter ones are cheaper inline than the hop to the thread and back.
 ASYNC_ENCODE_THRESHOLD = 4096
-# The same for tokenizers that release the GIL: above this the thread hop buys a second core. The hop is
-# not free: on a busy 2-core host it cost the frontend ~0.23 CPU-ms per request (the thread's wake-up and the
-# GIL's hand-back), about what `tokenizers` takes to encode 1,100 characters of prompt. So a prompt goes to
-# a thread only when its encode costs well over the hop: 256 characters here cost 7-13 % of the frontend's
-# CPU per request and 5 ms of TTFT p50 (docs/benchmarks.md, "Change against its base: prompts encoded inline").
+# The same for tokenizers that release the GIL: above this the thread hop buys a second core. The hop (the
+# thread's wake-up, the GIL's hand-back) costs about as much as encoding a ~1,000-character prompt, so only
+# prompts whose encode costs well over it go to a thread (was 256: docs/benchmarks.md, "Change against its
+# base: prompts encoded inline").
 PARALLEL_ENCODE_THRESHOLD = 2048
 
 
