@@ -7,8 +7,12 @@ fields replaced by boundary values (2^31, 2^64, -1, huge floats, ...) or
 arbitrary JSON, plus raw garbage bodies and odd paths and methods.
 
 Locks: no response has a status >= 500 (every bad input is a 4xx with an
-OpenAI-shaped error body), no traceback is logged twice for the same error,
-and afterwards the frontend is healthy and serves a normal request.
+OpenAI-shaped error body); a 200 from a generation endpoint is a whole
+answer (a JSON body with choices, or an event stream of JSON chunks that ends
+with `[DONE]` and carries no in-band error event: a request refused after its
+first event would pass a status check alone); no traceback is logged twice for
+the same error, and afterwards the frontend is healthy and serves a normal
+request.
 """
 
 from __future__ import annotations
@@ -116,7 +120,40 @@ async def http(url: str, method: str, path: str, body: bytes) -> tuple[int, byte
     return int(status_line[1]), raw
 
 
+def dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body, decoded (a malformed framing fails the test)."""
+    out, rest = bytearray(), body
+    while True:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        assert sep, f"unterminated chunk framing: {body[-200:]!r}"
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += rest[:size]
+        assert rest[size : size + 2] == b"\r\n", f"bad chunk framing: {body[-200:]!r}"
+        rest = rest[size + 2 :]
+
+
+def check_answer(raw: bytes) -> None:
+    """A 200 from /v1/chat/completions or /v1/completions holds a whole answer and no error."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    headers = head.lower()
+    if b"transfer-encoding: chunked" in headers:
+        body = dechunk(body)
+    if b"content-type: text/event-stream" not in headers:
+        answer = json.loads(body)
+        assert "error" not in answer and answer["choices"], answer
+        return
+    events = [line[len(b"data: ") :] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    assert events and events[-1] == b"[DONE]", f"stream without [DONE]: {body[-300:]!r}"
+    for data in events[:-1]:
+        chunk = json.loads(data)
+        assert "error" not in chunk, f"200 stream carried an error event: {data[:400]!r}"
+        assert chunk["object"] in ("chat.completion.chunk", "text_completion"), chunk
+
+
 STATUSES: dict[int, int] = {}
+STREAMS_READ: dict[str, int] = {"stream": 0, "json": 0}
 
 
 @fuzz_settings(EXAMPLES)
@@ -126,9 +163,13 @@ def test_no_request_gets_a_5xx(loop: Loop, fuzz_mesh: MiniMesh, tracebacks: Trac
     status, raw = loop.run(http(fuzz_mesh.frontend.url, method, path, body))
     STATUSES[status] = STATUSES.get(status, 0) + 1
     assert status < 500, f"{method} {path} {body[:300]!r} -> {raw[:600]!r}"
-    if 400 <= status < 500 and path in ("/v1/chat/completions", "/v1/completions") and method == "POST":
+    generation = path in ("/v1/chat/completions", "/v1/completions") and method == "POST"
+    if 400 <= status < 500 and generation:
         error = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
         assert error["message"] and error["type"] and len(error["message"]) <= 600
+    if status == 200 and generation:
+        check_answer(raw)
+        STREAMS_READ["stream" if b"text/event-stream" in raw.partition(b"\r\n\r\n")[0].lower() else "json"] += 1
 
 
 def test_the_frontend_is_healthy_afterwards_and_logged_each_traceback_at_most_once(
@@ -136,6 +177,7 @@ def test_the_frontend_is_healthy_afterwards_and_logged_each_traceback_at_most_on
 ) -> None:
     assert sum(STATUSES.values()) >= EXAMPLES, STATUSES  # the fuzz above ran in this module
     assert STATUSES.get(200, 0) > 50 and sum(n for s, n in STATUSES.items() if 400 <= s < 500) > 200, STATUSES
+    assert STREAMS_READ["stream"] > 10 and STREAMS_READ["json"] > 10, STREAMS_READ  # both kinds of answer were read
     status, _ = loop.run(http(fuzz_mesh.frontend.url, "GET", "/health", b""))
     assert status == 200
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
