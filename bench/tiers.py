@@ -47,6 +47,7 @@ from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.channels import ChannelCache
 from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
 from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.core import RouterCore
@@ -188,10 +189,37 @@ async def drive(core: RouterCore, reqs: list[Arrival], run: Run) -> None:
     result.seconds = time.monotonic() - start
 
 
-def returning(off: Run, on: Run) -> tuple[list[float], list[float]]:
-    """TTFTs (off, on) of the requests whose cached prefix grew with tiers on: the ones a lower tier served."""
-    ids = [rid for rid, (_, c) in on.per_request.items() if rid in off.per_request and c > off.per_request[rid][1]]
-    return [off.per_request[i][0] for i in ids], [on.per_request[i][0] for i in ids]
+def returning_ids(requests: list[Arrival], block_size: int, fleet_device_blocks: int) -> frozenset[str]:
+    """The requests lower tiers are for, chosen from the trace before any run: a prefix back after the device forgot it.
+
+    A request is returning when its prompt starts with at least one block an
+    earlier request stored, and since that prefix was last used the fleet
+    stored more new blocks than all its device caches hold together
+    (`fleet_device_blocks`): spread over the workers, every device cache has
+    turned over by then. Nothing measured decides the choice, so it favours
+    neither tiers on nor off.
+    """
+    last_use: dict[int, int] = {}  # block hash -> new blocks stored fleet-wide before its last use
+    stored = 0
+    out: set[str] = set()
+    for _, req in sorted(requests, key=lambda a: a[0]):
+        hashes = block_hashes(req["token_ids"], block_size)
+        lead = 0
+        while lead < len(hashes) and hashes[lead] in last_use:
+            lead += 1
+        if lead and stored - min(last_use[h] for h in hashes[:lead]) > fleet_device_blocks:
+            out.add(req["request_id"])
+        for h in hashes:
+            if h not in last_use:
+                stored += 1
+            last_use[h] = stored
+    return frozenset(out)
+
+
+def returning(off: Run, on: Run, ids: frozenset[str]) -> tuple[list[float], list[float]]:
+    """TTFTs (off, on) of the returning requests `ids` (chosen before the run) that both runs served."""
+    both = [i for i in sorted(ids) if i in off.per_request and i in on.per_request]
+    return [off.per_request[i][0] for i in both], [on.per_request[i][0] for i in both]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -225,8 +253,10 @@ def render(sizes: list[tuple[str, Setup, list[Row]]], trace: Trace, repeats: int
         "Restores are charged by the timing model (blocks × block bytes ÷ the tier's bandwidth, before --speedup-ratio),"
         " added to the step that prefills the rest of the prompt; offloads are free (real offload managers copy in the"
         " background). Hit rates are counted at each request's first admission, the same tokens its `cached_tokens`"
-        ' reports. "Returning requests" are those whose cached prefix grew with tiers on, paired by request id with the'
-        " tiers-off run of the same repeat.",
+        ' reports. "Returning requests" are chosen from the trace before any run: their prompt starts with blocks an'
+        " earlier request stored, and since that prefix was last used the fleet stored more new blocks than all its"
+        " device caches hold together (`returning_ids`); each is paired by request id with the tiers-off run of the same"
+        " repeat.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -248,7 +278,8 @@ def size_part(label: str, setup: Setup, rows: list[Row], trace: Trace) -> list[s
         for q in (0.5, 0.9, 0.99)
     )
     prefill_ratio = on.med(lambda r: r.prefill) / off.med(lambda r: r.prefill)
-    pairs = [returning(a, b) for a, b in zip(off.runs, on.runs, strict=True)]
+    ids = returning_ids(trace.requests, setup.block_size, setup.device_blocks * setup.workers)
+    pairs = [returning(a, b, ids) for a, b in zip(off.runs, on.runs, strict=True)]
     n_ret = statistics.median(len(a) for a, _ in pairs)
     ret = ", ".join(
         f"p{round(q * 100)} {statistics.median(pct(b, q) for _, b in pairs):,.1f} vs"
