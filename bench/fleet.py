@@ -88,15 +88,15 @@ from runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.trace import TraceScale, hash_id_tokens
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, chain_hash, stored_blocks, tokens_hash
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.router.client import RouterClient
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
-from meshllm.router.fleet import bit_indices
+from meshllm.router.policy.fleet import bit_indices
 from meshllm.router.workers import AGGREGATED, PoolWorker
 from meshllm.testing.mesh import metric, scrape
 from meshllm.testing.processes import MeshllmProcess
@@ -547,7 +547,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return out
     async with EtcdServer() as etcd, MonitoredNats() as nats, ChannelCache() as channels:
         servers = SnapshotServers()
-        from meshllm.plane.etcd import EtcdDiscovery
+        from meshllm.plane.discovery.etcd import EtcdDiscovery
 
         # A lease that outlives the loop stalls of building 1,024 snapshots (a lost lease would empty the pools).
         discovery = await EtcdDiscovery.connect([etcd.endpoint], NAMESPACE, lease_ttl_s=3600)

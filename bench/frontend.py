@@ -44,7 +44,7 @@ from benchdoc import write_section
 from runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
 
 from meshllm.config import DEFAULT_STREAM_INTERVAL_MS
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.worker.client import WorkerClient
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from mesh_load import Load, calibrate_chars_per_token
 from mesh_systems import MODEL_DIR, SystemSpec, start_system
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 
 HEADING = "## Frontend processes"
 

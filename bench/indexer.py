@@ -39,7 +39,7 @@ from benchdoc import write_section
 from runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
-from meshllm.router.kv_index import KvIndex
+from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

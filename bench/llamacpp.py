@@ -39,8 +39,8 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.frontend.tokenizer import load_tokenizer
-from meshllm.plane.channels import ChannelCache
+from meshllm.frontend.text.tokenizer import load_tokenizer
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

@@ -61,7 +61,7 @@ from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 from meshllm.protocol.types import TokenRequest
 from meshllm.testing.conformance import RecordingSink
 

@@ -49,7 +49,7 @@ from mesh_report import Results, build_info, code_fingerprint, section, summary_
 from mesh_systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
 from mesh_tls import tls_section
 
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh"
 TLS_HEADING = "## TLS cost"

@@ -38,7 +38,7 @@ from mesh_report import build_info
 from mesh_systems import LABELS, MODEL_DIR, ROOT, SystemSpec, start_system
 from runinfo import LoadMonitor, load_sentence
 
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 
 HEADING = "## Change against its base"
 SIDES = ("base", "head")

@@ -24,8 +24,8 @@ from meshllm.bench.report import percentile
 from meshllm.bench.workload import Workload, WorkloadSpec
 from meshllm.engine.base import Context
 from meshllm.engine.mocker import MockerConfig, MockerEngine, StepReport
-from meshllm.frontend.chat_template import chat_template_for
-from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from meshllm.frontend.text.chat_template import chat_template_for
+from meshllm.frontend.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Load", "calibrate_chars_per_token", "drive", "engine_alone", "engines_alone"]
 

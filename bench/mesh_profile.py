@@ -59,7 +59,7 @@ class Profile:
 
 
 def package_of(frame: str) -> str:
-    """'grpc/aio/_call.py f' → 'grpc'; 'meshllm/frontend/app.py f' → 'meshllm/frontend'; 'selectors.py f' → 'selectors'."""
+    """'grpc/aio/_call.py f' → 'grpc'; 'meshllm/frontend/http/app.py f' → 'meshllm/frontend'; 'selectors.py f' → 'selectors'."""
     parts = frame.split(" ", 1)[0].split("/")
     if parts[0] == "meshllm" and len(parts) > 2:
         return "/".join(parts[:2])

@@ -36,7 +36,7 @@ from runinfo import LoadMonitor, load_sentence, today
 
 from meshllm.bench.report import percentile
 from meshllm.config import scoped_environ
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 
 HEADING = "## Split mesh TTFT by stage"
 PROBE_DIR = Path(__file__).resolve().parent / "stage_probe"

@@ -31,7 +31,7 @@ import orjson
 
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.certs import make_dev_pki
-from meshllm.frontend.tokenizer import load_tokenizer
+from meshllm.frontend.text.tokenizer import load_tokenizer
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
 

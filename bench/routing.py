@@ -65,9 +65,9 @@ from meshllm.bench.trace import TraceRequest
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.core import RouterCore

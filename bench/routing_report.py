@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from routing_cases import Result, Scenario, Setup
 from runinfo import load_sentence, machine, today, versions
 
-from meshllm.router.policy import REUSED_EVICT_COST
+from meshllm.router.policy.choice import REUSED_EVICT_COST
 
 __all__ = ["FOOT", "Row", "merge", "render"]
 

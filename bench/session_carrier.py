@@ -5,7 +5,7 @@
 
 One process, a real server and client on loopback: a `SessionServer` whose streams each yield `--tokens` chunks, one
 per ~1 ms handler step, served both as `GenerateSession` on a grpc.aio server and on its TCP session port
-(`meshllm.plane.tcp_session`, what `meshllm worker --session-port` serves); a `SessionClient` on each carrier reads
+(`meshllm.plane.request.tcp_session`, what `meshllm worker --session-port` serves); a `SessionClient` on each carrier reads
 the streams. Two loads: `--streams` streams at once (a message per step carries one item per stream) and one stream
 alone (a message per step carries one item: the cost per message shows bare). The figure is the process's CPU time
 (server and client together) per stream-token, median (range) over `--rounds` rounds, the carriers alternating.
@@ -22,9 +22,9 @@ from runinfo import machine, today, versions
 from session_relay import StepWorker, run_session_bench
 
 from meshllm.config import ServerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.server import ServiceBinding, start_server
-from meshllm.plane.session import SessionClient
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import ServiceBinding, start_server
+from meshllm.plane.request.session import SessionClient
 from meshllm.v1 import worker_pb2_grpc
 
 HEADING = "## Session carriers"

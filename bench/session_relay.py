@@ -28,10 +28,10 @@ from runinfo import machine, today, versions
 
 from meshllm.config import ServerConfig
 from meshllm.engine.base import terminal
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.server import ServiceBinding, start_server
-from meshllm.plane.session import SessionClient, SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import ServiceBinding, start_server
+from meshllm.plane.request.session import SessionClient, SessionServer
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import session_pb2, worker_pb2_grpc
 

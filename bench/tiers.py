@@ -44,9 +44,9 @@ from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_a
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.mocker.config import DEFAULT_KV_BYTES_PER_TOKEN
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode

@@ -34,8 +34,8 @@ from benchdoc import publish
 from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.frontend.chat_template import ChatTemplate, chat_template_for
-from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
+from meshllm.frontend.text.chat_template import ChatTemplate, chat_template_for
+from meshllm.frontend.text.tokenizer import HFTokenizer, load_tokenizer
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

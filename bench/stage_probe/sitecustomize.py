@@ -20,14 +20,14 @@ from typing import Any
 ENV = "MESHLLM_BENCH_STAGES"
 TARGETS = (
     # (module, class, method): what a request passes, in order (see bench/mesh_stages.py STAGES)
-    ("meshllm.frontend.app", "OpenAIApp", "_generate_traced"),
-    ("meshllm.frontend.inference", "InferenceCore", "begin"),
-    ("meshllm.plane.session_client", "_ClientSession", "open"),
-    ("meshllm.plane.session", "_ServerSession", "_start"),
+    ("meshllm.frontend.http.app", "OpenAIApp", "_generate_traced"),
+    ("meshllm.frontend.openai.inference", "InferenceCore", "begin"),
+    ("meshllm.plane.request.session_client", "_ClientSession", "open"),
+    ("meshllm.plane.request.session", "_ServerSession", "_start"),
     ("meshllm.engine.mocker.engine", "MockerEngine", "generate"),
-    ("meshllm.plane.session", "_ServerSession", "push"),
-    ("meshllm.plane.session_client", "_Pipe", "put"),
-    ("meshllm.frontend.app", "OpenAIApp", "_stream"),
+    ("meshllm.plane.request.session", "_ServerSession", "push"),
+    ("meshllm.plane.request.session_client", "_Pipe", "put"),
+    ("meshllm.frontend.http.app", "OpenAIApp", "_stream"),
 )
 WRAPPED: list[str] = []  # "module.Class.method" of each target install() wrapped
 

@@ -178,10 +178,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = ephemeral
     max_message_bytes: int = 64 * 1024 * 1024
-    # Optional least time between two messages of one Generate session (plane/session.py); 0 = none:
+    # Optional least time between two messages of one Generate session (plane/request/session.py); 0 = none:
     # messages leave as the previous write completes.
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
-    # Where Generate sessions are also served as frames on TCP (plane/tcp_session.py): None = not, 0 = ephemeral.
+    # Where Generate sessions are also served as frames on TCP (plane/request/tcp_session.py): None = not, 0 = ephemeral.
     session_port: int | None = None
 
     def __post_init__(self) -> None:

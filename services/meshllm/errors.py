@@ -18,7 +18,7 @@
     └── Unknown                    anything else (wrapped)      UNKNOWN            500
 
 Lower-layer errors are translated in exactly one place each: gRPC in
-`meshllm.plane.transport` (status + the `meshllm-error` trailer carry the
+`meshllm.plane.request.transport` (status + the `meshllm-error` trailer carry the
 class name, so a typed client raises the same class the server raised) and
 HTTP in the frontend (status + OpenAI error body from `openai_error_body`).
 """
@@ -81,7 +81,7 @@ class MeshError(Exception):
 
     code: ClassVar[str] = "MeshError"
     # True when rebuilt from a bare gRPC status that no meshllm server sent (no error trailer):
-    # the connection failed, the peer did not answer. Set by `meshllm.plane.transport.mesh_error`.
+    # the connection failed, the peer did not answer. Set by `meshllm.plane.request.transport.mesh_error`.
     from_transport: bool = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:

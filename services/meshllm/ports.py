@@ -1,7 +1,7 @@
 """Listening ports: a taken port is one line naming the flag (and variable) that changes it.
 
 Every meshllm listener binds exclusively (gRPC servers without SO_REUSEPORT,
-see `meshllm.plane.server.start_server`), so a second process on the same
+see `meshllm.plane.request.server.start_server`), so a second process on the same
 port fails to bind instead of silently sharing it. Entry points call
 `check_free` before they start anything (a worker loads no model, a router
 opens no plane), and the binds themselves turn EADDRINUSE into the same

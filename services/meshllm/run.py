@@ -39,7 +39,6 @@ from meshllm.config import (
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.frontend.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
 from meshllm.frontend.config import (
     ROUTER_MODES,
     FrontendConfig,
@@ -47,13 +46,14 @@ from meshllm.frontend.config import (
     check_frontend_workers,
     check_model_path,
 )
+from meshllm.frontend.http.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
 from meshllm.frontend.main import Frontend, setup_logging
 from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
-from meshllm.plane.local import LocalPeers
-from meshllm.plane.server import GrpcServer, start_server
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
+from meshllm.plane.request.local import LocalPeers
+from meshllm.plane.request.server import GrpcServer, start_server
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterCore
@@ -87,7 +87,7 @@ class RunConfig:
     otlp_endpoint: str | None = None
     coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks), for the whole process
     frontend_workers: int = 1
-    api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/auth.py)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/http/auth.py)
     open_metrics: bool = False
     frontend_extra: dict[str, Any] = field(default_factory=dict)
     security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token of every server and client
@@ -330,7 +330,7 @@ async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
     """With --model-path, the mocker simulates that model: its vocabulary size and EOS id."""
     if cfg.engine != "mocker" or not cfg.model_path:
         return []
-    from meshllm.frontend.tokenizer import load_tokenizer
+    from meshllm.frontend.text.tokenizer import load_tokenizer
 
     tok = await asyncio.to_thread(load_tokenizer, cfg.model_path)
     flags = ["--vocab-size", str(tok.vocab_size)]

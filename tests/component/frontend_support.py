@@ -24,9 +24,9 @@ from meshllm.engine.base import Context, EngineConfig, LLMEngine, TokenChunk, To
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
-from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET, EOS_ID
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.frontend.text.builtin_tokenizer import BYTE_OFFSET, EOS_ID
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.protocol.types import LogprobItem
 from meshllm.worker.runtime import Worker
 

@@ -11,10 +11,10 @@ import pytest
 
 from meshllm.config import ServerConfig
 from meshllm.engine.base import terminal
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
-from meshllm.plane.session import SessionClient, SessionHandler, SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.request.session import SessionClient, SessionHandler, SessionServer
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import generate_pb2, session_pb2, worker_pb2_grpc
@@ -24,7 +24,7 @@ METHOD = "/meshllm.v1.Worker/Generate"
 WAIT_S = 10.0  # upper bound on any single awaited event (a failure, never a pace)
 
 
-# How the tests' sessions travel: "grpc" (GenerateSession calls) or "tcp" (plane/tcp_session.py). Test modules that
+# How the tests' sessions travel: "grpc" (GenerateSession calls) or "tcp" (plane/request/tcp_session.py). Test modules that
 # hold for both carriers parametrize it with the `carrier` fixture below.
 CARRIER = ["grpc"]
 

@@ -22,7 +22,7 @@ from meshllm.config import ConfigError
 from meshllm.engine.sample import SampleEngine
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.plane.auth import TOKEN_HEADER, MeshSecurity
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk
 from meshllm.router.client import RouterClient
 from meshllm.testing.waiting import wait_until

@@ -1,4 +1,4 @@
-"""The live mesh page's endpoints (frontend/dashboard.py) over an in-process mesh.
+"""The live mesh page's endpoints (frontend/http/dashboard.py) over an in-process mesh.
 
 Locks: the page, script and style are served from the package and name no
 other host; /dashboard/state shows every worker with its health and load,
@@ -20,13 +20,13 @@ import pytest_asyncio
 from frontend_support import PLANE, Mesh, request, start_mesh
 
 from meshllm.config import ServerConfig
-from meshllm.frontend.app import HttpServer, OpenAIApp
-from meshllm.frontend.auth import ApiKeys
 from meshllm.frontend.config import FrontendConfig
-from meshllm.frontend.dashboard import ASSETS, Dashboard, read_counts
+from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.auth import ApiKeys
+from meshllm.frontend.http.dashboard import ASSETS, Dashboard, read_counts
 from meshllm.frontend.main import Frontend
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.router import RouterConfig, RouterMode
 from meshllm.router.main import RouterServer
 from meshllm.testing.servers import free_port

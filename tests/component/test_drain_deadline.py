@@ -21,8 +21,8 @@ from meshllm import errors
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.engine.base import TokenChunk
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET
-from meshllm.plane.channels import ChannelCache
+from meshllm.frontend.text.builtin_tokenizer import BYTE_OFFSET
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.v1 import inference_pb2, inference_pb2_grpc
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

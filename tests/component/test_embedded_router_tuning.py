@@ -13,8 +13,8 @@ from frontend_support import PLANE
 from meshllm.config import ConfigError, ServerConfig
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
 from meshllm.frontend.main import Frontend
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.router.config import RouterConfig, RoutingTuning, router_arg_parser
 from meshllm.run import parse_run_args
 

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from frontend_support import Mesh, request, start_mesh
 
-from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET, EOS_ID
+from meshllm.frontend.text.builtin_tokenizer import BYTE_OFFSET, EOS_ID
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -21,7 +21,7 @@ from frontend_support import PLANE, EchoEngine, Mesh, _text_of, start_mesh
 
 from meshllm.engine.base import EngineConfig
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.frontend.tokenizer_builtin import EOS_ID
+from meshllm.frontend.text.builtin_tokenizer import EOS_ID
 from meshllm.worker.runtime import Worker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -10,8 +10,8 @@ from frontend_support import PLANE, Mesh, request
 from meshllm.config import ServerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.router import RouterConfig, RouterMode
 from meshllm.router.main import RouterServer
 

@@ -28,8 +28,8 @@ from meshllm.engine.worker_config import WorkerConfig
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.frontend.upstream import RouterReplicas
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.router import RouterConfig, RouterMode
 from meshllm.router.main import RouterServer
 from meshllm.testing.mesh import Completion, StreamSet, stream_completion

@@ -13,11 +13,11 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import terminal
 from meshllm.engine.sample import SampleEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
-from meshllm.plane.local import LocalPeers, Ticker, local_generate
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.local import LocalPeers, Ticker, local_generate
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

@@ -38,8 +38,8 @@ from meshllm.config import ConfigError, ServerConfig
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.session import SessionClient
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.session import SessionClient
 from meshllm.plane.tls import TlsConfig
 from meshllm.protocol.types import TokenChunk
 from meshllm.testing.waiting import wait_until
@@ -176,7 +176,7 @@ async def test_a_rotated_client_certificate_is_used_by_new_channels(pki: Pki, me
 
 
 async def test_a_workers_session_port_serves_replaced_certificate_files_to_new_connections(pki: Pki) -> None:
-    """The TCP session port (plane/tcp_session.py) follows certificate files as the gRPC port does."""
+    """The TCP session port (plane/request/tcp_session.py) follows certificate files as the gRPC port does."""
     files = pki.ca.issue("worker-v1")
     sec = MeshSecurity(tls=TlsConfig(cert=files.cert, key=files.key, ca=files.ca))
     config = secure_worker_config(sec, session_port=0)

@@ -10,9 +10,9 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import KvTier
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.names import load_subject
 from meshllm.v1 import events_pb2
 from meshllm.worker.client import WorkerClient

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from meshllm.config import ConfigError, ServerConfig
-from meshllm.plane.server import start_server
+from meshllm.plane.request.server import start_server
 from meshllm.ports import PortInUse, check_free
 
 

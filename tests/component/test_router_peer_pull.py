@@ -3,7 +3,7 @@
 A peer worker keeps a document in its host tier (evicted there by a second
 document, as its real block manager does); the prefill worker holds none of
 it. Everything between them is real: KV events, the router's index and rule
-(router/kv_pull.py), the prefill leg's `disagg.kv_source`, the prefill
+(router/kv/pull.py), the prefill leg's `disagg.kv_source`, the prefill
 worker's `kv_pull` over gRPC `Worker.PullKv`, the peer's `pull_kv` resolving
 the prefix handle against its tiers.
 
@@ -26,10 +26,10 @@ from test_router_support import collect, mesh, mocker, request, tokens_of, wait_
 
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.mocker import MockerEngine
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
 from meshllm.router.core import RouterCore
-from meshllm.router.timing import WorkerTimes
+from meshllm.router.policy.timing import WorkerTimes
 from meshllm.v1 import discovery_pb2, events_pb2
 from meshllm.worker.client import WorkerClient
 

@@ -16,10 +16,10 @@ import time
 import pytest
 from test_router_support import collect, mesh, mocker, request, wait_for
 
-from meshllm.plane.events import MemoryEventBus
+from meshllm.plane.events.base import MemoryEventBus
 from meshllm.protocol.names import kv_subject, load_subject
-from meshllm.router import feed as feed_module
 from meshllm.router.core import RouterCore
+from meshllm.router.kv import feed as feed_module
 from meshllm.v1 import events_pb2
 from meshllm.worker.runtime import Worker
 

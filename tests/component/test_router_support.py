@@ -16,10 +16,10 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import DisaggregationMode, LLMEngine
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RoutingTuning
 from meshllm.router.core import RouterCore

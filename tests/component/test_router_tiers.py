@@ -33,7 +33,7 @@ from meshllm.router.client import RouterClient
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore
 from meshllm.router.main import RouterServer
-from meshllm.router.timing import DEFAULT_RESTORE_RATIO
+from meshllm.router.policy.timing import DEFAULT_RESTORE_RATIO
 from meshllm.testing.conformance.kit import TierSink
 from meshllm.v1 import discovery_pb2, events_pb2
 

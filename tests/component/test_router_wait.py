@@ -21,7 +21,7 @@ from test_router_support import collect, mesh, mocker, request, wait_for
 
 from meshllm.protocol.kv import block_hashes
 from meshllm.router.core import RouterCore
-from meshllm.router.timing import BUSY_STEPS
+from meshllm.router.policy.timing import BUSY_STEPS
 
 
 def unique(seed: int, n: int) -> list[int]:

@@ -1,10 +1,10 @@
-"""Generate streams on one session call over a real grpc.aio server (meshllm.plane.session).
+"""Generate streams on one session call over a real grpc.aio server (meshllm.plane.request.session).
 
 A tiny Worker servicer hands each `GenerateSession` call to a `SessionServer`
 whose handler a test scripts (session_support.py); the client is a
 `SessionClient` over a `ChannelCache` channel, as `WorkerClient.generate`
 builds it. Every test runs on both carriers of a session: a gRPC
-GenerateSession call, and frames on a TCP connection (plane/tcp_session.py).
+GenerateSession call, and frames on a TCP connection (plane/request/tcp_session.py).
 Locks: one call carries many streams, each with its own chunks in
 order and one terminal; the interval rule (batching under a fast engine, at
 once when idle); merging for a slow reader; cancel; errors as the same class
@@ -36,8 +36,8 @@ from session_support import (
 
 from meshllm import errors
 from meshllm.engine.base import terminal
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until

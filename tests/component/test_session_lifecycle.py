@@ -34,14 +34,14 @@ from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.sample import SampleEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
-from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.session import SessionClient
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
-from meshllm.router.migration import MIGRATABLE
+from meshllm.router.stream.migration import MIGRATABLE
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import session_pb2, worker_pb2_grpc
 from meshllm.worker.client import SESSION as WORKER_SESSION

@@ -1,4 +1,4 @@
-"""Stall detection of Generate sessions (plane/session.py, `SessionLiveness`) over a real grpc.aio server.
+"""Stall detection of Generate sessions (plane/request/session.py, `SessionLiveness`) over a real grpc.aio server.
 
 A scripted session servicer (session_support.py) stands for a worker whose
 engine hangs, whose process goes silent, or whose prefill is merely slow.
@@ -27,10 +27,10 @@ from meshllm import errors
 from meshllm.config import ConfigError
 from meshllm.engine.base import Context
 from meshllm.engine.sample import SampleEngine
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.liveness import SessionLiveness
-from meshllm.plane.session import SessionClient
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.liveness import SessionLiveness
+from meshllm.plane.request.session import SessionClient
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import worker_pb2_grpc

@@ -35,9 +35,9 @@ from session_support import (
 )
 
 from meshllm import errors
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.session import SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.session import SessionServer
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.testing.waiting import wait_until
 

@@ -1,4 +1,4 @@
-"""Generate sessions on TCP (meshllm.plane.tcp_session): who may open one, and what a bad peer gets.
+"""Generate sessions on TCP (meshllm.plane.request.tcp_session): who may open one, and what a bad peer gets.
 
 The session rules themselves (streams, cancels, errors, merging, server stop, liveness) run on both carriers in
 test_session.py, test_session_lifecycle.py and test_session_liveness.py. Here: the mesh token and mutual TLS as the
@@ -20,12 +20,12 @@ from meshllm import errors
 from meshllm.certs import DevPki
 from meshllm.config import ServerConfig
 from meshllm.plane.auth import MeshSecurity, session_scope
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
-from meshllm.plane.session import SessionClient
-from meshllm.plane.tcp_session import HEADER, HELLO, UP, TcpCall
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.request.session import SessionClient
+from meshllm.plane.request.tcp_session import HEADER, HELLO, UP, TcpCall
+from meshllm.plane.request.transport import CallInfo
 from meshllm.plane.tls import TlsConfig
-from meshllm.plane.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2_grpc
 

@@ -26,9 +26,9 @@ import pytest
 import pytest_asyncio
 from frontend_support import Mesh, start_mesh
 
-from meshllm.frontend.app import HttpServer, OpenAIApp
-from meshllm.frontend.auth import ApiKeys
-from meshllm.frontend.dashboard import ASSETS, Dashboard
+from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.auth import ApiKeys
+from meshllm.frontend.http.dashboard import ASSETS, Dashboard
 from meshllm.testing.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,4 +1,4 @@
-"""A real grpc.aio server built by meshllm.plane.transport: reflection, health, errors, metadata."""
+"""A real grpc.aio server built by meshllm.plane.request.transport: reflection, health, errors, metadata."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from meshllm import errors
 from meshllm.config import ServerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
-from meshllm.plane.transport import CallInfo, translate_errors, translate_stream
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.request.transport import CallInfo, translate_errors, translate_stream
 from meshllm.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 

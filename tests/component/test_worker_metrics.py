@@ -5,9 +5,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from meshllm.engine.mocker import MockerEngine
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.testing.waiting import wait_until
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker

@@ -22,9 +22,9 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, EngineConfig, TokenChunk, TokenRequest, terminal
 from meshllm.engine.sample import SampleEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.names import kv_subject
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import events_pb2

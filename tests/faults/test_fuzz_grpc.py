@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshllm.plane.transport import ERROR_TRAILER
+from meshllm.plane.request.transport import ERROR_TRAILER
 from meshllm.testing.minimesh import CONTEXT_LENGTH, MODEL, MiniMesh
 from meshllm.v1 import generate_pb2, inference_pb2, router_pb2, session_pb2, worker_pb2
 

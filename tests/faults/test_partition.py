@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.mesh import Completion, ProcessMesh, StreamSet, metric, report, scrape, stream_completion

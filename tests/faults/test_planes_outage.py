@@ -22,8 +22,8 @@ import pytest
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm.config import DiscoveryKind, PlaneConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import open_discovery
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.mesh import ProcessMesh, report

@@ -31,8 +31,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from meshllm.testing.mesh import Completion, ProcessMesh, StreamSet, metric, report, scrape, stream_completion
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
@@ -126,7 +126,7 @@ async def test_sigstop_of_a_worker_mid_stream_migrates_every_stream_within_5_s(m
 SERVER = """
 import asyncio
 from meshllm.config import ServerConfig
-from meshllm.plane.server import start_server
+from meshllm.plane.request.server import start_server
 
 async def main():
     server = await start_server(ServerConfig(host="127.0.0.1", port=0), [])

@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import sys
 
-from meshllm.plane.nats import NatsEventBus
+from meshllm.plane.events.nats import NatsEventBus
 from meshllm.v1.events_pb2 import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
 
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import sys
 
-from meshllm.plane.etcd import EtcdDiscovery
+from meshllm.plane.discovery.etcd import EtcdDiscovery
 from meshllm.v1 import discovery_pb2
 
 

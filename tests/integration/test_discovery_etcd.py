@@ -18,8 +18,8 @@ import pytest_asyncio
 
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.errors import CannotConnect
-from meshllm.plane.discovery import open_discovery
-from meshllm.plane.etcd import EtcdDiscovery
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.discovery.etcd import EtcdDiscovery
 from meshllm.testing.servers import EtcdServer, free_port
 from meshllm.v1 import discovery_pb2
 

@@ -16,8 +16,8 @@ import nats
 import pytest
 
 from meshllm.errors import CannotConnect
-from meshllm.plane.events import Subscription
-from meshllm.plane.nats import NatsEventBus
+from meshllm.plane.events.base import Subscription
+from meshllm.plane.events.nats import NatsEventBus
 from meshllm.protocol.names import kv_subject
 from meshllm.testing.servers import NatsServer, free_port
 from meshllm.v1.events_pb2 import KvEventBatch

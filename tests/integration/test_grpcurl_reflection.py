@@ -39,7 +39,8 @@ PROMPT = (
     "so a long shared system prompt is computed once and reused by every request that starts with it."
 )
 TOKENIZE = (
-    "import sys; from meshllm.frontend.tokenizer import load_tokenizer; print(load_tokenizer(sys.argv[1]).encode(sys.argv[2]))"
+    "import sys; from meshllm.frontend.text.tokenizer import load_tokenizer;"
+    " print(load_tokenizer(sys.argv[1]).encode(sys.argv[2]))"
 )
 BLOCK_SIZE = 64  # the mocker's default --block-size
 

@@ -11,7 +11,7 @@ import pytest
 from test_llamacpp_support import collect, greedy, question, require_model, start_worker, tokens_of
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.router.client import RouterClient
 from meshllm.router.config import RouterConfig, StaticEndpoint
 from meshllm.router.main import RouterServer

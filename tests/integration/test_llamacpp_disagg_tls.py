@@ -16,7 +16,7 @@ from test_llamacpp_support import collect, greedy, question, require_model, star
 from meshllm.certs import CertFiles, DevPki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.plane.tls import TlsConfig
 from meshllm.router.client import RouterClient
 from meshllm.router.config import RouterConfig, StaticEndpoint

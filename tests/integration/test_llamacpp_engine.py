@@ -18,8 +18,8 @@ from meshllm.engine.base import Context, DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import FailedPrecondition, InvalidArgument, NotFound
-from meshllm.frontend.tokenizer import load_tokenizer
-from meshllm.plane.channels import ChannelCache
+from meshllm.frontend.text.tokenizer import load_tokenizer
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import stored_blocks
 from meshllm.testing.conformance import RecordingSink
 from meshllm.worker.client import WorkerClient

@@ -21,7 +21,7 @@ from meshllm.engine.base import DisaggregationMode
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.errors import NotFound
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, prefix_handle
 from meshllm.worker.client import WorkerClient
 from meshllm.worker.runtime import Worker, peer_kv_pull

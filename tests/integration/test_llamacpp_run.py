@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 from test_llamacpp_support import SYSTEM, chat_tokens, require_model
 
 from meshllm.engine.llamacpp.openmp import ENV as OMP_ENV
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess
 

@@ -35,8 +35,8 @@ def require_model() -> None:
 
 def chat_tokens(messages: Sequence[dict[str, str]]) -> list[int]:
     """The prompt token ids of `messages` under the GGUF's own chat template (what the frontend sends)."""
-    from meshllm.frontend.chat_template import chat_template_for
-    from meshllm.frontend.tokenizer import load_tokenizer
+    from meshllm.frontend.text.chat_template import chat_template_for
+    from meshllm.frontend.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(MODEL))
     template = chat_template_for(tok)

@@ -27,8 +27,8 @@ from test_llamacpp_support import (
 
 from meshllm.engine.base import KvTier
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
-from meshllm.frontend.tokenizer import load_tokenizer
-from meshllm.plane.channels import ChannelCache
+from meshllm.frontend.text.tokenizer import load_tokenizer
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import stored_blocks
 from meshllm.testing.conformance import RecordingSink
 from meshllm.testing.processes import MeshllmProcess

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from mesh_run import MeshRun
 
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.chunks import coalescing, set_coalescing
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.client import RouterClient

@@ -22,7 +22,7 @@ from mesh_run import ROOT, clean_env
 
 from meshllm import errors
 from meshllm.lifecycle import FORCED_EXIT_STATUS
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import worker_pb2

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from net_support import holds_connection
 
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.router.client import RouterClient
 from meshllm.testing.processes import MeshllmProcess

@@ -22,9 +22,9 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import open_discovery
-from meshllm.plane.events import open_events
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.events.base import open_events
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.types import TokenChunk
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore

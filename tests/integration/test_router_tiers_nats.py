@@ -17,9 +17,9 @@ from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import EngineConfig, KvTier, LoadMetrics, TierUsage
 from meshllm.engine.mocker import MockerConfig, MockerEngine
 from meshllm.engine.worker_config import WorkerConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import open_discovery
-from meshllm.plane.events import open_events
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.events.base import open_events
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.config import RouterConfig
 from meshllm.router.core import RouterCore

@@ -25,10 +25,10 @@ from meshllm.certs import CertFiles, make_dev_pki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.credentials import EtcdCredentials, NatsCredentials
 from meshllm.errors import CannotConnect
-from meshllm.plane.discovery import open_discovery
-from meshllm.plane.etcd_client import SecureClient, is_invalid_token
-from meshllm.plane.events import open_events
-from meshllm.plane.nats import NatsEventBus
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.discovery.etcd_client import SecureClient, is_invalid_token
+from meshllm.plane.events.base import open_events
+from meshllm.plane.events.nats import NatsEventBus
 from meshllm.testing.servers import EtcdServer, NatsServer, nkey_user
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import discovery_pb2, events_pb2
@@ -254,7 +254,7 @@ async def test_rotated_nats_client_certificates_are_used_at_the_next_reconnectio
             install(pki.expired)  # the files now hold a certificate the server refuses
             await nats.restart()
             await wait_until(
-                lambda: any("certificate" in r.getMessage() for r in caplog.records if r.name == "meshllm.plane.nats"),
+                lambda: any("certificate" in r.getMessage() for r in caplog.records if r.name == "meshllm.plane.events.nats"),
                 timeout_s=15,
                 what="a reconnection refused for the expired certificate (the files were read again)",
             )

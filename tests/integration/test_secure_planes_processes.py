@@ -23,9 +23,9 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm.certs import CertFiles, make_dev_pki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.credentials import EtcdCredentials, NatsCredentials
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import open_discovery
-from meshllm.plane.events import open_events
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.events.base import open_events
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.names import load_subject
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer

@@ -17,8 +17,8 @@ from net_support import holds_connection
 from meshllm.certs import DevPki
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import open_discovery
+from meshllm.plane.discovery.base import open_discovery
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.plane.tls import TlsConfig
 from meshllm.testing.mesh import ProcessMesh, stream_completion
 from meshllm.testing.servers import EtcdServer, NatsServer

@@ -13,7 +13,7 @@ import pytest
 from meshllm.certs import DevPki
 from meshllm.errors import Unavailable
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.plane.tls import TlsConfig
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.worker.client import WorkerClient

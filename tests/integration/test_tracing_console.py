@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from mesh_run import MeshRun, clean_env
 
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer
 from meshllm.testing.waiting import wait_until

@@ -24,7 +24,7 @@ from mesh_run import MeshRun
 from openai import AsyncOpenAI
 from vllm_support import require_vllm
 
-from meshllm.plane.channels import ChannelCache
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.router.client import RouterClient
 from meshllm.testing.waiting import wait_until
 from meshllm.worker.client import WorkerClient

@@ -21,9 +21,9 @@ import pytest
 
 from meshllm import errors
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery, open_discovery
-from meshllm.plane.events import open_events
+from meshllm.plane.discovery.base import Discovery, open_discovery
+from meshllm.plane.events.base import open_events
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.names import load_subject
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
+from meshllm.frontend.text.tokenizer import HFTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import random
 from bench_support import load_bench as load
 
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.kv_index import KvIndex
+from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
 ROWS = [[0, 1, 2, 3], [0, 1, 4], [0, 5, 6, 7, 8], [0, 9], [0, 1, 2, 10, 11]]

@@ -99,7 +99,9 @@ def test_a_process_counted_alone_leaves_out_its_children(bench: tuple, tmp_path:
 def test_short_frame_drops_the_line_and_the_install_prefix(bench: tuple) -> None:
     short = bench[1].short_frame
     assert short("_read (/v/lib/python3.11/site-packages/grpc/aio/_call.py:410)") == "grpc/aio/_call.py _read"
-    assert short("feed (/work/main/services/meshllm/frontend/postprocess.py:88)") == "meshllm/frontend/postprocess.py feed"
+    assert (
+        short("feed (/work/main/services/meshllm/frontend/text/postprocess.py:88)") == "meshllm/frontend/text/postprocess.py feed"
+    )
     assert short("_run (/usr/lib/python3.11/asyncio/events.py:84)") == "asyncio/events.py _run"
     assert short("<native>") == "<native>"
 
@@ -111,8 +113,9 @@ def test_summarise_raw_gives_self_time_by_frame_and_package_and_meshllm_inclusiv
     loop = f"<module> ({m}/__main__.py:3);main ({m}/cli.py:40);Runner.run (/usr/lib/python3.11/asyncio/runners.py:118)"
     raw = "\n".join(
         [
-            f'process 77:"python -m meshllm frontend";{loop};_chat ({m}/frontend/app.py:10);_read ({p}/grpc/aio/_call.py:410) 6',
-            f"{loop};_chat ({m}/frontend/app.py:12);feed ({m}/frontend/postprocess.py:88) 3",
+            f'process 77:"python -m meshllm frontend";{loop};_chat ({m}/frontend/http/app.py:10);'
+            f"_read ({p}/grpc/aio/_call.py:410) 6",
+            f"{loop};_chat ({m}/frontend/http/app.py:12);feed ({m}/frontend/text/postprocess.py:88) 3",
             f"_bootstrap (/usr/lib/python3.11/threading.py:1002);encode ({m}/frontend/tokenizer_hf.py:50) 1",
             "garbage line without a count",
         ]
@@ -121,12 +124,12 @@ def test_summarise_raw_gives_self_time_by_frame_and_package_and_meshllm_inclusiv
     assert prof.samples == 10
     assert prof.self_top == [
         (60.0, "grpc/aio/_call.py _read"),
-        (30.0, "meshllm/frontend/postprocess.py feed"),
+        (30.0, "meshllm/frontend/text/postprocess.py feed"),
         (10.0, "meshllm/frontend/tokenizer_hf.py encode"),
     ]
     assert dict((f, pct) for pct, f in prof.by_package) == {"grpc": 60.0, "meshllm/frontend": 40.0}
     inclusive = dict((f, pct) for pct, f in prof.meshllm_inclusive)
-    assert inclusive["meshllm/frontend/app.py _chat"] == 90.0  # counted once per sample, lines merged
+    assert inclusive["meshllm/frontend/http/app.py _chat"] == 90.0  # counted once per sample, lines merged
     assert "meshllm/cli.py main" not in inclusive  # above the event loop: in every sample, says nothing
     assert mesh_profile.summarise_raw("").samples == 0
 

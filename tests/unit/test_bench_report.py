@@ -23,7 +23,7 @@ from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
 from meshllm.bench.report import RequestRecord, summarize
 from meshllm.bench.slo import meets, parse_slo
 from meshllm.bench.workload import Workload, WorkloadSpec, poisson_arrivals
-from meshllm.frontend.tokenizer import HFTokenizer
+from meshllm.frontend.text.tokenizer import HFTokenizer
 
 
 def rec(ttft: float, gaps: list[float], tokens: int, *, error: str | None = None) -> RequestRecord:

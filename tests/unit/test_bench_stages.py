@@ -90,7 +90,7 @@ def test_the_probe_wraps_every_target_and_marks_a_first_token_once(tmp_path: Pat
     code = (
         "import sitecustomize as s\n"
         "print(len(s.WRAPPED), len(s.TARGETS))\n"
-        "from meshllm.plane.session_client import _Pipe\n"
+        "from meshllm.plane.request.session_client import _Pipe\n"
         "p = _Pipe()\n"
         "p.put({'token_ids': []}); p.put({'token_ids': [5]}); p.put({'token_ids': [6]})\n"
         "_Pipe().put({'token_ids': [7]})\n"
@@ -104,7 +104,7 @@ def test_the_probe_wraps_every_target_and_marks_a_first_token_once(tmp_path: Pat
 def test_the_probe_does_nothing_without_its_variable() -> None:
     code = (
         "import sitecustomize as s\n"
-        "from meshllm.plane.session_client import _Pipe\n"
+        "from meshllm.plane.request.session_client import _Pipe\n"
         "print(len(s.WRAPPED), hasattr(_Pipe.put, '__wrapped__'))\n"
     )
     assert _probe(code, None).split() == ["0", "False"]

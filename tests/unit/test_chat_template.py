@@ -10,8 +10,8 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
-from meshllm.frontend.chat_template import ChatTemplate, chat_template_for
-from meshllm.frontend.tokenizer import Tokenizer
+from meshllm.frontend.text.chat_template import ChatTemplate, chat_template_for
+from meshllm.frontend.text.tokenizer import Tokenizer
 
 SYSTEM_USER: list[dict[str, Any]] = [
     {"role": "system", "content": "You are brief."},

@@ -1,4 +1,4 @@
-"""The live mesh page's chart maths (frontend/dashboard.py): percentiles as PromQL computes them, rates between readings."""
+"""The live mesh page's chart maths (frontend/http/dashboard.py): percentiles as PromQL computes them, rates between readings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from meshllm.frontend.dashboard import point, quantile, read_counts
+from meshllm.frontend.http.dashboard import point, quantile, read_counts
 from meshllm.frontend.metrics import FrontendMetrics
 
 INF = math.inf

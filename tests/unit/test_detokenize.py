@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from meshllm.frontend.detokenize import IncrementalDetokenizer
-from meshllm.frontend.tokenizer import Tokenizer, builtin_tokenizer
+from meshllm.frontend.text.detokenize import IncrementalDetokenizer
+from meshllm.frontend.text.tokenizer import Tokenizer, builtin_tokenizer
 
 REPLACEMENT = "\ufffd"
 

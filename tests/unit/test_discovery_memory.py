@@ -10,7 +10,7 @@ import pytest
 
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.errors import InvalidArgument, Unavailable
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore, SnapshotFeed, open_discovery
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore, SnapshotFeed, open_discovery
 from meshllm.protocol.names import instance_key
 from meshllm.v1 import discovery_pb2
 
@@ -216,7 +216,7 @@ async def test_open_discovery_uses_the_opener_registered_for_the_kind(monkeypatc
     """Locks: the discovery module knows no etcd code; meshllm.plane.backends registers it; a kind nobody
     registered is one clear error naming the fix, and a registered opener is what open_discovery calls."""
     import meshllm.plane.backends  # noqa: F401  (what the services import)
-    from meshllm.plane import discovery
+    from meshllm.plane.discovery import base as discovery
 
     assert DiscoveryKind.ETCD in discovery._OPENERS
     store = MemoryStore()

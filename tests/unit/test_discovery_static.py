@@ -8,7 +8,7 @@ import pytest
 
 from meshllm.config import DiscoveryKind, PlaneConfig
 from meshllm.errors import InvalidArgument
-from meshllm.plane.discovery import StaticDiscovery, open_discovery
+from meshllm.plane.discovery.base import StaticDiscovery, open_discovery
 from meshllm.v1 import discovery_pb2
 
 WAIT_S = 5.0

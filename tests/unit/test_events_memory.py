@@ -1,4 +1,4 @@
-"""The in-memory and null event buses keep the EventBus contract (meshllm.plane.events)."""
+"""The in-memory and null event buses keep the EventBus contract (meshllm.plane.events.base)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 
 from meshllm.config import EventsKind, PlaneConfig
 from meshllm.errors import InvalidArgument, Unavailable
-from meshllm.plane.events import (
+from meshllm.plane.events.base import (
     EventBus,
     MemoryBroker,
     MemoryEventBus,
@@ -120,7 +120,7 @@ async def test_a_message_that_fails_to_decode_is_skipped_and_the_subscription_go
         sub = await bus.subscribe(kv_subject(NS, "*"), KvEventBatch)
         bus.publish(kv_subject(NS, "backend"), cast(Message, _Garbage()))
         bus.publish(kv_subject(NS, "backend"), batch(2))
-        with caplog.at_level(logging.WARNING, logger="meshllm.plane.events"):
+        with caplog.at_level(logging.WARNING, logger="meshllm.plane.events.base"):
             assert await take(sub, 1) == [batch(2)]
         assert sub.decode_errors == 1
         assert "not a meshllm.v1.KvEventBatch" in caplog.text
@@ -240,7 +240,7 @@ async def test_open_events_uses_the_opener_registered_for_the_kind(monkeypatch: 
     """Locks: the events module knows no NATS code; meshllm.plane.backends registers it; a kind nobody registered
     is one clear error naming the fix, and a registered opener is what open_events calls."""
     import meshllm.plane.backends  # noqa: F401  (what the services import)
-    from meshllm.plane import events
+    from meshllm.plane.events import base as events
 
     assert not hasattr(events, "NatsEventBus")
     assert EventsKind.NATS in events._OPENERS

@@ -1,4 +1,4 @@
-"""API keys of the frontend (frontend/auth.py) and their flags: parsing, checking, never showing a key."""
+"""API keys of the frontend (frontend/http/auth.py) and their flags: parsing, checking, never showing a key."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from meshllm.config import ConfigError
-from meshllm.frontend.auth import ApiKeys, AuthFailure, bearer_token, exposure_warning, fingerprint, unauthorized_body
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
+from meshllm.frontend.http.auth import ApiKeys, AuthFailure, bearer_token, exposure_warning, fingerprint, unauthorized_body
 from meshllm.frontend.main import main as frontend_main
 from meshllm.run import parse_run_args
 

@@ -107,8 +107,8 @@ def test_a_circle_through_a_lazy_or_type_only_import_is_found(tmp_path: Path) ->
         {
             "meshllm/__init__.py": "",
             "meshllm/router/__init__.py": "",
-            "meshllm/router/core.py": "from meshllm.router.stream import serve\n",
-            "meshllm/router/stream.py": (
+            "meshllm/router/core.py": "from meshllm.router.stream.legs import serve\n",
+            "meshllm/router/stream/legs.py": (
                 "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from meshllm.router.core import RouterCore\n"
             ),
             "meshllm/router/recent.py": "def f():\n    from meshllm.router import core\n",
@@ -116,7 +116,7 @@ def test_a_circle_through_a_lazy_or_type_only_import_is_found(tmp_path: Path) ->
             "meshllm/v1/x_pb2.py": "import meshllm.v1\n",
         },
     )
-    assert circles(services_graph(root)) == [["meshllm.router.core", "meshllm.router.stream"]]
+    assert circles(services_graph(root)) == [["meshllm.router.core", "meshllm.router.stream.legs"]]
 
 
 def test_a_circle_of_bench_scripts_is_found(tmp_path: Path) -> None:

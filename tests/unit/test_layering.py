@@ -69,8 +69,13 @@ EXCEPTIONS: Mapping[tuple[str, str], str] = {
 
 #: The plane's base modules and the backends that build on them: a base module imports none of them (backends
 #: register an opener by kind; meshllm.plane.backends is the one module that knows them).
-PLANE_BASES = ("meshllm.plane.discovery", "meshllm.plane.events")
-PLANE_BACKENDS = ("meshllm.plane.etcd", "meshllm.plane.etcd_client", "meshllm.plane.nats", "meshllm.plane.backends")
+PLANE_BASES = ("meshllm.plane.discovery.base", "meshllm.plane.events.base")
+PLANE_BACKENDS = (
+    "meshllm.plane.discovery.etcd",
+    "meshllm.plane.discovery.etcd_client",
+    "meshllm.plane.events.nats",
+    "meshllm.plane.backends",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +183,10 @@ def test_the_plane_base_modules_import_no_backend() -> None:
 
 
 def test_a_lazy_backend_import_in_a_base_module_is_found(tmp_path: Path) -> None:
-    lazy = "async def open_discovery(config):\n    from meshllm.plane.etcd import EtcdDiscovery\n"
-    files = {"meshllm/__init__.py": "", "meshllm/plane/__init__.py": "", "meshllm/plane/etcd.py": "",
-             "meshllm/plane/events.py": "", "meshllm/plane/discovery.py": lazy}  # fmt: skip
-    assert backend_imports(_tree(tmp_path, files)) == ["meshllm.plane.discovery:2 imports meshllm.plane.etcd"]
+    lazy = "async def open_discovery(config):\n    from meshllm.plane.discovery.etcd import EtcdDiscovery\n"
+    files = {"meshllm/__init__.py": "", "meshllm/plane/__init__.py": "", "meshllm/plane/discovery/etcd.py": "",
+             "meshllm/plane/events/base.py": "", "meshllm/plane/discovery/base.py": lazy}  # fmt: skip
+    assert backend_imports(_tree(tmp_path, files)) == ["meshllm.plane.discovery.base:2 imports meshllm.plane.discovery.etcd"]
 
 
 def _tree(root: Path, files: Mapping[str, str]) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshllm.frontend.capabilities import Capabilities, combine
+from meshllm.frontend.openai.capabilities import Capabilities, combine
 from meshllm.v1 import discovery_pb2
 
 

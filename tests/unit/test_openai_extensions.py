@@ -10,7 +10,7 @@ import pytest
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
 from meshllm.frontend.config import FrontendConfig
-from meshllm.frontend.output_parsers import OutputParser, ParserChoice, check_guided_engines, parse_parser_flag
+from meshllm.frontend.text.output_parsers import OutputParser, ParserChoice, check_guided_engines, parse_parser_flag
 from meshllm.protocol.openai import parse_chat, parse_completion, parse_json_body
 from meshllm.protocol.openai.extensions import check_schema
 

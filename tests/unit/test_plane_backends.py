@@ -7,7 +7,8 @@ import pytest
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.errors import InvalidArgument
-from meshllm.plane import discovery, events
+from meshllm.plane.discovery import base as discovery
+from meshllm.plane.events import base as events
 
 
 def test_importing_the_backends_module_registers_etcd_and_nats() -> None:

@@ -1,4 +1,4 @@
-"""`write_ready` (meshllm.frontend.ready_writes): ready SSE events share a write; none waits for company.
+"""`write_ready` (meshllm.frontend.http.ready_writes): ready SSE events share a write; none waits for company.
 
 Locks: events the source yields back to back go out as one write, in order; an event that needs a wait is
 preceded by a write of what was ready, so nothing ready is held behind it; a source error sends what was ready
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from meshllm.frontend.ready_writes import write_ready
+from meshllm.frontend.http.ready_writes import write_ready
 
 WAIT_S = 5.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.frontend.reasoning import ReasoningParser, detect_reasoning_parser
+from meshllm.frontend.text.reasoning import ReasoningParser, detect_reasoning_parser
 
 # (parser, output, reasoning, content) — the DeepSeek-R1 and Qwen3 model cards' output shapes
 CASES = [

@@ -1,4 +1,4 @@
-"""Fleet decisions (meshllm.router.fleet) choose what scoring every candidate chooses.
+"""Fleet decisions (meshllm.router.policy.fleet) choose what scoring every candidate chooses.
 
 Each scenario builds one RouterCore's state by hand — a pool, KV snapshots,
 reuse touches, charges, LoadSnapshots, step and prefill times, in-flight
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import MemoryDiscovery, MemoryStore
-from meshllm.plane.events import MemoryBroker, MemoryEventBus
+from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes
 from meshllm.router.config import RouterConfig, RoutingTuning
 from meshllm.router.core import RouterCore
-from meshllm.router.fleet import bit_indices
-from meshllm.router.kv_index import BlockMap
+from meshllm.router.kv.index import BlockMap
+from meshllm.router.policy.fleet import bit_indices
 from meshllm.router.workers import AGGREGATED, PoolWorker
 from meshllm.v1 import discovery_pb2, events_pb2, worker_pb2
 
@@ -260,7 +260,7 @@ def test_hot_counts_follow_touches_removals_and_clears() -> None:
 
 def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
     """`lower_bounds` mirrors `score` bit for bit where it says `exact`, and never exceeds the cost elsewhere."""
-    from meshllm.router.fleet import lower_bounds
+    from meshllm.router.policy.fleet import lower_bounds
 
     rng = random.Random(17)
     core = make_core()
@@ -303,7 +303,7 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
 
 def test_policy_order_is_the_lexicographic_order_of_the_bounds() -> None:
     """The first slots one minimum at a time, then a sort: together the policy's order, ties included."""
-    from meshllm.router.fleet import SELECT_STEPS, Bounds, FleetTable, policy_order
+    from meshllm.router.policy.fleet import SELECT_STEPS, Bounds, FleetTable, policy_order
 
     rng = np.random.default_rng(5)
     n = 200

@@ -1,4 +1,4 @@
-"""The peer prefix pull rule (router/kv_pull.py) with small numbers, and the prefix handle format.
+"""The peer prefix pull rule (router/kv/pull.py) with small numbers, and the prefix handle format.
 
 Locks: pull_ms = Σ lower-tier blocks × restore ms + blocks × block_bytes / bandwidth,
 recompute_ms = (blocks − local_blocks) × prefill ms per block; the pull is taken
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from meshllm.protocol.kv import PREFIX_MAGIC, parse_prefix_handle, prefix_handle
-from meshllm.router.kv_pull import PeerPrefix, decide_pull
-from meshllm.router.timing import RestoreCost
+from meshllm.router.kv.pull import PeerPrefix, decide_pull
+from meshllm.router.policy.timing import RestoreCost
 from meshllm.v1 import events_pb2
 
 HOST, DISK = events_pb2.KV_TIER_HOST, events_pb2.KV_TIER_DISK

@@ -19,9 +19,9 @@ import random
 import pytest
 
 from meshllm.router.config import RouterMode
-from meshllm.router.kv_index import KvIndex, TierOverlap
-from meshllm.router.policy import REUSED_EVICT_COST, Candidate, make_policy, score
-from meshllm.router.timing import DEFAULT_RESTORE_RATIO, RestoreCost, evict_ratio, restore_cost, restore_costs
+from meshllm.router.kv.index import KvIndex, TierOverlap
+from meshllm.router.policy.choice import REUSED_EVICT_COST, Candidate, make_policy, score
+from meshllm.router.policy.timing import DEFAULT_RESTORE_RATIO, RestoreCost, evict_ratio, restore_cost, restore_costs
 from meshllm.v1 import events_pb2, worker_pb2
 
 HOST, DISK = events_pb2.KV_TIER_HOST, events_pb2.KV_TIER_DISK

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from meshllm.router.load import LoadTracker
+from meshllm.router.policy.load import LoadTracker
 from meshllm.router.sync import ReplicaSync
 from meshllm.v1 import events_pb2
 

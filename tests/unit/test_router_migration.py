@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshllm.errors import Disconnected
 from meshllm.protocol.types import TokenRequest
-from meshllm.router.migration import MigrationState
+from meshllm.router.stream.migration import MigrationState
 
 
 def request(**kw: object) -> TokenRequest:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from meshllm.router.config import RouterMode
-from meshllm.router.policy import REUSED_EVICT_COST, Candidate, KvPolicy, make_policy, score
+from meshllm.router.policy.choice import REUSED_EVICT_COST, Candidate, KvPolicy, make_policy, score
 
 
 def cands(*specs: tuple[str, int, int, int]) -> list[Candidate]:

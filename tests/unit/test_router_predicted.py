@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from meshllm.router.kv_index import Capacity
-from meshllm.router.predicted import PredictedIndex, RoutedCache
+from meshllm.router.kv.index import Capacity
+from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 
 
 def test_in_flight_entries_share_blocks_until_the_last_one_ends() -> None:

@@ -19,7 +19,7 @@ from grpc.aio import AioRpcError, Metadata
 
 from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.upstream import RouterReplicas
-from meshllm.plane.transport import ERROR_TRAILER, CallInfo, mesh_error
+from meshllm.plane.request.transport import ERROR_TRAILER, CallInfo, mesh_error
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
 

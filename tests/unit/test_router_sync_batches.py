@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from meshllm.plane.events import MemoryBroker, MemoryEventBus, Subscription
-from meshllm.router.load import LoadTracker
+from meshllm.plane.events.base import MemoryBroker, MemoryEventBus, Subscription
+from meshllm.router.policy.load import LoadTracker
 from meshllm.router.sync import ReplicaSync
 from meshllm.v1 import events_pb2
 

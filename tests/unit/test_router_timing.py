@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.router.timing import BUSY_STEPS, PrefillFit, WorkerTimes, wait_blocks
+from meshllm.router.policy.timing import BUSY_STEPS, PrefillFit, WorkerTimes, wait_blocks
 
 
 def test_the_prefill_fit_finds_the_time_per_token_of_idle_legs() -> None:

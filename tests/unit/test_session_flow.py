@@ -1,4 +1,4 @@
-"""Flow control of a session (meshllm.plane.session, SessionUp.acked / flow_control), without a network.
+"""Flow control of a session (meshllm.plane.request.session, SessionUp.acked / flow_control), without a network.
 
 A client that sets `flow_control` acknowledges each message it has taken; its
 server then keeps at most `FLOW_WINDOW` messages unacknowledged, and what
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from meshllm.engine.base import terminal
-from meshllm.plane.session import FLOW_WINDOW, SessionServer, _ServerSession
+from meshllm.plane.request.session import FLOW_WINDOW, SessionServer, _ServerSession
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk
 from meshllm.v1 import generate_pb2, session_pb2

@@ -1,4 +1,4 @@
-"""The session writer's heartbeats (meshllm.plane.session `_ServerSession.run`), without a network.
+"""The session writer's heartbeats (meshllm.plane.request.session `_ServerSession.run`), without a network.
 
 A server with open streams that has sent nothing for `heartbeat_s` sends an
 empty `SessionDown`; while a stream's chunks flow it sends none, and it arms
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from meshllm.engine.base import terminal
-from meshllm.plane.session import SessionServer, _ServerSession
+from meshllm.plane.request.session import SessionServer, _ServerSession
 from meshllm.protocol.convert import request_to_proto
 from meshllm.protocol.types import TokenChunk
 from meshllm.v1 import session_pb2

@@ -1,4 +1,4 @@
-"""Merging in the two buffers of a Generate session (meshllm.plane.session), without a network.
+"""Merging in the two buffers of a Generate session (meshllm.plane.request.session), without a network.
 
 The server's outbox (`_ServerSession.push`) merges a stream's tokens into its
 chunk still waiting to be sent; the client's pipe (`_Pipe.put`) merges them
@@ -12,8 +12,8 @@ import pytest
 
 from meshllm import errors
 from meshllm.engine.base import terminal
-from meshllm.plane.session import SessionServer, _ServerSession
-from meshllm.plane.session_client import _Pipe
+from meshllm.plane.request.session import SessionServer, _ServerSession
+from meshllm.plane.request.session_client import _Pipe
 from meshllm.protocol import chunks
 from meshllm.protocol.types import TokenChunk, TokenUsage
 

@@ -7,7 +7,7 @@ import random
 import orjson
 import pytest
 
-from meshllm.frontend.responses import _event, content_event_frame
+from meshllm.frontend.openai.bodies import _event, content_event_frame
 from meshllm.protocol.openai import chat_chunk
 
 

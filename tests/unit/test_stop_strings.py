@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from meshllm.frontend.stop_strings import StopStringMatcher
+from meshllm.frontend.text.stop_strings import StopStringMatcher
 
 
 def stream(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:

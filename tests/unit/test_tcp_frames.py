@@ -1,4 +1,4 @@
-"""The frames of TCP Generate sessions (meshllm.plane.tcp_session) and the `--session-port` flag."""
+"""The frames of TCP Generate sessions (meshllm.plane.request.tcp_session) and the `--session-port` flag."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from meshllm.config import ConfigError, ServerConfig, server_config
 from meshllm.errors import InvalidArgument
-from meshllm.plane.tcp_session import DOWN, END, HELLO, UP, FrameReader, encode_frame
+from meshllm.plane.request.tcp_session import DOWN, END, HELLO, UP, FrameReader, encode_frame
 from meshllm.router.config import router_arg_parser
 
 

@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
-from meshllm.frontend.tokenizer import (
+from meshllm.frontend.text.tokenizer import (
     ASYNC_ENCODE_THRESHOLD,
     PARALLEL_ENCODE_THRESHOLD,
     HFTokenizer,

@@ -8,9 +8,9 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.errors import InvalidArgument
-from meshllm.frontend.chat_template import chat_template_for
-from meshllm.frontend.tokenizer import Tokenizer, builtin_tokenizer, load_tokenizer
-from meshllm.frontend.tokenizer_builtin import BYTE_OFFSET, FIRST_WORD_ID, pseudo_word
+from meshllm.frontend.text.builtin_tokenizer import BYTE_OFFSET, FIRST_WORD_ID, pseudo_word
+from meshllm.frontend.text.chat_template import chat_template_for
+from meshllm.frontend.text.tokenizer import Tokenizer, builtin_tokenizer, load_tokenizer
 
 TEXTS = [
     "",

@@ -10,8 +10,8 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.engine.llamacpp.config import default_model_path
-from meshllm.frontend.detokenize import IncrementalDetokenizer
-from meshllm.frontend.tokenizer import HFTokenizer, load_tokenizer
+from meshllm.frontend.text.detokenize import IncrementalDetokenizer
+from meshllm.frontend.text.tokenizer import HFTokenizer, load_tokenizer
 from meshllm.tokenizers import gguf as tokenizer_gguf
 from meshllm.tokenizers.gguf import cache_key, read_gguf_metadata
 

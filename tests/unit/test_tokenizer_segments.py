@@ -12,8 +12,8 @@ import threading
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from meshllm.frontend.chat_template import chat_template_for
-from meshllm.frontend.tokenizer import HFTokenizer
+from meshllm.frontend.text.chat_template import chat_template_for
+from meshllm.frontend.text.tokenizer import HFTokenizer
 from meshllm.tokenizers.segments import SegmentCache
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?0123456789\n'\"é漢😀"

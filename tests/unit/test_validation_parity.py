@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from meshllm.errors import MAX_MESSAGE_CHARS, ContextLengthExceeded, InvalidArgument, NotFound, log_unexpected, shorten
-from meshllm.frontend.chat_template import ChatTemplate
+from meshllm.frontend.text.chat_template import ChatTemplate
 from meshllm.protocol.convert import request_from_proto, request_to_proto
 from meshllm.protocol.openai import parse_chat, parse_completion
 from meshllm.protocol.types import TokenRequest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from meshllm.plane.events import EventBus, Message, Subscription
+from meshllm.plane.events.base import EventBus, Message, Subscription
 from meshllm.worker import sink as sink_mod
 from meshllm.worker.sink import WorkerSink
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshllm.frontend.chat_template import ChatTemplate
-    from meshllm.frontend.tokenizer import Tokenizer
+    from meshllm.frontend.text.chat_template import ChatTemplate
+    from meshllm.frontend.text.tokenizer import Tokenizer
 
 __all__ = ["PromptBuilder", "random_words", "resolve_tokenizer"]
 
@@ -44,8 +44,8 @@ def resolve_tokenizer(source: str | None, model: str) -> tuple[Tokenizer | None,
     """
     from meshllm.config import ConfigError
     from meshllm.engine.llamacpp.config import default_model_path
-    from meshllm.frontend.tokenizer import load_tokenizer
-    from meshllm.frontend.tokenizer_builtin import BUILTIN_NAMES
+    from meshllm.frontend.text.builtin_tokenizer import BUILTIN_NAMES
+    from meshllm.frontend.text.tokenizer import load_tokenizer
 
     if source is not None and source.strip().lower() == "none":
         return None, "none"
@@ -69,7 +69,7 @@ class PromptBuilder:
     """Builds prompt texts that the server counts as exactly `n` tokens (see the module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, *, api: str = "chat", seed: int = 0) -> None:
-        from meshllm.frontend.chat_template import chat_template_for
+        from meshllm.frontend.text.chat_template import chat_template_for
 
         self.tok = tokenizer
         self.api = api

@@ -30,13 +30,13 @@ from meshllm.config import (
     add_tracing_args,
     parse_host_port,
 )
-from meshllm.frontend.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
-from meshllm.frontend.output_parsers import ParserChoice, parse_parser_flag
-from meshllm.frontend.reasoning import REASONING_PARSERS
+from meshllm.frontend.http.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
+from meshllm.frontend.text.output_parsers import ParserChoice, parse_parser_flag
+from meshllm.frontend.text.reasoning import REASONING_PARSERS
 from meshllm.frontend.tools import TOOL_PARSERS
 from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.liveness import SessionLiveness
+from meshllm.plane.request.liveness import SessionLiveness
 from meshllm.plane.tls import TlsConfig
 from meshllm.router.config import RouterMode, RoutingTuning, add_liveness_args, add_tuning_args, check_health_flags
 
@@ -107,13 +107,13 @@ class FrontendConfig:
     # prometheus_client multiprocess directory its /metrics view sums over.
     process_index: int | None = None
     shared_metrics_dir: Path | None = None
-    # Stall detection of the sessions to routers or workers (plane/channels.py SessionLiveness), and
+    # Stall detection of the sessions to routers or workers (plane/request/channels.py SessionLiveness), and
     # the embedded routing core's worker health checks (router/workers.py; interval 0 = none).
     stall_timeout_s: float = 3.0
     stream_stall_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
-    # API keys of the HTTP and Inference gRPC APIs (frontend/auth.py; empty = open), and slow-client limits.
+    # API keys of the HTTP and Inference gRPC APIs (frontend/http/auth.py; empty = open), and slow-client limits.
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     open_metrics: bool = False  # with API keys: /metrics and /dashboard* are served without one
     header_timeout_s: float = 10.0
@@ -124,7 +124,7 @@ class FrontendConfig:
     # With --tls-ca: whether the HTTP and Inference APIs require client certificates too
     # (False: public clients use API keys while the calls into the mesh stay mTLS).
     api_client_certs: bool = True
-    # Output parsers (frontend/output_parsers.py): NAME, MODEL=NAME,..., "auto" (card, then template) or "none";
+    # Output parsers (frontend/text/output_parsers.py): NAME, MODEL=NAME,..., "auto" (card, then template) or "none";
     # and whether unknown request fields are a 400 (else named in the x-meshllm-ignored-params header).
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"

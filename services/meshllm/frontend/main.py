@@ -34,22 +34,22 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.errors import MeshError, Unavailable
-from meshllm.frontend.app import HttpServer, OpenAIApp
-from meshllm.frontend.auth import exposure_warning
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
-from meshllm.frontend.dashboard import Dashboard
-from meshllm.frontend.grpc_api import inference_binding
-from meshllm.frontend.inference import InferenceCore
+from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.auth import exposure_warning
+from meshllm.frontend.http.dashboard import Dashboard
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
+from meshllm.frontend.openai.grpc_api import inference_binding
+from meshllm.frontend.openai.inference import InferenceCore
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
 from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream, follow_router_sessions
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
-from meshllm.plane.events import EventBus, MemoryBroker, open_events
-from meshllm.plane.local import LocalPeers
-from meshllm.plane.server import GrpcServer, start_server
+from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery
+from meshllm.plane.events.base import EventBus, MemoryBroker, open_events
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.local import LocalPeers
+from meshllm.plane.request.server import GrpcServer, start_server
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router import RouterClient, RouterConfig, RouterCore, RouterMode
@@ -136,7 +136,7 @@ class Frontend(AsyncCloseable):
     ) -> Frontend:
         """Open planes and the upstream, follow models, serve HTTP and gRPC. Cleans up on failure.
 
-        `local` (meshllm run): workers of this process, called directly by the routing core (plane/local.py).
+        `local` (meshllm run): workers of this process, called directly by the routing core (plane/request/local.py).
         """
         self = cls(config, local=local)
         self._plan_shutdown()

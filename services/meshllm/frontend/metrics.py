@@ -107,7 +107,7 @@ class FrontendMetrics:
             "meshllm_frontend_cached_tokens", "Prompt tokens served from a prefix cache", ["model"], registry=r
         )
         self.disconnects = Counter("meshllm_frontend_client_disconnects", "Requests whose client went away", registry=r)
-        # API keys (frontend/auth.py): a key is named by its id, never by the key.
+        # API keys (frontend/http/auth.py): a key is named by its id, never by the key.
         self.api_key_requests = Counter(
             "meshllm_frontend_api_key_requests", "Requests let in, by API key id and API (http, grpc)", ["key_id", "api"],
             registry=r,

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshllm.errors import InvalidArgument, MeshError, NotFound, Unavailable
-from meshllm.frontend.capabilities import Capabilities, combine
-from meshllm.frontend.chat_template import ChatTemplate
-from meshllm.frontend.tokenizer import Tokenizer, load_tokenizer
+from meshllm.frontend.openai.capabilities import Capabilities, combine
+from meshllm.frontend.text.chat_template import ChatTemplate
+from meshllm.frontend.text.tokenizer import Tokenizer, load_tokenizer
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery
+from meshllm.plane.discovery.base import Discovery
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 
@@ -70,7 +70,7 @@ class ServedModel:
     source: str
     _loaded: asyncio.Future[Tokenization] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     failed_at: float | None = None  # monotonic time of the last failed load (a later request retries)
-    capabilities: Capabilities = field(default_factory=Capabilities)  # over every live card (frontend/capabilities.py)
+    capabilities: Capabilities = field(default_factory=Capabilities)  # over every live card (frontend/openai/capabilities.py)
 
     @property
     def context_length(self) -> int:
@@ -264,7 +264,7 @@ class ModelRegistry(AsyncCloseable):
         return card, ""
 
     def _files_dir(self, checksum: str) -> Path:
-        from meshllm.frontend.tokenizer import default_cache_dir
+        from meshllm.frontend.text.tokenizer import default_cache_dir
 
         base = self._cache_dir if self._cache_dir is not None else default_cache_dir()
         return base / "worker-files" / checksum

@@ -20,7 +20,7 @@ iterator cancels the request all the way to the engine.
   (e.g. no live worker) is not waited for.
 - A router stream that breaks after its first chunk resumes on another replica
   (the one that broke last in line) with the rules of the router's worker
-  migration, `meshllm.router.migration.MigrationState`: the original prompt
+  migration, `meshllm.router.stream.migration.MigrationState`: the original prompt
   plus every token already streamed, `max_tokens`/`min_tokens` lowered by
   that many, at most the model's migration limit times, never for guided
   decoding once a token was streamed. The caller sees one stream: the same
@@ -37,11 +37,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from meshllm.errors import CannotConnect, Disconnected, EngineShutdown, MeshError, StreamIncomplete, Unavailable, Unknown
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.discovery.base import Discovery
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import TokenChunk, TokenRequest
-from meshllm.router.migration import MIGRATABLE, MigrationState, migrating
+from meshllm.router.stream.migration import MIGRATABLE, MigrationState, migrating
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "DEFAULT_ROUTER_WAIT_S", "RouterReplicas", "Upstream", "follow_router_sessions"]
 
@@ -204,7 +204,7 @@ async def _aclose(stream: AsyncIterator[TokenChunk]) -> None:
 async def follow_router_sessions(discovery: Discovery, channels: ChannelCache, addresses: Sequence[str]) -> None:
     """Keep `channels`' session routes to the routers at `addresses` (`--router-address`) as their discovery records
     say: a router registered under one of those addresses with a `session_address` (`meshllm router --session-port`)
-    gets its sessions on TCP (plane/tcp_session.py), any other keeps them on gRPC — e.g. one named by a Service in
+    gets its sessions on TCP (plane/request/tcp_session.py), any other keeps them on gRPC — e.g. one named by a Service in
     front of it, whose record holds its own address. Runs until cancelled."""
     wanted = set(addresses)
     async for snapshot in discovery.watch_instances():  # any component: a router's --component may be its own

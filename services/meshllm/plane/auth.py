@@ -236,7 +236,7 @@ class ClientSecurity:
         self.caller_id = uuid.uuid4().hex  # the `meshllm-caller` of every call and session of this client
         self._interceptors = client_interceptors(security, self.caller_id)
         self._checked = time.monotonic()
-        self._ssl: ssl.SSLContext | None = None  # for TCP sessions (plane/tcp_session.py), made on first use
+        self._ssl: ssl.SSLContext | None = None  # for TCP sessions (plane/request/tcp_session.py), made on first use
 
     def rotated(self) -> bool:
         """True (once) when the certificate files changed: channels made from now on use the new ones."""

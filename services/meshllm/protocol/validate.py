@@ -1,7 +1,7 @@
 """The one validation layer: limits and messages shared by every entry point (pure, no I/O).
 
     HTTP (/v1/chat/completions, /v1/completions)   protocol/openai/request.py reads fields with these checkers
-    Inference gRPC (text)                          the same parser (frontend/grpc_api.py builds the body)
+    Inference gRPC (text)                          the same parser (frontend/openai/grpc_api.py builds the body)
     Router / Worker Generate, GenerateSession      `validate_generate` on the converted TokenRequest
     Router.Route                                   `validate_prompt` on its token ids
 

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.peers import generate_to, session_key
-from meshllm.plane.transport import CallInfo, translate_errors, unary_generate
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.peers import generate_to, session_key
+from meshllm.plane.request.transport import CallInfo, translate_errors, unary_generate
 from meshllm.protocol.convert import hints_into_proto, wire_range
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.v1 import router_pb2, router_pb2_grpc

@@ -29,7 +29,7 @@ from meshllm.config import (
     server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
-from meshllm.plane.liveness import SessionLiveness
+from meshllm.plane.request.liveness import SessionLiveness
 
 __all__ = [
     "RouterConfig",
@@ -67,7 +67,7 @@ class RoutingTuning:
     migration_limit: int = 3
     disagg_min_prompt_tokens: int = 0
     disagg_max_local_hit: float = 0.9
-    # Assumed network bandwidth of a peer KV pull, GB/s (router/kv_pull.py); 0 = never pull from a peer.
+    # Assumed network bandwidth of a peer KV pull, GB/s (router/kv/pull.py); 0 = never pull from a peer.
     kv_pull_gbps: float = 0.0
 
     def __post_init__(self) -> None:
@@ -183,7 +183,7 @@ class RouterConfig:
     resync_backoff_s: float = 0.2
     # A worker that failed a call is skipped for this long (discovery may lag).
     failure_cooldown_s: float = 5.0
-    # Stall detection (plane/channels.py SessionLiveness): a worker session with open streams
+    # Stall detection (plane/request/channels.py SessionLiveness): a worker session with open streams
     # that is silent this long, or a started stream without a chunk this long, counts as broken.
     stall_timeout_s: float = 3.0
     stream_stall_timeout_s: float = 30.0

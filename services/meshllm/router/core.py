@@ -9,8 +9,8 @@
 
 A request's path reads as a sentence: `generate → plan (policy.pick per
 pool) → leg(s) → WorkerClient.generate`, with coalescing in front and
-migration around (`meshllm.router.stream`). This module holds the state and
-the decisions; the streaming lives in `stream.py`.
+migration around (`meshllm.router.stream.legs`). This module holds the state and
+the decisions; the streaming lives in `router/stream/legs.py`.
 
 Errors: `generate` raises `NotFound` for a model no worker ever served,
 `Unavailable` when none of its workers is live, and the worker's own error
@@ -33,25 +33,25 @@ import numpy.typing as npt
 
 from meshllm.errors import NotFound, Unavailable
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery
-from meshllm.plane.events import EventBus, NullEventBus
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.discovery.base import Discovery
+from meshllm.plane.events.base import EventBus, NullEventBus
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
-from meshllm.router.decision import AttemptPlan, Decision
-from meshllm.router.feed import EventFeed
-from meshllm.router.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
-from meshllm.router.kv_index import KvIndex, SlotCapacities, SlotKey
-from meshllm.router.kv_pull import PeerPrefix, PullDecision, decide_pull
-from meshllm.router.load import LoadTracker, SlotLoad
+from meshllm.router.kv.feed import EventFeed
+from meshllm.router.kv.index import KvIndex, SlotCapacities, SlotKey
+from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
+from meshllm.router.kv.pull import PeerPrefix, PullDecision, decide_pull
 from meshllm.router.metrics import RouterMetrics
-from meshllm.router.policy import Candidate, KvPolicy, make_policy, score
-from meshllm.router.predicted import PredictedIndex, RoutedCache
-from meshllm.router.stream import serve
+from meshllm.router.policy.choice import Candidate, KvPolicy, make_policy, score
+from meshllm.router.policy.decision import AttemptPlan, Decision
+from meshllm.router.policy.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
+from meshllm.router.policy.load import LoadTracker, SlotLoad
+from meshllm.router.policy.timing import WorkerTimes, evict_ratio, restore_costs, wait_blocks
+from meshllm.router.stream.legs import serve
 from meshllm.router.sync import ReplicaSync
-from meshllm.router.timing import WorkerTimes, evict_ratio, restore_costs, wait_blocks
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
 from meshllm.v1 import discovery_pb2, router_pb2
 from meshllm.worker.client import WorkerClient
@@ -126,7 +126,7 @@ class RouterCore(AsyncCloseable):
         )  # fmt: skip
         self.sync = ReplicaSync(bus, config.plane.namespace, config.component, self.id, self.load)
         self._known_models: set[str] = set(filter(None, [config.model_name]))
-        # Fleet decisions (meshllm.router.fleet): off, every decision scores every candidate (the reference).
+        # Fleet decisions (meshllm.router.policy.fleet): off, every decision scores every candidate (the reference).
         self.fleet = True
         self.fleet_min_slots = FLEET_MIN_SLOTS
         self._fleet_tables: dict[tuple[str, int], FleetTable] = {}
@@ -180,7 +180,7 @@ class RouterCore(AsyncCloseable):
         in-process worker's chunks, an error terminal after migration).
 
         Worker streams arrive through sessions that merge the tokens of a
-        caller who reads slower than the worker writes (plane/session.py), so
+        caller who reads slower than the worker writes (plane/request/session.py), so
         the worker is never held up by this stream's caller. Returns the
         migration driver's generator itself (no generator layer of its own
         per chunk); with no live worker for the model it raises Unavailable
@@ -292,7 +292,7 @@ class RouterCore(AsyncCloseable):
         return AttemptPlan(main, prefill, hashes)
 
     def _peer_pull(self, model: str, prefill: Decision, hashes: list[int], excluded: set[str]) -> PullDecision | None:
-        """The peer prefix pull for the chosen prefill worker (router/kv_pull.py; kv mode, --kv-pull-gbps > 0)."""
+        """The peer prefix pull for the chosen prefill worker (router/kv/pull.py; kv mode, --kv-pull-gbps > 0)."""
         gbps = self.config.tuning.kv_pull_gbps
         if gbps <= 0 or self.mode is not RouterMode.KV or not hashes:
             return None
@@ -357,7 +357,7 @@ class RouterCore(AsyncCloseable):
 
         A pool of `fleet.FLEET_MIN_SLOTS` slots or more in `kv` mode at
         temperature 0 scores only the candidates that can win
-        (`meshllm.router.fleet`: the same choice); otherwise every one.
+        (`meshllm.router.policy.fleet`: the same choice); otherwise every one.
         """
         workers = self._eligible(model, role, hints, excluded)
         if not workers:
@@ -436,7 +436,7 @@ class RouterCore(AsyncCloseable):
             lower_blocks=lower, restore=restore_costs(lower, advertised, ask.block_ms) if lower else [],
         )  # fmt: skip
 
-    # ------------------------------------------------------------ fleet decisions (meshllm.router.fleet)
+    # ------------------------------------------------------------ fleet decisions (meshllm.router.policy.fleet)
     def _fleet_table(self, model: str, role: int) -> FleetTable | None:
         """The pool's table, rebuilt when the pool or the slot numbering changed; None below FLEET_MIN_SLOTS."""
         base = self.pool.workers(model, role, include_cooling=True)
@@ -473,7 +473,7 @@ class RouterCore(AsyncCloseable):
     def _fleet_candidates(
         self, model: str, role: int, workers: list[PoolWorker], pin_rank: int | None, hashes: list[int], ask: _Ask
     ) -> list[Candidate] | None:
-        """The candidates that can win (meshllm.router.fleet), or None to score every one."""
+        """The candidates that can win (meshllm.router.policy.fleet), or None to score every one."""
         if self.mode is not RouterMode.KV or not isinstance(self.policy, KvPolicy) or self.policy.temperature > 0:
             return None
         t = self._fleet_table(model, role)

@@ -21,10 +21,10 @@ import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS opener
 from meshllm import __version__, logs
 from meshllm.config import ConfigError
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
-from meshllm.plane.events import EventBus, MemoryBroker, open_events
-from meshllm.plane.server import GrpcServer, start_server
+from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery
+from meshllm.plane.events.base import EventBus, MemoryBroker, open_events
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.server import GrpcServer, start_server
 from meshllm.ports import bind_error, check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.router.config import RouterConfig, router_arg_parser

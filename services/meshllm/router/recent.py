@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshllm.router.policy import REUSED_EVICT_COST
+from meshllm.router.policy.choice import REUSED_EVICT_COST
 from meshllm.v1 import events_pb2
 
 if TYPE_CHECKING:
-    from meshllm.router.decision import Decision
+    from meshllm.router.policy.decision import Decision
 
 __all__ = ["DECISIONS", "EVENTS", "RecentActivity", "decision_dict", "request_tag"]
 

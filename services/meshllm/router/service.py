@@ -14,9 +14,9 @@ from typing import cast
 import grpc
 
 from meshllm.errors import InvalidArgument
-from meshllm.plane.server import ServiceBinding
-from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.server import ServiceBinding
+from meshllm.plane.request.session import DEFAULT_INTERVAL_S, SessionServer
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, hints_from_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate, validate_prompt

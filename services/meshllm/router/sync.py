@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable
 
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.batching import FlushPacer
-from meshllm.plane.events import EventBus, Subscription
+from meshllm.plane.events.base import EventBus, Subscription
+from meshllm.plane.events.batching import FlushPacer
 from meshllm.protocol.names import router_subject
-from meshllm.router.kv_index import SlotKey
-from meshllm.router.load import LoadTracker, plausible_time
+from meshllm.router.kv.index import SlotKey
+from meshllm.router.policy.load import LoadTracker, plausible_time
 from meshllm.v1 import events_pb2
 
 __all__ = ["ReplicaSync"]

@@ -39,8 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery
+from meshllm.plane.discovery.base import Discovery
+from meshllm.plane.request.channels import ChannelCache
 from meshllm.v1 import discovery_pb2
 from meshllm.worker.client import WorkerClient
 

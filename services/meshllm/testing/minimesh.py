@@ -18,8 +18,8 @@ from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.main import Frontend
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.auth import MeshSecurity
-from meshllm.plane.discovery import MemoryStore
-from meshllm.plane.events import MemoryBroker
+from meshllm.plane.discovery.base import MemoryStore
+from meshllm.plane.events.base import MemoryBroker
 from meshllm.router.config import RouterConfig
 from meshllm.router.main import RouterServer
 from meshllm.worker.runtime import Worker

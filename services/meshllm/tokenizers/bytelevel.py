@@ -12,7 +12,7 @@ id's bytes turns an id into its text without a call into the library.
 decode of every id (one batched call); any disagreement — another decoder, an
 added token the decoder treats differently — returns None, and the caller
 keeps using `tokenizers.decoders.DecodeStream`. The streaming rule that
-uses the table is in meshllm/frontend/detokenize.py.
+uses the table is in meshllm/frontend/text/detokenize.py.
 """
 
 from __future__ import annotations

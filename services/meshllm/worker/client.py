@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.peers import generate_to, session_key
-from meshllm.plane.transport import CallInfo, mesh_error, translate_errors, unary_generate
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.peers import generate_to, session_key
+from meshllm.plane.request.transport import CallInfo, mesh_error, translate_errors, unary_generate
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 

@@ -26,11 +26,11 @@ from meshllm import __version__
 from meshllm.engine.base import DisaggregationMode, EngineConfig, KvPull, KvTransfer, LLMEngine, LoadMetrics
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.lifecycle import AsyncCloseable, Shutdown
-from meshllm.plane.channels import ChannelCache
-from meshllm.plane.discovery import Discovery, MemoryStore, open_discovery
-from meshllm.plane.events import EventBus, MemoryBroker, open_events
-from meshllm.plane.local import LocalPeers
-from meshllm.plane.server import GrpcServer, ServiceBinding, start_server
+from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery
+from meshllm.plane.events.base import EventBus, MemoryBroker, open_events
+from meshllm.plane.request.channels import ChannelCache
+from meshllm.plane.request.local import LocalPeers
+from meshllm.plane.request.server import GrpcServer, ServiceBinding, start_server
 from meshllm.protocol.types import TokenRequest
 from meshllm.protocol.validate import Limits
 from meshllm.tracing import untraced, worker_service_name
@@ -89,7 +89,7 @@ class Worker(AsyncCloseable):
     ) -> Worker:
         """Open planes, start the engine, serve, register. Cleans up on failure.
 
-        `local` (meshllm run): also serve Generate to clients of this process directly (plane/local.py).
+        `local` (meshllm run): also serve Generate to clients of this process directly (plane/request/local.py).
         """
         worker_id = config.instance_id or f"{config.engine}-{uuid.uuid4().hex[:12]}"
         self = cls(engine, config, worker_id)

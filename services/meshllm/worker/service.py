@@ -28,8 +28,8 @@ from meshllm.engine.base import Context, EngineConfig, LLMEngine
 from meshllm.errors import EngineShutdown, InvalidArgument, NotFound, StreamIncomplete, log_unexpected
 from meshllm.lifecycle import Admission, Admits
 from meshllm.plane.auth import caller_identity, session_scope
-from meshllm.plane.session import DEFAULT_INTERVAL_S, SessionServer
-from meshllm.plane.transport import CallInfo
+from meshllm.plane.request.session import DEFAULT_INTERVAL_S, SessionServer
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.convert import chunk_to_proto, request_from_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.protocol.validate import Limits, validate_generate

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from meshllm.engine.base import KvTier, LoadMetrics
-from meshllm.plane.batching import FlushPacer
-from meshllm.plane.events import EventBus
+from meshllm.plane.events.base import EventBus
+from meshllm.plane.events.batching import FlushPacer
 from meshllm.protocol.names import kv_subject, load_subject
 from meshllm.v1 import events_pb2, worker_pb2
 

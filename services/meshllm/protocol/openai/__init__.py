@@ -2,23 +2,15 @@
 
 parse_chat(body) / parse_completion(body)  JSON object → TextRequest, or InvalidArgument naming the field  (request.py)
 chat_chunk / completion_chunk / chat_response / completion_response / usage_body / model_list
-                                           internal values → OpenAI-shaped dicts                     (response.py)
+                                           internal values → OpenAI-shaped dicts                     (objects.py)
 parse_json_body, field strictness, tool_choice, structured_outputs     (extensions.py)
+chat_body_of / response_object / output items: the Responses API      (responses_schema.py)
 """
 
 from __future__ import annotations
 
 from meshllm.protocol.openai.extensions import parse_json_body
-from meshllm.protocol.openai.request import (
-    MAX_N,
-    MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
-    RequestKind,
-    TextRequest,
-    parse_chat,
-    parse_completion,
-)
-from meshllm.protocol.openai.response import (
+from meshllm.protocol.openai.objects import (
     ChoiceResult,
     LogprobEntry,
     chat_chunk,
@@ -31,6 +23,15 @@ from meshllm.protocol.openai.response import (
     prompt_logprobs_body,
     usage_body,
     usage_chunk,
+)
+from meshllm.protocol.openai.request import (
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    RequestKind,
+    TextRequest,
+    parse_chat,
+    parse_completion,
 )
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""The discovery plane: instances and model cards (etcd | memory | static)."""

@@ -1,0 +1,1 @@
+"""One request's stream through the router: attempts, legs, disaggregation and migration."""
