@@ -399,13 +399,13 @@ def measure_in_process(
         core.index.overlaps(block_hashes(p, BLOCK_SIZE), keys)
         times["walk"].append((time.perf_counter() - t) * 1000)
     same = 0
-    core.fleet = False
+    core.candidates.fleet = False
     for p, want in zip(prompts[:exhaustive], chosen, strict=False):
         t = time.perf_counter()
         plan = core.plan(MODEL, p, {}, set())
         times["exhaustive"].append((time.perf_counter() - t) * 1000)
         same += plan.main.chosen.worker_id == want
-    core.fleet = True
+    core.candidates.fleet = True
     return times, same / max(1, min(exhaustive, len(prompts))), chosen
 
 
@@ -453,7 +453,7 @@ def dynamo_side_by_side(
         theirs = json.loads((tmp / "out").read_text())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the events file is ~16 bytes per block
-    table = core._fleet_table(MODEL, AGGREGATED)
+    table = core.candidates.table(MODEL, AGGREGATED)
     assert table is not None
     bmap = core.index.map
     by_dict = []

@@ -51,7 +51,8 @@ def test_256_workers_two_replicas_agree_with_each_other_and_with_the_exhaustive_
     in_order = fleet.interleave(workers)
     by_worker = [b for w in reversed(workers) for b in w.batches]  # another cross-worker order, each worker's kept
     a, b = replica(fleet, workers, in_order), replica(fleet, workers, by_worker)
-    assert a.fleet and a._fleet_table(fleet.MODEL, fleet.AGGREGATED) is not None  # the fleet path, not the small-pool one
+    # the fleet path, not the small-pool one
+    assert a.candidates.fleet and a.candidates.table(fleet.MODEL, fleet.AGGREGATED) is not None
     now = time.time()
     for w in workers:
         snap = events_pb2.LoadSnapshot(worker_id=w.id, active_blocks=rng.randrange(BLOCKS), total_blocks=BLOCKS)
@@ -66,9 +67,9 @@ def test_256_workers_two_replicas_agree_with_each_other_and_with_the_exhaustive_
             tokens = chains.tokens(fleet.renamed(rng.choice(trace), copy, shared))
         plans = [core.plan(fleet.MODEL, tokens, {}, set()) for core in (a, b)]
         assert plans[0].main.chosen.key == plans[1].main.chosen.key, f"prompt {i}: the replicas disagree"
-        a.fleet = False
+        a.candidates.fleet = False
         reference = a.plan(fleet.MODEL, tokens, {}, set())
-        a.fleet = True
+        a.candidates.fleet = True
         assert reference.main.chosen.key == plans[0].main.chosen.key, f"prompt {i}: fleet path ≠ exhaustive scorer"
         assert len(plans[0].main.candidates) < len(reference.main.candidates) == WORKERS
         # Both replicas charge the request where it went (as replica sync does), so later decisions see the load.

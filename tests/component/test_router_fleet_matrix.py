@@ -19,13 +19,13 @@ from meshllm.router.core import Decision, RouterCore
 
 def shadowed(agree: list[bool]) -> Any:
     def on_core(core: RouterCore) -> None:
-        core.fleet_min_slots = 0
+        core.candidates.fleet_min_slots = 0
         decide = core.decide
 
         def both(*args: Any) -> Decision:
-            core.fleet = False
+            core.candidates.fleet = False
             ref = decide(*args)
-            core.fleet = True
+            core.candidates.fleet = True
             got = decide(*args)
             agree.append(ref.chosen.key == got.chosen.key)
             return got

@@ -3,7 +3,7 @@
 Each scenario builds one RouterCore's state by hand — a pool, KV snapshots,
 reuse touches, charges, LoadSnapshots, step and prefill times, in-flight
 prefixes, lower tiers — then decides every prompt twice, with the fleet path
-and with the exhaustive scorer (`core.fleet = False`), changing the load
+and with the exhaustive scorer (`core.candidates.fleet = False`), changing the load
 between prompts so the tables' incremental state is what is tested. The
 fleet path is exact: the same worker every time, not 99 %.
 """
@@ -127,9 +127,9 @@ def prompt(docs: list[list[int]], rng: random.Random) -> list[int]:
 def both(core: RouterCore, tokens: list[int], **hints: object) -> tuple[tuple[str, int], tuple[str, int], int]:
     """(exhaustive choice, fleet choice, candidates the fleet path scored)."""
     hashes = block_hashes(tokens, BS)
-    core.fleet = False
+    core.candidates.fleet = False
     ref = core.decide(MODEL, AGGREGATED, tokens, hashes, BS, hints, set())  # type: ignore[arg-type]
-    core.fleet = True
+    core.candidates.fleet = True
     got = core.decide(MODEL, AGGREGATED, tokens, hashes, BS, hints, set())  # type: ignore[arg-type]
     return ref.chosen.key, got.chosen.key, len(got.candidates)
 
@@ -275,9 +275,9 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
         core.inflight = type(core.inflight)()  # no pending prefixes: every slot goes through the bounds
         tokens = prompt(docs, rng)
         hashes = block_hashes(tokens, BS)
-        core.fleet = False
+        core.candidates.fleet = False
         ref = core.decide(MODEL, AGGREGATED, tokens, hashes, BS, {}, set())
-        table = core._fleet_table(MODEL, AGGREGATED)
+        table = core.candidates.table(MODEL, AGGREGATED)
         assert table is not None
         bmap = core.index.map
         counts = np.array([len(bmap.blocks[s]) for s in table.slot_list], dtype=np.int64)

@@ -26,10 +26,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-
-import numpy as np
-import numpy.typing as npt
 
 from meshllm.errors import NotFound, Unavailable
 from meshllm.lifecycle import AsyncCloseable
@@ -41,15 +37,15 @@ from meshllm.protocol.kv import block_hashes
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterConfig, RouterMode
 from meshllm.router.kv.feed import EventFeed
-from meshllm.router.kv.index import KvIndex, SlotCapacities, SlotKey
+from meshllm.router.kv.index import KvIndex
 from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 from meshllm.router.kv.pull import PeerPrefix, PullDecision, decide_pull
 from meshllm.router.metrics import RouterMetrics
-from meshllm.router.policy.choice import Candidate, KvPolicy, make_policy, score
+from meshllm.router.policy.candidates import Candidates
+from meshllm.router.policy.choice import make_policy, score
 from meshllm.router.policy.decision import AttemptPlan, Decision
-from meshllm.router.policy.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order
-from meshllm.router.policy.load import LoadTracker, SlotLoad
-from meshllm.router.policy.timing import WorkerTimes, evict_ratio, restore_costs, wait_blocks
+from meshllm.router.policy.load import LoadTracker
+from meshllm.router.policy.timing import WorkerTimes, restore_costs
 from meshllm.router.stream.legs import serve
 from meshllm.router.sync import ReplicaSync
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
@@ -62,25 +58,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # hashing size for models whose engine does not page its cache
 HOUSEKEEPING_S = 1.0
-
-
-@dataclass(slots=True)
-class _Ask:
-    """What one decision asks of every candidate: the prompt's sizes and the model's measured times."""
-
-    tokens: int
-    hashes: int
-    block_size: int
-    request_blocks: int
-    prompt: set[int]
-    block_ms: float
-    fixed_ms: float
-    cache: SlotCapacities
-
-
-def _order(c: Candidate) -> tuple[bool, float, int, int, int, str, int]:
-    """`KvPolicy`'s order at temperature 0: candidates with room first, then its tie key."""
-    return (c.no_room, c.cost, c.decode_blocks, c.in_flight, c.cached_blocks, c.worker_id, c.dp_rank)
 
 
 class RouterCore(AsyncCloseable):
@@ -126,10 +103,7 @@ class RouterCore(AsyncCloseable):
         )  # fmt: skip
         self.sync = ReplicaSync(bus, config.plane.namespace, config.component, self.id, self.load)
         self._known_models: set[str] = set(filter(None, [config.model_name]))
-        # Fleet decisions (meshllm.router.policy.fleet): off, every decision scores every candidate (the reference).
-        self.fleet = True
-        self.fleet_min_slots = FLEET_MIN_SLOTS
-        self._fleet_tables: dict[tuple[str, int], FleetTable] = {}
+        self.candidates = Candidates(self)  # who is scored per decision (every slot, or at fleet scale those that can win)
         self._clients: dict[str, WorkerClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -357,21 +331,14 @@ class RouterCore(AsyncCloseable):
 
         A pool of `fleet.FLEET_MIN_SLOTS` slots or more in `kv` mode at
         temperature 0 scores only the candidates that can win
-        (`meshllm.router.policy.fleet`: the same choice); otherwise every one.
+        (`meshllm.router.policy.candidates`: the same choice); otherwise every one.
         """
         workers = self._eligible(model, role, hints, excluded)
         if not workers:
             raise Unavailable(f"no live {role_name(role)} worker for model {model!r} (excluded: {sorted(excluded)})")
-        pin_rank = hints.get("dp_rank")
+        ask = self.candidates.ask(model, tokens, hashes, bs)
+        cands = self.candidates.build(model, role, workers, hints.get("dp_rank"), hashes, ask)
         cfg = self.config.tuning
-        ask = _Ask(
-            tokens=len(tokens), hashes=len(hashes), block_size=bs, request_blocks=-(-len(tokens) // bs),
-            prompt=set(hashes), block_ms=self.times.block_ms(model, bs), fixed_ms=self.times.fixed_ms(model),
-            cache=self.approx if self.mode is RouterMode.APPROXIMATE else self.index,
-        )  # fmt: skip
-        cands = self._fleet_candidates(model, role, workers, pin_rank, hashes, ask) if self.fleet else None
-        if cands is None:
-            cands = self.exhaustive_candidates(role, workers, pin_rank, hashes, ask)
         score(
             cands, block_size=bs, overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight,
             wait_weight=cfg.wait_weight,
@@ -381,198 +348,6 @@ class RouterCore(AsyncCloseable):
             chosen, cands, role, self.policy.name, bs, len(hashes), cfg.overlap_weight, cfg.capacity_weight,
             cfg.wait_weight, ask.block_ms, ask.fixed_ms,
         )  # fmt: skip
-
-    def exhaustive_candidates(
-        self, role: int, workers: list[PoolWorker], pin_rank: int | None, hashes: list[int], ask: _Ask
-    ) -> list[Candidate]:
-        """Every eligible (worker, dp rank) as a candidate (unscored): the reference the fleet path agrees with."""
-        keys: list[tuple[PoolWorker, int]] = [
-            (w, r) for w in workers for r in range(w.dp_size) if pin_rank is None or r == pin_rank
-        ]
-        if not keys:
-            raise Unavailable(f"no {role_name(role)} worker of model {workers[0].model!r} has dp rank {pin_rank}")
-        slots = [(w.id, r) for w, r in keys]
-        overlaps, pending = self._overlaps(hashes, slots)
-        # Where the device prefix ends, lower tiers (host, disk) may continue it (kv mode: events tell).
-        tiers = self.index.tier_overlaps(hashes, slots, overlaps) if self.mode is RouterMode.KV and hashes else {}
-        cands = []
-        for w, r in keys:
-            key = (w.id, r)
-            ov = overlaps.get(key, 0)
-            lower: dict[int, int] = {}
-            if (t := tiers.get(key)) is not None:
-                ov, lower = ov + t.device, t.lower
-            cands.append(self._candidate(w, r, ov, lower, pending.get(key, 0), ask))
-        return cands
-
-    def _candidate(self, w: PoolWorker, r: int, ov: int, lower: dict[int, int], shared: int, ask: _Ask) -> Candidate:
-        """One (worker, dp rank) with `ov` device prefix blocks, `lower` restored ones, `shared` with its in-flight requests."""
-        key = (w.id, r)
-        bs = ask.block_size
-        served = ov + sum(lower.values())
-        load = self.load.get(key)
-        advertised = load.reported.tiers if load.reported is not None else ()
-        # Queued prefill of in-flight requests that share this prompt's prefix is work this
-        # request shares (the prefix is being computed for both), not a backlog it waits behind.
-        queued = max(0, load.queued_prefill_tokens - shared * bs)
-        cache = ask.cache
-        cache.set_total(key, self._total_blocks(w, load))
-        new = max(0, ask.hashes - ov)  # restored blocks take device room as computed ones do
-        room = cache.capacity(key, ask.prompt, new, pending=-(-load.queued_prefill_tokens // bs))
-        step_ms = self.times.step_ms(key)
-        # Decode load once this request runs there: the engine shares blocks only between running
-        # sequences, so every prompt block but those its in-flight requests share becomes active
-        # (a block cached there but idle is made active again, not saved).
-        decode = load.active_blocks + ask.request_blocks - shared
-        total = room.total if self.config.tuning.capacity_weight > 0 else 0
-        no_room = total > 0 and decode > total
-        wait = wait_blocks(load.in_flight, step_ms, ask.block_ms, prefilling=load.prefilling, fixed_ms=ask.fixed_ms)
-        return Candidate(
-            worker_id=w.id, dp_rank=r, address=w.address, overlap_blocks=ov,
-            prefill_tokens=max(0, ask.tokens - served * bs), decode_blocks=decode,
-            queued_prefill_tokens=queued, in_flight=load.in_flight, prefilling=load.prefilling,
-            cached_blocks=room.resident, total_blocks=room.total, new_blocks=new, evicted_hot_blocks=room.evicted_hot,
-            evict_ratio=evict_ratio(advertised, ask.block_ms), step_ms=step_ms, wait_blocks=wait, no_room=no_room,
-            lower_blocks=lower, restore=restore_costs(lower, advertised, ask.block_ms) if lower else [],
-        )  # fmt: skip
-
-    # ------------------------------------------------------------ fleet decisions (meshllm.router.policy.fleet)
-    def _fleet_table(self, model: str, role: int) -> FleetTable | None:
-        """The pool's table, rebuilt when the pool or the slot numbering changed; None below FLEET_MIN_SLOTS."""
-        base = self.pool.workers(model, role, include_cooling=True)
-        t = self._fleet_tables.get((model, role))
-        bmap = self.index.map
-        if t is None or t.base is not base or t.generation != bmap.generation:
-            if sum(w.dp_size for w in base) < self.fleet_min_slots:
-                self._fleet_tables.pop((model, role), None)
-                return None
-            for w in base:
-                for r in range(w.dp_size):
-                    bmap.slot((w.id, r))
-            t = self._fleet_tables[(model, role)] = FleetTable.build(base, bmap.slot_of, bmap.generation)
-        changed = self.load.changed | self.times.changed
-        if changed:
-            self.load.changed.clear()
-            self.times.changed.clear()
-            for other in self._fleet_tables.values():
-                other.mark(changed)
-        if t.dirty:
-            for i in t.dirty:
-                w, r = t.keys[i]
-                key = (w.id, r)
-                load = self.load.get(key)
-                total = self._total_blocks(w, load)
-                self.index.set_total(key, total)
-                t.set(
-                    i, active=load.active_blocks, queued=load.queued_prefill_tokens, in_flight=load.in_flight,
-                    prefilling=load.prefilling, total=total if total > 0 else 0, step=self.times.step_ms(key),
-                )  # fmt: skip
-            t.dirty.clear()
-        return t
-
-    def _fleet_candidates(
-        self, model: str, role: int, workers: list[PoolWorker], pin_rank: int | None, hashes: list[int], ask: _Ask
-    ) -> list[Candidate] | None:
-        """The candidates that can win (meshllm.router.policy.fleet), or None to score every one."""
-        if self.mode is not RouterMode.KV or not isinstance(self.policy, KvPolicy) or self.policy.temperature > 0:
-            return None
-        t = self._fleet_table(model, role)
-        if t is None:
-            return None
-        n = len(t.keys)
-        eligible: npt.NDArray[np.bool_] | None = None
-        if workers is not t.base or pin_rank is not None:
-            eligible = np.zeros(n, dtype=np.bool_)
-            for w in workers:
-                eligible[t.wpos.get(w.id, [])] = True
-            if pin_rank is not None:
-                eligible &= t.dp == pin_rank
-            if not eligible.any():
-                return None  # the exhaustive path says why
-        bmap = self.index.map
-        counts = np.array(bmap.sizes, dtype=np.int64)[t.slots]
-        hot = np.array(bmap.hot, dtype=np.int64)[t.slots]
-        ov = np.zeros(n, dtype=np.int64)
-        if hashes:
-            for depth, bits in bmap.overlap_groups(hashes, t.mask):
-                ov[t.pos_of_slot[bit_indices(bits)]] = depth
-        # Exactly scored, as by the exhaustive path: slots with in-flight requests sharing the prefix, or lower tiers.
-        pmap = self.inflight.map
-        pending = pmap.overlaps(hashes, [k for k in pmap.slot_of if k in t.pos]) if hashes and pmap.slot_of else {}
-        tiers = {}
-        if hashes and self.index.lower:
-            starts = {t.skeys[i]: int(ov[i]) for i in np.flatnonzero(ov)}
-            for k, d in pending.items():
-                starts[k] = max(starts.get(k, 0), d)
-            tiers = self.index.tier_overlaps(hashes, t.skeys, starts)
-        cands: list[Candidate] = []
-        special = np.zeros(n, dtype=np.bool_)
-        for key in pending.keys() | tiers.keys():
-            i = t.pos[key]
-            special[i] = True
-            if eligible is not None and not eligible[i]:
-                continue
-            w, r = t.keys[i]
-            dev, shared, lower = max(int(ov[i]), pending.get(key, 0)), pending.get(key, 0), {}
-            if (tov := tiers.get(key)) is not None:
-                dev, lower = dev + tov.device, tov.lower
-            cands.append(self._candidate(w, r, dev, lower, shared, ask))
-        cfg = self.config.tuning
-
-        def scored(cs: list[Candidate]) -> None:
-            score(
-                cs, block_size=ask.block_size, overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight,
-                wait_weight=cfg.wait_weight,
-            )  # fmt: skip
-
-        scored(cands)
-        best = min((_order(c) for c in cands), default=None)
-        b = lower_bounds(
-            t, ov, counts, hot, tokens=ask.tokens, hashes=ask.hashes, block_size=ask.block_size,
-            request_blocks=ask.request_blocks, block_ms=ask.block_ms, fixed_ms=ask.fixed_ms,
-            overlap_weight=cfg.overlap_weight, capacity_weight=cfg.capacity_weight, wait_weight=cfg.wait_weight,
-        )  # fmt: skip
-        rest = ~special if eligible is None else eligible & ~special
-        for i in policy_order(b, t, rest):
-            w, r = t.keys[i]
-            if best is not None:
-                bound = (bool(b.no_room[i]), float(b.cost[i]), int(b.decode[i]), int(t.in_flight[i]), int(b.cached[i]), w.id, r)
-                if bound > best:
-                    break
-            c = self._candidate(w, r, int(ov[i]), {}, 0, ask)
-            scored([c])
-            cands.append(c)
-            ordered = _order(c)
-            if best is None or ordered < best:
-                best = ordered
-        return cands
-
-    @staticmethod
-    def _total_blocks(w: PoolWorker, load: SlotLoad) -> int:
-        """A slot's capacity: its last LoadSnapshot's, else its model card's (per dp rank)."""
-        if load.reported is not None and load.reported.total_blocks:
-            return int(load.reported.total_blocks)
-        return int(w.card.runtime_limits.total_kv_blocks) if w.card is not None else 0
-
-    def _overlaps(self, hashes: list[int], keys: list[SlotKey]) -> tuple[dict[SlotKey, int], dict[SlotKey, int]]:
-        """Cached leading blocks per candidate, and how many leading blocks in-flight requests on it share.
-
-        In `kv` mode the shared ones count as cached (they are being computed there); in both
-        modes they are work this request shares, not backlog, and take no room of their own.
-        """
-        pending: dict[SlotKey, int] = {}
-        if not hashes:
-            return {}, pending
-        if self.mode is RouterMode.APPROXIMATE:
-            self.approx.expire(time.monotonic())
-            return self.approx.overlaps(hashes, keys), self.inflight.overlaps(hashes, keys)
-        seen = self.index.overlaps(hashes, keys)
-        if self.mode is RouterMode.KV:
-            pending = self.inflight.overlaps(hashes, keys)
-            for k, n in pending.items():
-                if n > seen.get(k, 0):
-                    seen[k] = n
-        return seen, pending
 
     def client(self, address: str) -> WorkerClient:
         c = self._clients.get(address)
