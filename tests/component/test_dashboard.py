@@ -21,9 +21,10 @@ from frontend_support import PLANE, Mesh, request, start_mesh
 
 from meshllm.config import ServerConfig
 from meshllm.frontend.config import FrontendConfig
-from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import ApiKeys
 from meshllm.frontend.http.dashboard import ASSETS, Dashboard, read_counts
+from meshllm.frontend.http.server import HttpServer
 from meshllm.frontend.main import Frontend
 from meshllm.plane.discovery.base import MemoryStore
 from meshllm.plane.events.base import MemoryBroker

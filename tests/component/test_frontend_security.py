@@ -23,9 +23,10 @@ import pytest
 import pytest_asyncio
 from frontend_support import Mesh, start_mesh
 
-from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import ApiKeys, fingerprint
 from meshllm.frontend.http.guard import MAX_HEADER_BYTES
+from meshllm.frontend.http.server import HttpServer
 from meshllm.testing.waiting import wait_until
 from meshllm.v1 import inference_pb2, inference_pb2_grpc
 

@@ -25,8 +25,9 @@ import pytest_asyncio
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import ApiKeys
+from meshllm.frontend.http.server import HttpServer
 from meshllm.plane.auth import MeshSecurity
 from meshllm.testing.minimesh import MiniMesh, start_mini_mesh
 

@@ -26,9 +26,10 @@ import pytest
 import pytest_asyncio
 from frontend_support import Mesh, start_mesh
 
-from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import ApiKeys
 from meshllm.frontend.http.dashboard import ASSETS, Dashboard
+from meshllm.frontend.http.server import HttpServer
 from meshllm.testing.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

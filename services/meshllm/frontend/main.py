@@ -35,9 +35,10 @@ from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
-from meshllm.frontend.http.app import HttpServer, OpenAIApp
+from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import exposure_warning
 from meshllm.frontend.http.dashboard import Dashboard
+from meshllm.frontend.http.server import HttpServer
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.openai.grpc_api import inference_binding
