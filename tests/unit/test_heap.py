@@ -13,9 +13,12 @@ from meshllm.lifecycle import AsyncCloseable, serve_until_signal
 
 @pytest.fixture
 def restored_gc() -> Iterator[None]:
+    """The test process's collector as it was: its thresholds, and its heap frozen again (tests/conftest.py)."""
     threshold = gc.get_threshold()
     yield
     gc.unfreeze()
+    gc.collect()
+    gc.freeze()
     gc.set_threshold(*threshold)
 
 

@@ -23,7 +23,7 @@ from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.kv import block_hashes
 from meshllm.router.config import RouterConfig, RoutingTuning
 from meshllm.router.core import RouterCore
-from meshllm.router.kv.index import BlockMap
+from meshllm.router.kv.blocks import BlockMap
 from meshllm.router.policy.fleet import bit_indices
 from meshllm.router.workers import AGGREGATED, PoolWorker
 from meshllm.v1 import discovery_pb2, events_pb2, worker_pb2

@@ -10,7 +10,8 @@ removed worker leaves the index at once.
 from __future__ import annotations
 
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.kv.index import BlockMap, Capacity, KvIndex
+from meshllm.router.kv.blocks import BlockMap, Capacity
+from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
 

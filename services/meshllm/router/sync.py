@@ -43,7 +43,7 @@ from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.events.base import EventBus, Subscription
 from meshllm.plane.events.batching import FlushPacer
 from meshllm.protocol.names import router_subject
-from meshllm.router.kv.index import SlotKey
+from meshllm.router.kv.blocks import SlotKey
 from meshllm.router.policy.load import LoadTracker, plausible_time
 from meshllm.v1 import events_pb2
 

@@ -1,26 +1,4 @@
-"""The router's KV index: block hash → the workers (and dp ranks) caching it, fed by KV events.
-
-Layout, chosen for speed (bench/indexer.py): every (worker id, dp rank) gets a
-*slot*, a small integer; `BlockMap.masks` maps a block hash to an int whose
-bit `slot` is set when that slot holds the block. Applying a stored block is
-one dict update; the overlap of a prompt is a walk over its chained block
-hashes that ANDs the masks and stops at the first block nobody (among the
-candidates) holds — chained hashes make "holds block i" imply "holds the
-prefix up to i". Each slot also keeps its hashes in an ordered dict, so
-removing a worker or clearing its cache touches only its own blocks; the
-dict is the slot's *eviction order* (least recently used first, as the
-engines evict) with, per block, how often a routed prompt reused it.
-
-What a worker can hold: `KvIndex.set_total` records each slot's capacity
-(from its LoadSnapshots, or its model card before the first one);
-`KvIndex.capacity` answers, for one prompt, how full the slot is and how many
-of the blocks it would have to evict were reused since stored (see
-`meshllm.router.policy.choice` for how the cost uses them). Event order gives the
-eviction order as far as events can tell it — stored blocks enter at the
-most recently used end, the prompt's first block last, since an engine
-releases a sequence tail first — and the router refines it with what it
-routes: `touch` moves a routed prompt's cached blocks to the most recently
-used end and counts the reuse.
+"""The router's KV index: every worker's resident KV blocks, fed by KV events (blocks in `meshllm.router.kv.blocks`).
 
 Lower tiers (host memory, disk: `meshllm.v1.KvTier`): a worker may keep
 blocks evicted from its device cache and restore them instead of computing
@@ -32,7 +10,7 @@ candidate's device prefix through its lower tiers: the prompt prefix the
 worker can serve without computing, each block counted in the nearest tier
 that holds it (device, then host, then disk).
 
-`KvIndex` adds the event bookkeeping: per worker the id of the last applied
+`KvIndex` keeps the event bookkeeping: per worker the id of the last applied
 event. A batch whose first id is not `last + 1` (lost events, a restarted
 worker), a new worker and a router start all put the worker in *syncing*
 state: its events are buffered (not applied) until `apply_snapshot` replaces
@@ -44,207 +22,16 @@ first, snapshot second: nothing falls in between. The index does no I/O;
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import NamedTuple
 
+from meshllm.router.kv.blocks import BlockMap, SlotCapacities, SlotKey
 from meshllm.router.kv.tiers import LowerTiers, TierOverlap
 from meshllm.v1 import events_pb2, worker_pb2
 
-__all__ = ["BlockMap", "Capacity", "KvIndex", "SlotKey", "TierOverlap", "slot_capacity"]
-
-SlotKey = tuple[str, int]  # (worker id, dp rank)
+__all__ = ["KvIndex", "TierOverlap"]
 
 MAX_BUFFERED_EVENTS = 200_000  # per syncing worker; beyond it the buffer is dropped and the sync restarted
-
-
-class Capacity(NamedTuple):
-    """How a prompt would fit into one slot's cache."""
-
-    total: int  # blocks the slot holds at most (0 = unknown)
-    resident: int  # blocks it holds now, plus `pending` (routed, not yet computed)
-    evicted_hot: int  # reused blocks among those it would evict to add the prompt's new blocks
-
-
-class BlockMap:
-    """block hash → bitmask of slots, plus each slot's blocks in eviction order with their reuse counts."""
-
-    __slots__ = ("_free", "_keys", "blocks", "generation", "hot", "masks", "sizes", "slot_of")
-
-    def __init__(self) -> None:
-        self.masks: dict[int, int] = {}
-        self.slot_of: dict[SlotKey, int] = {}
-        self.blocks: list[OrderedDict[int, int]] = []  # per slot: hash → reuses, least recently used first
-        self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
-        self.sizes: list[int] = []  # per slot: len(blocks[slot]), kept for fleet decisions (one list to read)
-        self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
-        self._keys: list[SlotKey | None] = []
-        self._free: list[int] = []
-
-    def slot(self, key: SlotKey) -> int:
-        """The slot of `key`, allocated on first use (freed slots are reused, lowest first)."""
-        s = self.slot_of.get(key)
-        if s is None:
-            if self._free:
-                s = self._free.pop()
-                self._keys[s] = key
-            else:
-                s = len(self._keys)
-                self._keys.append(key)
-                self.blocks.append(OrderedDict())
-                self.hot.append(0)
-                self.sizes.append(0)
-            self.slot_of[key] = s
-            self.generation += 1
-        return s
-
-    def add(self, slot: int, hashes: Iterable[int]) -> int:
-        """Mark `hashes` held by `slot` (new ones at the most recently used end, in order); returns how many were new."""
-        masks, held, bit = self.masks, self.blocks[slot], 1 << slot
-        get = masks.get
-        before = len(held)
-        for h in hashes:
-            masks[h] = get(h, 0) | bit
-            if h not in held:
-                held[h] = 0
-        self.sizes[slot] = len(held)
-        return len(held) - before
-
-    def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
-        """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
-        held = self.blocks[slot]
-        move = held.move_to_end
-        for h in reversed(hashes):
-            n = held.get(h)
-            if n is not None:
-                if reused:
-                    held[h] = n + 1
-                    if not n:
-                        self.hot[slot] += 1
-                move(h)
-
-    def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
-        """Of the `k` least recently used blocks of `slot` not in `keep`, how many were reused since stored."""
-        if k <= 0:
-            return 0
-        held = self.blocks[slot]
-        # The victims are the first `w` entries, `w` grown until k of them are outside `keep`;
-        # slices and set operations keep the work at C speed (a routing decision asks this per worker).
-        w = k
-        inside: AbstractSet[int] = frozenset()
-        while w < len(held):
-            inside = keep & set(islice(held, w)) if keep else frozenset()
-            if w - len(inside) >= k:
-                break
-            w = k + len(inside)
-        else:
-            inside = keep & held.keys() if keep else frozenset()
-        window = list(islice(held.values(), w))
-        return len(window) - window.count(0) - sum(1 for h in inside if held[h])
-
-    def remove(self, slot: int, hashes: Iterable[int]) -> int:
-        """Unmark `hashes` for `slot`; returns how many it actually held."""
-        masks, held, keep = self.masks, self.blocks[slot], ~(1 << slot)
-        n = hot = 0
-        pop = held.pop
-        for h in hashes:
-            reuses = pop(h, None)
-            if reuses is not None:
-                if reuses:
-                    hot += 1
-                m = masks[h] & keep
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                n += 1
-        if hot:
-            self.hot[slot] -= hot
-        self.sizes[slot] = len(held)
-        return n
-
-    def clear_slot(self, slot: int) -> int:
-        """Drop every block of `slot`; returns how many."""
-        held = self.blocks[slot]
-        n = len(held)
-        masks, keep = self.masks, ~(1 << slot)
-        for h in held:
-            m = masks[h] & keep
-            if m:
-                masks[h] = m
-            else:
-                del masks[h]
-        self.blocks[slot] = OrderedDict()
-        self.hot[slot] = 0
-        self.sizes[slot] = 0
-        return n
-
-    def drop(self, key: SlotKey) -> None:
-        """Forget `key` and its blocks; its slot becomes free."""
-        s = self.slot_of.pop(key, None)
-        if s is None:
-            return
-        self.clear_slot(s)
-        self._keys[s] = None
-        self._free.append(s)
-        self._free.sort(reverse=True)
-        self.generation += 1
-
-    def keys_of(self, worker_id: str) -> list[SlotKey]:
-        return [k for k in self.slot_of if k[0] == worker_id]
-
-    def count(self, key: SlotKey) -> int:
-        s = self.slot_of.get(key)
-        return 0 if s is None else len(self.blocks[s])
-
-    def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
-        """Leading blocks of `hashes` each of `keys` holds (keys holding none are absent)."""
-        slot_of = self.slot_of
-        mask = 0
-        for k in keys:
-            s = slot_of.get(k)
-            if s is not None and self.blocks[s]:
-                mask |= 1 << s
-        out: dict[SlotKey, int] = {}
-        if mask:
-            for depth, bits in self.overlap_groups(hashes, mask):
-                self._record(bits, depth, out)
-        return out
-
-    def overlap_groups(self, hashes: Sequence[int], mask: int) -> list[tuple[int, int]]:
-        """`overlaps` by slot bits: (depth, bits of the slots among `mask` whose prefix ends there), depth > 0.
-
-        The walk of `overlaps` without one dict entry per slot: a block every
-        slot of a fleet holds (a chat template) ends as one group, not as
-        a thousand keys.
-        """
-        out: list[tuple[int, int]] = []
-        get = self.masks.get
-        depth = 0
-        for h in hashes:
-            m = get(h, 0) & mask
-            if m != mask:
-                if depth:
-                    out.append((depth, mask & ~m))
-                mask = m
-                if not mask:
-                    return out
-            depth += 1
-        if depth and mask:
-            out.append((depth, mask))
-        return out
-
-    def _record(self, bits: int, depth: int, out: dict[SlotKey, int]) -> None:
-        keys = self._keys
-        while bits:
-            low = bits & -bits
-            key = keys[low.bit_length() - 1]
-            if key is not None:
-                out[key] = depth
-            bits ^= low
 
 
 @dataclass(slots=True)
@@ -253,37 +40,6 @@ class _WorkerState:
     syncing: bool = True
     buffer: list[tuple[int, events_pb2.KvEvent]] = field(default_factory=list)
     overflowed: bool = False
-
-
-class SlotCapacities:
-    """What a cache view needs for the capacity terms: each slot's total blocks, and the room query.
-
-    Shared by `KvIndex` (fed by events) and the approximate mode's `RoutedCache`
-    (fed by what was routed); both keep their blocks in `self.map`.
-    """
-
-    map: BlockMap
-    totals: dict[SlotKey, int]
-
-    def set_total(self, key: SlotKey, total: int) -> None:
-        """Record how many blocks `key` holds at most (0 = unknown: no capacity bound)."""
-        if total > 0:
-            self.totals[key] = total
-        else:
-            self.totals.pop(key, None)
-
-    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
-        """How `new_blocks` more blocks of a prompt (its block hashes: `prompt`) fit into `key`'s cache.
-
-        `pending` counts blocks routed to `key` and not computed yet: they
-        take room before this prompt's do. The victims are the least
-        recently used blocks outside the prompt itself.
-        """
-        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
-
-    def _forget_totals(self, worker_id: str) -> None:
-        for key in [k for k in self.totals if k[0] == worker_id]:
-            del self.totals[key]
 
 
 class KvIndex(SlotCapacities):
@@ -482,17 +238,3 @@ class KvIndex(SlotCapacities):
     def size(self) -> int:
         """Distinct block hashes indexed in device tiers."""
         return len(self.map.masks)
-
-
-def slot_capacity(
-    blocks: BlockMap, total: int, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int
-) -> Capacity:
-    """`KvIndex.capacity` on any `BlockMap` (the approximate mode's too)."""
-    resident = blocks.count(key) + max(0, pending)
-    if total <= 0:
-        return Capacity(0, resident, 0)
-    evict = new_blocks + resident - total
-    s = blocks.slot_of.get(key)
-    if evict <= 0 or s is None:
-        return Capacity(total, resident, 0)
-    return Capacity(total, resident, blocks.hot_victims(s, evict, prompt))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from meshllm.router.kv.index import BlockMap, SlotCapacities, SlotKey
+from meshllm.router.kv.blocks import BlockMap, SlotCapacities, SlotKey
 
 __all__ = ["PredictedIndex", "RoutedCache"]
 

@@ -25,7 +25,8 @@ import numpy.typing as npt
 
 from meshllm.errors import Unavailable
 from meshllm.router.config import RouterConfig, RouterMode
-from meshllm.router.kv.index import KvIndex, SlotCapacities, SlotKey, TierOverlap
+from meshllm.router.kv.blocks import SlotCapacities, SlotKey
+from meshllm.router.kv.index import KvIndex, TierOverlap
 from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 from meshllm.router.policy.choice import Candidate, KvPolicy, Policy, score
 from meshllm.router.policy.fleet import FLEET_MIN_SLOTS, FleetTable, bit_indices, lower_bounds, policy_order

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from meshllm.router.kv.index import SlotKey
+from meshllm.router.kv.blocks import SlotKey
 from meshllm.router.policy.timing import BUSY_STEPS
 from meshllm.router.workers import PoolWorker
 

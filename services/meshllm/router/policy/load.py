@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from meshllm.router.kv.index import SlotKey
+from meshllm.router.kv.blocks import SlotKey
 from meshllm.v1 import events_pb2
 
 __all__ = ["Charge", "LoadTracker", "SlotLoad", "plausible_time"]

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshllm.router.kv.index import SlotKey
+from meshllm.router.kv.blocks import SlotKey
 from meshllm.v1 import events_pb2
 
 __all__ = [
