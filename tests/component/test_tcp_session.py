@@ -23,7 +23,8 @@ from meshllm.plane.auth import MeshSecurity, session_scope
 from meshllm.plane.request.channels import ChannelCache
 from meshllm.plane.request.server import GrpcServer, ServiceBinding, start_server
 from meshllm.plane.request.session import SessionClient
-from meshllm.plane.request.tcp_session import HEADER, HELLO, UP, TcpCall
+from meshllm.plane.request.tcp_frames import HEADER, HELLO, UP
+from meshllm.plane.request.tcp_session import TcpCall
 from meshllm.plane.request.transport import CallInfo
 from meshllm.plane.tls import TlsConfig
 from meshllm.protocol.types import TokenChunk, TokenRequest

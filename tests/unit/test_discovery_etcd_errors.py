@@ -8,7 +8,8 @@ import pytest
 
 from meshllm.config import ConfigError
 from meshllm.errors import CannotConnect, InvalidArgument, NotFound, Unavailable
-from meshllm.plane.discovery.etcd import EtcdDiscovery, etcd_error
+from meshllm.plane.discovery.etcd import EtcdDiscovery
+from meshllm.plane.discovery.etcd_client import etcd_error
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -73,6 +73,7 @@ PLANE_BASES = ("meshllm.plane.discovery.base", "meshllm.plane.events.base")
 PLANE_BACKENDS = (
     "meshllm.plane.discovery.etcd",
     "meshllm.plane.discovery.etcd_client",
+    "meshllm.plane.discovery.retry",
     "meshllm.plane.events.nats",
     "meshllm.plane.backends",
 )

@@ -6,7 +6,7 @@ import pytest
 
 from meshllm.config import ConfigError, ServerConfig, server_config
 from meshllm.errors import InvalidArgument
-from meshllm.plane.request.tcp_session import DOWN, END, HELLO, UP, FrameReader, encode_frame
+from meshllm.plane.request.tcp_frames import DOWN, END, HELLO, UP, FrameReader, encode_frame
 from meshllm.router.config import router_arg_parser
 
 

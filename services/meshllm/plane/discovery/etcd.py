@@ -14,7 +14,7 @@ change falls in between. When the stream breaks it reads again and publishes
 a fresh full snapshot.
 
 aetcd and grpc errors become `meshllm.errors` in exactly one place,
-`etcd_error`: CannotConnect (etcd refused or dropped the connection),
+`etcd_error` (plane/discovery/etcd_client.py): CannotConnect (etcd refused or dropped the connection),
 NotFound (the lease is gone), Unavailable (anything else etcd answered).
 
 Security (`EtcdCredentials`, docs/security.md): TLS with the CA and client
@@ -30,95 +30,34 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
-import aetcd
-import grpc
 from google.protobuf import json_format
 
 from meshllm.config import parse_host_port
 from meshllm.credentials import EtcdCredentials
-from meshllm.errors import CannotConnect, InvalidArgument, MeshError, NotFound, Unavailable
+from meshllm.errors import CannotConnect, InvalidArgument, MeshError, NotFound
 from meshllm.plane.discovery.base import Discovery, M, Record, SnapshotFeed, record_id
-from meshllm.plane.discovery.etcd_client import SecureClient, is_auth_failure, is_invalid_token
+from meshllm.plane.discovery.etcd_client import (
+    CHANNEL_OPTIONS,
+    TLS_MARKERS,
+    TRANSLATED,
+    SecureClient,
+    auth_hint,
+    etcd_error,
+    is_auth_failure,
+    is_invalid_token,
+)
+from meshllm.plane.discovery.retry import REVOKE_BOUND_S, Backoff, cancel_and_wait, log_failure
 
-__all__ = ["EtcdDiscovery", "etcd_error"]
+__all__ = ["EtcdDiscovery"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_REVOKE_BOUND_S = 2.0
 _CLOSE_BOUND_S = 1.0
-# Reconnect fast after an etcd restart; ping a live stream (watch) so a dead
-# peer is noticed (etcd refuses pings more often than every 5 s, and pings
-# without a call in flight).
-_CHANNEL_OPTIONS: dict[str, Any] = {
-    "grpc.initial_reconnect_backoff_ms": 250,
-    "grpc.min_reconnect_backoff_ms": 250,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
-    "grpc.keepalive_permit_without_calls": 0,
-    "grpc.http2.max_pings_without_data": 0,
-}
-
-
-def etcd_error(exc: BaseException, what: str, endpoint: str) -> MeshError:
-    """The MeshError an aetcd / grpc / timeout error stands for (the one translation)."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, grpc.aio.AioRpcError) else exc
-    code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
-    detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else str(exc)
-    message = f"etcd {endpoint}: {what} failed: {detail or type(exc).__name__}"
-    if isinstance(exc, aetcd.ConnectionFailedError) or code == grpc.StatusCode.UNAVAILABLE:
-        return CannotConnect(message)
-    if code == grpc.StatusCode.NOT_FOUND or "lease not found" in str(detail):
-        return NotFound(message)
-    return Unavailable(message)
-
-
-# How a failed TLS handshake shows in grpc's "failed to connect" details.
-_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "socket closed", "tsi_", "unwrap failed")
-
-
-def _auth_hint(message: str) -> str:
-    if "permission denied" in message:
-        return "the etcd user needs a role with readwrite on the key prefix 'meshllm/'"
-    if "not enabled" in message:
-        return "etcd has auth disabled: drop --etcd-user or run `etcdctl auth enable`"
-    return "check --etcd-user and the password: MESHLLM_ETCD_PASSWORD or --etcd-password-file"
-
-
-_TRANSLATED = (aetcd.ClientError, grpc.aio.AioRpcError, TimeoutError, OSError)
-
-
-def _log_failure(failures: int, msg: str, *args: object) -> None:
-    """Warn on the first failure of a streak and every tenth after it; the rest go to debug."""
-    log.log(logging.WARNING if failures == 1 or failures % 10 == 0 else logging.DEBUG, msg, *args)
-
-
-class _Backoff:
-    """Retry delays: doubling from `initial` up to `cap`, with ±20 % jitter."""
-
-    def __init__(self, cap: float, initial: float = 0.2) -> None:
-        self.cap = max(cap, initial)
-        self.initial = initial
-        self._next = initial
-
-    @property
-    def fresh(self) -> bool:
-        """True when no delay was taken since the last reset (the first failure of a streak)."""
-        return self._next == self.initial
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        return delay * random.uniform(0.8, 1.2)
 
 
 class EtcdDiscovery(Discovery):
@@ -160,7 +99,7 @@ class EtcdDiscovery(Discovery):
             self.credentials,
             tls=tls,
             timeout=self._call_timeout_s,
-            options=_CHANNEL_OPTIONS,  # type: ignore[arg-type]
+            options=CHANNEL_OPTIONS,  # type: ignore[arg-type]
         )
 
     @classmethod
@@ -185,14 +124,14 @@ class EtcdDiscovery(Discovery):
             except MeshError as exc:
                 if exc.__cause__ is not None and is_auth_failure(exc.__cause__):
                     await discovery._close_clients()
-                    raise CannotConnect(f"{exc.message} ({_auth_hint(exc.message)})") from exc
+                    raise CannotConnect(f"{exc.message} ({auth_hint(exc.message)})") from exc
                 errors.append(exc.message)
                 continue
             log.info("discovery on etcd %s (namespace %s; %s)", discovery.endpoint, namespace, discovery.credentials.describe())
             return discovery
         await discovery._close_clients()
         hint = ""
-        if any(m in e.lower() for e in errors for m in _TLS_MARKERS):
+        if any(m in e.lower() for e in errors for m in TLS_MARKERS):
             hint = (
                 " (TLS failed: etcd refused the client certificate or serves one not trusted here;"
                 " check --etcd-ca, --etcd-cert and --etcd-key against etcd's --trusted-ca-file and certificate)"
@@ -241,7 +180,7 @@ class EtcdDiscovery(Discovery):
     def _translated(self, what: str) -> Iterator[None]:
         try:
             yield
-        except _TRANSLATED as exc:
+        except TRANSLATED as exc:
             err = etcd_error(exc, what, self.endpoint)
             if isinstance(err, CannotConnect) and len(self._clients) > 1:
                 self._current = (self._current + 1) % len(self._clients)
@@ -289,7 +228,7 @@ class EtcdDiscovery(Discovery):
     async def _keepalive(self) -> None:
         """Refresh the lease every TTL/2; recover a lost lease; retry with backoff while etcd is away."""
         interval = self.lease_ttl_s / 2
-        backoff = _Backoff(cap=interval)
+        backoff = Backoff(cap=interval)
         delay, failures = interval, 0
         while True:
             await asyncio.sleep(delay)
@@ -300,7 +239,7 @@ class EtcdDiscovery(Discovery):
                 delay = backoff.next()
                 if not isinstance(exc, MeshError):
                     log.exception("etcd keep-alive: unexpected error")
-                _log_failure(failures, "etcd keep-alive failed (%s); retrying in %.1fs", exc, delay)
+                log_failure(failures, "etcd keep-alive failed (%s); retrying in %.1fs", exc, delay)
                 continue
             if failures:
                 log.info("etcd keep-alive works again after %d failure(s)", failures)
@@ -330,7 +269,7 @@ class EtcdDiscovery(Discovery):
             if lease is None:
                 return
             try:
-                async with asyncio.timeout(_REVOKE_BOUND_S):
+                async with asyncio.timeout(REVOKE_BOUND_S):
                     await self._call("revoke lease", lambda c: c.revoke_lease(lease))
                 log.info("etcd lease %x revoked", lease)
             except NotFound:
@@ -341,7 +280,7 @@ class EtcdDiscovery(Discovery):
     async def _stop_keepalive(self) -> None:
         task = self._keepalive_task
         if task is not None:
-            await _cancel_and_wait([task])
+            await cancel_and_wait([task])
             if self._keepalive_task is task:
                 self._keepalive_task = None
 
@@ -381,11 +320,11 @@ class EtcdDiscovery(Discovery):
         finally:
             self._feeds.discard(feed)
             self._watch_tasks.discard(task)
-            await _cancel_and_wait([task])
+            await cancel_and_wait([task])
 
     async def _follow(self, prefix: str, kind: type[M], feed: SnapshotFeed[M]) -> None:
         """Feed snapshots of `prefix` until cancelled, resyncing whenever the watch breaks."""
-        backoff = _Backoff(cap=min(5.0, self.lease_ttl_s / 2))
+        backoff = Backoff(cap=min(5.0, self.lease_ttl_s / 2))
         failures = 0
         while True:
             try:
@@ -398,10 +337,10 @@ class EtcdDiscovery(Discovery):
                 feed.fail(exc)
                 return
             failures = 1 if backoff.fresh else failures + 1
-            _log_failure(failures, "etcd watch on %s broke (%s); resyncing", prefix, reason)
+            log_failure(failures, "etcd watch on %s broke (%s); resyncing", prefix, reason)
             await asyncio.sleep(backoff.next())
 
-    async def _follow_once(self, prefix: str, kind: type[M], feed: SnapshotFeed[M], backoff: _Backoff) -> None:
+    async def _follow_once(self, prefix: str, kind: type[M], feed: SnapshotFeed[M], backoff: Backoff) -> None:
         state, revision = await self._read(prefix, kind)
         feed.publish(_by_id(state))
         watch = await self._call("watch", lambda c: c.watch_prefix(prefix.encode(), start_revision=revision + 1))
@@ -430,9 +369,9 @@ class EtcdDiscovery(Discovery):
         for feed in list(self._feeds):
             feed.close()
         tasks, self._watch_tasks = list(self._watch_tasks), set()
-        await _cancel_and_wait(tasks)
+        await cancel_and_wait(tasks)
         try:
-            async with asyncio.timeout(_REVOKE_BOUND_S + 0.5):
+            async with asyncio.timeout(REVOKE_BOUND_S + 0.5):
                 await self.unregister()
         except TimeoutError:
             log.warning("etcd discovery: unregister timed out on close; records expire within %gs", self.lease_ttl_s)
@@ -444,29 +383,8 @@ class EtcdDiscovery(Discovery):
             try:
                 async with asyncio.timeout(_CLOSE_BOUND_S):
                     await client.close()
-            except (TimeoutError, *_TRANSLATED) as exc:
+            except (TimeoutError, *TRANSLATED) as exc:
                 log.debug("closing etcd client: %s", exc)
-
-
-async def _cancel_and_wait(tasks: Collection[asyncio.Task[None]], bound_s: float = _REVOKE_BOUND_S) -> None:
-    """Cancel background tasks and wait for them to end, bounded.
-
-    Cancels again until each task is done: a cancellation can be swallowed
-    inside a library (Python 3.11's `asyncio.wait_for` does so when its
-    future completes at the same moment), and closing must not hang on it.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    pending = {t for t in tasks if not t.done()}
-    while pending and loop.time() < deadline:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(0.2, max(0.0, deadline - loop.time())))
-    if pending:
-        log.warning("%d etcd background task(s) did not stop in %gs", len(pending), bound_s)
-    for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            log.error("etcd background task %s failed", task.get_name(), exc_info=task.exception())
 
 
 def _by_id(state: dict[str, M]) -> dict[str, M]:

@@ -1,5 +1,8 @@
 """An `aetcd.Client` that speaks TLS (client certificates too) and authenticates again when etcd forgets its token.
 
+Also the backend's one translation of aetcd and grpc errors into `meshllm.errors`
+(`etcd_error`), and its channel options.
+
 aetcd 1.0 opens only plaintext channels and authenticates once, at connect.
 `SecureClient` overrides `connect` to open a TLS channel when credentials
 ask for one (files read at each connect, so rotated certificates are picked
@@ -21,10 +24,62 @@ from aetcd import rpc, watcher
 from aetcd.client import _handle_errors
 
 from meshllm.credentials import EtcdCredentials
+from meshllm.errors import CannotConnect, MeshError, NotFound, Unavailable
 
-__all__ = ["SecureClient", "is_auth_failure", "is_invalid_token"]
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "TLS_MARKERS",
+    "TRANSLATED",
+    "SecureClient",
+    "auth_hint",
+    "etcd_error",
+    "is_auth_failure",
+    "is_invalid_token",
+]
 
 log = logging.getLogger(__name__)
+
+
+# Reconnect fast after an etcd restart; ping a live stream (watch) so a dead
+# peer is noticed (etcd refuses pings more often than every 5 s, and pings
+# without a call in flight).
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 250,
+    "grpc.min_reconnect_backoff_ms": 250,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 0,
+    "grpc.http2.max_pings_without_data": 0,
+}
+
+
+def etcd_error(exc: BaseException, what: str, endpoint: str) -> MeshError:
+    """The MeshError an aetcd / grpc / timeout error stands for (the one translation)."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, grpc.aio.AioRpcError) else exc
+    code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+    detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else str(exc)
+    message = f"etcd {endpoint}: {what} failed: {detail or type(exc).__name__}"
+    if isinstance(exc, aetcd.ConnectionFailedError) or code == grpc.StatusCode.UNAVAILABLE:
+        return CannotConnect(message)
+    if code == grpc.StatusCode.NOT_FOUND or "lease not found" in str(detail):
+        return NotFound(message)
+    return Unavailable(message)
+
+
+# How a failed TLS handshake shows in grpc's "failed to connect" details.
+TLS_MARKERS = ("ssl", "tls", "handshake", "certificate", "socket closed", "tsi_", "unwrap failed")
+
+
+def auth_hint(message: str) -> str:
+    if "permission denied" in message:
+        return "the etcd user needs a role with readwrite on the key prefix 'meshllm/'"
+    if "not enabled" in message:
+        return "etcd has auth disabled: drop --etcd-user or run `etcdctl auth enable`"
+    return "check --etcd-user and the password: MESHLLM_ETCD_PASSWORD or --etcd-password-file"
+
+
+TRANSLATED = (aetcd.ClientError, grpc.aio.AioRpcError, TimeoutError, OSError)
 
 
 _AUTH_FAILURES = (

@@ -37,125 +37,26 @@ import contextlib
 import hmac
 import json
 import logging
-import socket
 import ssl
-import struct
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from meshllm.errors import CannotConnect, Disconnected, FailedPrecondition, InvalidArgument, MeshError, error_from_code
 from meshllm.plane.auth import session_scope
+from meshllm.plane.request.tcp_frames import DOWN, END, HELLO, UP, FrameConnection
 from meshllm.v1 import session_pb2
 
 if TYPE_CHECKING:
     from meshllm.plane.request.session import SessionServer
 
-__all__ = ["DOWN", "END", "HELLO", "UP", "FrameReader", "TcpCall", "TcpSessionServer", "encode_frame"]
+__all__ = ["TcpCall", "TcpSessionServer"]
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<BI")
-HELLO, UP, DOWN, END = 1, 2, 3, 4
 HELLO_TIMEOUT_S = 10.0
 MAX_HELLO_BYTES = 64 * 1024
-
-
-def encode_frame(kind: int, payload: bytes) -> bytes:
-    return HEADER.pack(kind, len(payload)) + payload
-
-
-class FrameReader:
-    """Splits a byte stream into (kind, payload) frames; a frame over `max_bytes` is a protocol error."""
-
-    __slots__ = ("_buf", "max_bytes")
-
-    def __init__(self, max_bytes: int) -> None:
-        self._buf = bytearray()
-        self.max_bytes = max_bytes
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        buf = self._buf
-        buf += data
-        frames: list[tuple[int, bytes]] = []
-        at, size, head = 0, len(buf), HEADER.size
-        while size - at >= head:
-            kind, length = HEADER.unpack_from(buf, at)
-            if length > self.max_bytes or kind not in (HELLO, UP, DOWN, END):
-                raise InvalidArgument(f"bad session frame (kind {kind}, {length} bytes; at most {self.max_bytes})")
-            end = at + head + length
-            if end > size:
-                break
-            frames.append((kind, bytes(buf[at + head : end])))
-            at = end
-        if at:
-            del buf[:at]
-        return frames
-
-
-class _Conn(asyncio.Protocol):
-    """One connection's framing and flow control; frames go to `on_frame`, the end to `on_lost`."""
-
-    def __init__(
-        self, max_bytes: int, on_frame: Callable[[int, bytes], None], on_lost: Callable[[Exception | None], None]
-    ) -> None:
-        self.reader = FrameReader(max_bytes)
-        self.on_frame = on_frame
-        self.on_lost = on_lost
-        self.transport: asyncio.Transport | None = None
-        self._paused: asyncio.Future[None] | None = None
-        self.lost = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
-        with contextlib.suppress(OSError, AttributeError):
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self.reader.feed(data)
-        except MeshError as exc:
-            self.abort(exc)
-            return
-        for kind, payload in frames:
-            self.on_frame(kind, payload)
-            if self.lost:
-                return
-
-    def eof_received(self) -> bool:
-        return False  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self._paused is not None and not self._paused.done():
-            self._paused.set_result(None)
-        self.on_lost(exc)
-
-    def pause_writing(self) -> None:
-        self._paused = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._paused is not None and not self._paused.done():
-            self._paused.set_result(None)
-        self._paused = None
-
-    def write(self, kind: int, payload: bytes) -> None:
-        if self.transport is not None and not self.lost:
-            self.transport.write(encode_frame(kind, payload))
-
-    async def drain(self) -> None:
-        """Wait while the kernel's buffer is full (the peer reads slowly)."""
-        if self._paused is not None:
-            await self._paused
-
-    def abort(self, exc: MeshError | None = None) -> None:
-        if exc is not None:
-            log.debug("session connection closed: %s", exc.message)
-        if self.transport is not None:
-            self.transport.abort()
 
 
 # ---------------------------------------------------------------- client
@@ -187,7 +88,7 @@ class TcpCall:
         self._waiter: asyncio.Future[None] | None = None
         self._error: MeshError | None = None
         self._eof = False
-        self._conn = _Conn(max_message_bytes, self._on_frame, self._on_lost)
+        self._conn = FrameConnection(max_message_bytes, self._on_frame, self._on_lost)
         hello = {"service": service, "caller": caller}
         if token is not None:
             hello["token"] = token
@@ -311,14 +212,14 @@ class TcpSessionServer:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._conns: set[_Conn] = set()
+        self._conns: set[FrameConnection] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._accept, self.host, self.requested_port, ssl=self.ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    def _accept(self) -> _Conn:
+    def _accept(self) -> FrameConnection:
         state = _ServerConn(self)
         self._conns.add(state.conn)
         return state.conn
@@ -349,7 +250,7 @@ class _ServerConn:
 
     def __init__(self, owner: TcpSessionServer) -> None:
         self.owner = owner
-        self.conn = _Conn(owner.max_message_bytes, self._on_frame, self._on_lost)
+        self.conn = FrameConnection(owner.max_message_bytes, self._on_frame, self._on_lost)
         self.ups: collections.deque[session_pb2.SessionUp] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False
