@@ -416,9 +416,9 @@ def test_kv_handles_round_trip_and_foreign_layouts_are_refused() -> None:
     assert decode_kv_handle(encode_kv_handle(handle)) == handle
     engine = MockerEngine(MockerConfig(block_size=16))
     with pytest.raises(FailedPrecondition):
-        engine._accept_handle(encode_kv_handle(handle), [0] * 130)
+        engine.transfers.accept_handle(encode_kv_handle(handle), [0] * 130)
     with pytest.raises(InvalidArgument):
-        engine._accept_handle(encode_kv_handle(handle._replace(block_size=16)), [0] * 12)
+        engine.transfers.accept_handle(encode_kv_handle(handle._replace(block_size=16)), [0] * 12)
 
 
 async def test_tokens_that_pile_up_behind_a_slow_consumer_leave_as_one_chunk(mocker: Any) -> None:

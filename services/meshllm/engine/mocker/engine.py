@@ -14,7 +14,7 @@ blocks; those blocks stay referenced until `--kv-hold-timeout` passes (the
 mocker's `pull_kv` serves prefix handles only, so nobody fetches them), the
 request is cancelled, or a decode leg on this same engine presents the handle.
 A "context_only" request with `disagg.kv_source` first pulls that peer's
-prefix (`_pull_prefix`: the transfer's simulated time, then the blocks are
+prefix (`KvTransfers.pull_prefix`, mocker/transfer.py: the transfer's simulated time, then the blocks are
 cached on the device) so that its admission finds them; a failed pull
 computes the prompt. A
 "generation_only" request allocates the prompt's blocks as if transferred
@@ -34,42 +34,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Self
 
 from meshllm.engine.base import Context, EngineConfig, KvTier, KvTransfer, LLMEngine, LoadMetrics, terminal
+from meshllm.engine.mocker.admission import new_sequence
 from meshllm.engine.mocker.block_manager import BlockManager, PrefixHit
 from meshllm.engine.mocker.config import MockerConfig, add_mocker_args
-from meshllm.engine.mocker.handle import KvHandle, decode_kv_handle, encode_kv_handle
 from meshllm.engine.mocker.scheduler import CacheStats, Scheduler
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
 from meshllm.engine.mocker.tiers import LowerTier
-from meshllm.engine.mocker.timing import StepPacer, restore_seconds, step_ms, transfer_seconds
+from meshllm.engine.mocker.timing import StepPacer, restore_seconds, step_ms
+from meshllm.engine.mocker.transfer import KV_LAYOUT, KvTransfers
 from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import (
-    ContextLengthExceeded,
     EngineShutdown,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Overloaded,
-    Unimplemented,
     Unknown,
 )
 from meshllm.protocol.chunks import coalescing
-from meshllm.protocol.kv import PREFIX_MAGIC, block_hashes, kv_source_prefix, parse_prefix_handle
-from meshllm.protocol.types import DisaggInfo, KvSourceInfo, TokenChunk, TokenRequest, TokenUsage
+from meshllm.protocol.types import TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["KV_LAYOUT", "MockerEngine", "StepReport"]
 
 log = logging.getLogger(__name__)
 
-KV_LAYOUT = "mocker-v1"
 LOAD_INTERVAL_S = 0.1
 # The longest the step loop runs steps that are already due without letting the rest of its process run.
 MAX_BURST_S = 0.001
@@ -110,30 +101,26 @@ class MockerEngine(LLMEngine):
             watermark_blocks=cfg.watermark_blocks,
             tiers=tiers,
         )
+        self._wake = asyncio.Event()
+        #: Prefill KV held for decode legs, prefix handles served to peers and pulled from them.
+        self.transfers = KvTransfers(cfg, self.blocks, wake=self._wake.set, released=self._report_load)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            transfer_time=self._transfer_time,
+            transfer_time=self.transfers.transfer_time,
             restore_ms=self._restore_ms,
         )
         #: Called after every step with what it did (tests and benchmarks observe through it).
         self.on_step: Callable[[StepReport], None] | None = None
         self.worker_id = ""
-        self._nonce = secrets.randbits(64)
-        self._hold_ids = itertools.count(1)
-        self._holds: dict[int, tuple[Sequence, asyncio.TimerHandle]] = {}
         self._by_ctx: dict[Context, Sequence] = {}
-        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
         self._failure = ""
         self._load_key: tuple[int, ...] | None = None
         self._load_at = -LOAD_INTERVAL_S
         self._load_timer: asyncio.TimerHandle | None = None
-        #: Prompt tokens pulled from peers' prefixes (`disagg.kv_source`), and pulls that fell back to computing.
-        self.pulled_tokens = 0
-        self.pull_failures = 0
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -176,8 +163,7 @@ class MockerEngine(LLMEngine):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for hold_id in list(self._holds):
-            self._release_hold(hold_id)
+        self.transfers.release_all()
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             sched.abort(seq)
@@ -198,9 +184,19 @@ class MockerEngine(LLMEngine):
         return self.scheduler.stats
 
     @property
+    def pulled_tokens(self) -> int:
+        """Prompt tokens pulled from peers' prefixes (`disagg.kv_source`)."""
+        return self.transfers.pulled_tokens
+
+    @property
+    def pull_failures(self) -> int:
+        """Peer prefix pulls that failed, whose prompts were computed instead."""
+        return self.transfers.pull_failures
+
+    @property
     def num_holds(self) -> int:
         """Finished prefill legs whose KV is still held for a decode leg."""
-        return len(self._holds)
+        return len(self.transfers.holds)
 
     # ------------------------------------------------------------ streams
     def takes_sink(self) -> bool:
@@ -210,13 +206,13 @@ class MockerEngine(LLMEngine):
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if self._task is None or self._task.done():
             raise EngineShutdown(self._failure or "the mocker engine is not running")
-        seq = self._sequence(request)
+        seq = new_sequence(request, self.config, self.transfers.accept_handle)
         if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
             yield terminal("length", self._usage(seq))
             return
         source = (request.get("disagg") or {}).get("kv_source")
         if seq.context_only and source and self.kv_pull is not None:
-            if not await self._pull_prefix(seq, source, context):
+            if not await self.transfers.pull_prefix(seq, source, context, self.kv_pull):
                 yield terminal("cancelled", self._usage(seq))
                 return
         loop = asyncio.get_running_loop()
@@ -246,7 +242,7 @@ class MockerEngine(LLMEngine):
                     if step is not None and seq.unsent > step:
                         yield {"token_ids": seq.take_output(step)}
                         continue
-                    disagg = self._disagg(seq) if seq.context_only and reason == "length" else None
+                    disagg = self.transfers.hold(seq, self.worker_id) if seq.context_only and reason == "length" else None
                     delivered = True
                     yield terminal(reason, self._usage(seq), token_ids=seq.take_output(), disagg=disagg)
                     return
@@ -263,137 +259,10 @@ class MockerEngine(LLMEngine):
             if not delivered or seq.status is not SequenceStatus.FINISHED:
                 self._drop(seq)  # the consumer went away: free the KV now, held or not
 
-    def _sequence(self, request: TokenRequest) -> Sequence:
-        cfg = self.config
-        prompt = request.get("token_ids") or []
-        if not prompt:
-            raise InvalidArgument("token_ids must not be empty", param="token_ids")
-        stop = request.get("stop") or {}
-        max_tokens = stop.get("max_tokens")
-        room = cfg.context_length - len(prompt)
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = len(prompt) + (max_tokens or 1)
-            raise ContextLengthExceeded(
-                f"prompt ({len(prompt)} tokens) + max_tokens needs {asked} tokens; context length is {cfg.context_length}",
-                param="max_tokens",
-            )
-        min_tokens = stop.get("min_tokens") or 0
-        if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
-        disagg = request.get("disagg") or {}
-        role = disagg.get("request_type")
-        first: list[int] = []
-        if role == "generation_only":
-            first = list(disagg.get("first_token_ids") or ())
-            if not first:
-                raise InvalidArgument("a generation_only request needs disagg.first_token_ids", param="disagg")
-            self._accept_handle(disagg.get("kv_handle") or b"", prompt)
-        eos = () if stop.get("ignore_eos") else (request.get("eos_token_ids") or (cfg.eos_token_id,))
-        seed = request.get("sampling", {}).get("seed")
-        return Sequence(
-            request["request_id"],
-            prompt,
-            seed=0 if seed is None else seed,  # the context window makes the output depend on the prompt
-            vocab_size=cfg.vocab_size,
-            block_size=cfg.block_size,
-            max_tokens=1 if role == "context_only" else (max_tokens or room),
-            min_tokens=min_tokens,
-            stop_token_ids=stop.get("stop_token_ids") or (),
-            eos_token_ids=eos,
-            first_token_ids=first,
-            context_only=role == "context_only",
-            hashing=cfg.enable_prefix_caching,
-        )
-
-    def _accept_handle(self, data: bytes, prompt: list[int]) -> None:
-        handle = decode_kv_handle(data)
-        if handle.block_size != self.config.block_size:
-            raise FailedPrecondition(f"kv_handle has block size {handle.block_size}, this mocker uses {self.config.block_size}")
-        if handle.prompt_tokens != len(prompt):
-            raise InvalidArgument(
-                f"kv_handle covers {handle.prompt_tokens} prompt tokens, the request has {len(prompt)}", param="disagg"
-            )
-        if handle.engine_nonce == self._nonce and handle.hold_id in self._holds:
-            self._release_hold(handle.hold_id)  # the decode leg runs here: its prefix is now plain cache
-
     # ------------------------------------------------------------ peer prefix pulls
-    async def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
-        """Serve a prefix handle (`meshllm.protocol.kv.prefix_handle`) from any tier of this mocker.
-
-        NOT_FOUND when some block of it is in no tier any more; the blocks'
-        lower-tier restore time (per tier, `--speedup-ratio` applied) passes
-        before the one piece, whose data is the blocks' hashes (the mocker has
-        no KV to send: the puller checks them and simulates the transfer).
-        Prefill legs' own handles are not served (decode legs simulate them).
-        """
-        parsed = parse_prefix_handle(kv_handle)
-        if parsed is None:
-            raise Unimplemented("the mocker serves prefix handles only (its decode legs simulate the prefill KV transfer)")
-        block_size, hashes = parsed
-        if layout and layout != KV_LAYOUT:
-            raise FailedPrecondition(f"KV layout mismatch: the puller has {layout!r}, this mocker {KV_LAYOUT!r}")
-        if block_size != self.config.block_size:
-            raise FailedPrecondition(f"prefix handle has block size {block_size}, this mocker uses {self.config.block_size}")
-        per_tier: dict[KvTier, int] = {}
-        for i, bh in enumerate(hashes):
-            tier = self.blocks.holder(bh)
-            if tier is None:
-                raise NotFound(f"prefix block {i} ({bh:016x}) is no longer held here")
-            per_tier[tier] = per_tier.get(tier, 0) + 1
-        cfg = self.config
-        delay = sum(
-            restore_seconds(per_tier.get(t.tier, 0), t.block_bytes, t.restore_bytes_per_s, cfg.speedup_ratio)
-            for t in self.blocks.tiers
-        )
-        if delay > 0:
-            await asyncio.sleep(delay)
-        data = kv_handle[len(PREFIX_MAGIC) + 4 :]
-        yield KvTransfer(data, len(data), KV_LAYOUT, len(hashes) * block_size)
-
-    async def _pull_prefix(self, seq: Sequence, source: KvSourceInfo, context: Context) -> bool:
-        """Pull `source`'s prefix from the peer into the device cache, or leave the prompt to be computed.
-
-        False only when the request was cancelled meanwhile. Any failure of
-        the pull (peer gone, blocks evicted there, layout or block mismatch,
-        no room here) is logged and the prompt is computed as usual.
-        """
-        pull = await context.unless_stopped(self._fetch_prefix(seq, source))
-        if pull is None:
-            return False
-        exc = pull.exception()
-        if exc is not None:
-            self.pull_failures += 1
-            log.warning(
-                "request %s: pulling %s prefix blocks from %s failed (%s: %s); computing them",
-                seq.request_id, source.get("blocks", 0), source.get("address", "?"), type(exc).__name__, exc,
-            )  # fmt: skip
-        return True
-
-    async def _fetch_prefix(self, seq: Sequence, source: KvSourceInfo) -> None:
-        cfg = self.config
-        assert self.kv_pull is not None
-        address, handle, block_size, hashes = kv_source_prefix(source)
-        prefix = seq.block_hashes[: len(hashes)] if seq.hashing else []
-        if block_size != cfg.block_size or [bh for bh, _ in prefix] != hashes:
-            raise FailedPrecondition("disagg.kv_source names blocks that are not this prompt's")
-        data = bytearray()
-        n_tokens = 0
-        async for piece in self.kv_pull(address, handle, KV_LAYOUT):
-            if not data and piece.layout and piece.layout != KV_LAYOUT:
-                raise FailedPrecondition(f"peer KV layout {piece.layout!r} is not {KV_LAYOUT!r}")
-            n_tokens = n_tokens or piece.n_tokens
-            data += piece.data
-        if bytes(data) != handle[len(PREFIX_MAGIC) + 4 :] or n_tokens != len(hashes) * block_size:
-            raise FailedPrecondition("the peer served other blocks than the prefix asked for")
-        delay = transfer_seconds(n_tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if not self.blocks.insert_pulled(prefix):
-            raise Overloaded(f"no room for {len(prefix)} pulled blocks")
-        self.pulled_tokens += n_tokens
-        self._wake.set()
+    def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+        """Serve a prefix handle from any tier of this mocker (`KvTransfers.serve`)."""
+        return self.transfers.serve(kv_handle, layout)
 
     def _usage(self, seq: Sequence) -> TokenUsage:
         return {
@@ -402,49 +271,12 @@ class MockerEngine(LLMEngine):
             "cached_tokens": max(seq.num_cached_tokens, 0),
         }
 
-    def _disagg(self, seq: Sequence) -> DisaggInfo:
-        """Hold `seq`'s blocks for its decode leg and name them in a handle."""
-        cfg = self.config
-        hold_id = next(self._hold_ids)
-        loop = asyncio.get_running_loop()
-        self._holds[hold_id] = (seq, loop.call_later(cfg.kv_hold_timeout_s, self._release_hold, hold_id))
-        seq.hold_id = hold_id
-        full = seq.num_prompt // cfg.block_size
-        if seq.hashing:
-            hashes = [bh for bh, _ in seq.block_hashes[:full]]
-        else:
-            hashes = block_hashes(seq.tokens[: seq.num_prompt], cfg.block_size)
-        handle = KvHandle(cfg.block_size, seq.num_prompt, self._nonce, hold_id, tuple(hashes))
-        return {
-            "kv_handle": encode_kv_handle(handle),
-            "prefill_worker_id": self.worker_id,
-            "first_token_ids": seq.tokens[seq.num_prompt :],
-            "cached_tokens": max(seq.num_cached_tokens, 0),
-            "kv_bytes": seq.num_prompt * cfg.kv_bytes_per_token,
-        }
-
     def _drop(self, seq: Sequence) -> None:
         """Free `seq` now, wherever it is (waiting, running, finished holding KV)."""
         if seq.hold_id:
-            self._release_hold(seq.hold_id)
+            self.transfers.release(seq.hold_id)
         self.scheduler.abort(seq)
         self._wake.set()
-
-    def _release_hold(self, hold_id: int) -> None:
-        entry = self._holds.pop(hold_id, None)
-        if entry is None:
-            return
-        seq, timer = entry
-        timer.cancel()
-        seq.hold_id = 0
-        if seq.block_table:
-            self.blocks.deallocate(seq)
-        self._wake.set()
-        self._report_load()
-
-    def _transfer_time(self, tokens: int) -> float:
-        cfg = self.config
-        return transfer_seconds(tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
 
     def _restore_ms(self, hit: PrefixHit) -> float:
         """Model milliseconds (before --speedup-ratio) to restore a hit's lower-tier blocks, one tier after the other."""
