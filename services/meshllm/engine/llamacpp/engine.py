@@ -34,31 +34,30 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Self
 
 from meshllm.config import ConfigError
 from meshllm.engine.base import Context, EngineConfig, KvTransfer, LLMEngine, LoadMetrics, terminal
 from meshllm.engine.llamacpp import openmp
 from meshllm.engine.llamacpp.config import LlamaCppConfig, add_llamacpp_args, per_worker_disk_dir
 from meshllm.engine.llamacpp.files import write_model_files
+from meshllm.engine.llamacpp.requests import Stream, add_command, cancel_command, new_sequence
 from meshllm.engine.llamacpp.runner import Runner
-from meshllm.engine.llamacpp.sampling import SamplingSpec
-from meshllm.engine.llamacpp.scheduler import Scheduler, validate_length
+from meshllm.engine.llamacpp.scheduler import Scheduler
 from meshllm.engine.llamacpp.sequence import Finish, Output, Sequence
 from meshllm.engine.llamacpp.slots import BlocksStored, KvEvent
 from meshllm.engine.llamacpp.tiers import TierStats
 from meshllm.engine.llamacpp.transfer import KvHandle, KvHolds, check_layout, pieces, pull_remote
 from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
-from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, MeshError, NotFound
+from meshllm.errors import ContextLengthExceeded, EngineShutdown, FailedPrecondition, InvalidArgument, NotFound
 from meshllm.protocol.kv import kv_source_prefix, parse_prefix_handle, stored_blocks
-from meshllm.protocol.types import DisaggInfo, KvSourceInfo, LogprobItem, TokenChunk, TokenRequest
+from meshllm.protocol.types import DisaggInfo, KvSourceInfo, TokenChunk, TokenRequest
 
 __all__ = ["LlamaCppEngine"]
 
-R = TypeVar("R")
 log = logging.getLogger("meshllm.engine.llamacpp")
 
 CANCEL_ACK_S = 1.0
@@ -66,49 +65,6 @@ INSTALL_HINT = (
     "the llamacpp engine needs llama-cpp-python: in the meshllm clone, "
     "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF' pip install '.[llamacpp]'"
 )
-
-
-class _Stream:
-    """The event-loop end of one sequence: tokens and the finish delivered by the engine thread."""
-
-    __slots__ = ("finish", "logprobs", "prompt_logprobs", "tokens", "waiter")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[LogprobItem] = []
-        self.prompt_logprobs: list[LogprobItem] = []
-        self.finish: Finish | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    def push(
-        self, tokens: list[int], logprobs: list[LogprobItem], finish: Finish | None, prompt_logprobs: list[LogprobItem]
-    ) -> None:
-        self.tokens.extend(tokens)
-        self.logprobs.extend(logprobs)
-        self.prompt_logprobs.extend(prompt_logprobs)
-        if finish is not None:
-            self.finish = finish
-        self.wake()
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        await self.waiter
-
-    def take(self) -> TokenChunk:
-        """The tokens (and logprobs, and the prompt's once) delivered since the last take, as a chunk."""
-        chunk: TokenChunk = {"token_ids": self.tokens}
-        self.tokens = []
-        if self.logprobs:  # the (rarely asked) logprob lists are replaced only when they were filled
-            chunk["logprobs"] = self.logprobs
-            self.logprobs = []
-        if self.prompt_logprobs:
-            chunk["prompt_logprobs"] = self.prompt_logprobs
-            self.prompt_logprobs = []
-        return chunk
 
 
 class LlamaCppEngine(LLMEngine):
@@ -130,7 +86,7 @@ class LlamaCppEngine(LLMEngine):
         self.pull_failures = 0
         self._runner: Runner | None = None
         self._info: Any = None
-        self._live: dict[Context, tuple[Sequence, _Stream]] = {}
+        self._live: dict[Context, tuple[Sequence, Stream]] = {}
         self._files: dict[str, Path] = {}
         self._files_dir: Path | None = None
         self._closing: asyncio.Future[None] | None = None
@@ -207,7 +163,7 @@ class LlamaCppEngine(LLMEngine):
     async def abort(self, context: Context) -> None:
         live = self._live.get(context)
         if live is not None and self._runner is not None:
-            self._runner.submit(_cancel(live[0]))
+            self._runner.submit(cancel_command(live[0]))
 
     async def clear_kv_blocks(self) -> int:
         runner = self._require_runner()
@@ -260,7 +216,7 @@ class LlamaCppEngine(LLMEngine):
         if (request.get("output") or {}).get("embedding"):
             yield await self._embed(runner, request)
             return
-        seq = self._sequence(request)
+        seq = new_sequence(request, self.config, self._info)
         prompt = seq.tokens[: seq.num_prompt]
         emitted = seq.num_output  # a decode leg's first tokens were sent by the prefill leg
         if seq.num_output >= seq.max_tokens:  # a decode leg whose first tokens already reached max_tokens
@@ -278,16 +234,16 @@ class LlamaCppEngine(LLMEngine):
                 yield terminal("cancelled", seq.usage())
                 return
             seq.kv_state = data
-        stream = _Stream()
+        stream = Stream()
         seq.stream = stream
         self._live[context] = (seq, stream)
-        runner.submit(_add(seq))
+        runner.submit(add_command(seq))
         watcher = asyncio.ensure_future(context.stopped())
         watcher.add_done_callback(lambda _: stream.wake())
         try:
             while True:
                 if context.is_stopped():
-                    runner.submit(_cancel(seq))
+                    runner.submit(cancel_command(seq))
                     if stream.finish is None:
                         with contextlib.suppress(TimeoutError):
                             async with asyncio.timeout(CANCEL_ACK_S):
@@ -318,43 +274,7 @@ class LlamaCppEngine(LLMEngine):
             watcher.cancel()
             self._live.pop(context, None)
             if stream.finish is None and self._runner is not None:
-                self._runner.submit(_cancel(seq))  # the consumer went away: free the slot now
-
-    def _sequence(self, request: TokenRequest) -> Sequence:
-        """Validate a request into a Sequence (InvalidArgument before any chunk)."""
-        cfg, info = self.config, self._info
-        prompt = list(request.get("token_ids") or ())
-        if not prompt:
-            raise InvalidArgument("token_ids must not be empty", param="token_ids")
-        stop = request.get("stop") or {}
-        disagg = request.get("disagg") or {}
-        role = disagg.get("request_type")
-        first = list(disagg.get("first_token_ids") or ()) if role == "generation_only" else []
-        if role == "generation_only" and not first:
-            raise InvalidArgument("a generation_only request needs disagg.first_token_ids", param="disagg")
-        if any(not 0 <= t < info.n_vocab for t in (*prompt, *first)):
-            raise InvalidArgument(f"token ids must be in [0, {info.n_vocab})", param="token_ids")
-        max_tokens = validate_length(len(prompt), stop.get("max_tokens"), cfg.n_ctx)
-        min_tokens = stop.get("min_tokens") or 0
-        if not 0 <= min_tokens <= max_tokens:
-            raise InvalidArgument(f"min_tokens must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
-        return Sequence(
-            request_id=request["request_id"],
-            tokens=prompt + first,
-            num_prompt=len(prompt),
-            max_tokens=1 if role == "context_only" else max_tokens,
-            sampling=SamplingSpec.from_options(request.get("sampling") or {}),
-            min_tokens=min_tokens,
-            stop_token_ids=frozenset(stop.get("stop_token_ids") or ()),
-            eos_token_ids=frozenset(request.get("eos_token_ids") or ()) | info.eog_token_ids,
-            ignore_eos=bool(stop.get("ignore_eos")),
-            logprobs=_logprobs(request, "logprobs"),
-            # a decode leg continues a prompt it never evaluated: its prefill leg returned the prompt logprobs
-            prompt_logprobs=None if role == "generation_only" else _logprobs(request, "prompt_logprobs"),
-            context_only=role == "context_only",
-            remote_kv=role == "generation_only",
-            prefill_cached_tokens=int(disagg.get("cached_tokens") or 0),
-        )
+                self._runner.submit(cancel_command(seq))  # the consumer went away: free the slot now
 
     async def _embed(self, runner: Runner, request: TokenRequest) -> TokenChunk:
         """An `output.embedding` request: one terminal chunk with the prompt's embedding (the engine thread computes it)."""
@@ -365,38 +285,11 @@ class LlamaCppEngine(LLMEngine):
             raise InvalidArgument(f"token ids must be in [0, {self._info.n_vocab})", param="token_ids")
         if len(prompt) > self.config.n_ctx:
             raise ContextLengthExceeded(f"the input has {len(prompt)} tokens; at most {self.config.n_ctx} can be embedded")
-        vector = await self._on_engine_thread(runner, lambda sched: sched.backend.embed(prompt))
+        vector = await runner.call(lambda sched: sched.backend.embed(prompt))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "cached_tokens": 0}
         chunk = terminal("stop", usage)  # type: ignore[arg-type]
         chunk["embedding"] = vector
         return chunk
-
-    @staticmethod
-    async def _on_engine_thread(runner: Runner, fn: Callable[[Scheduler], R]) -> R:
-        """`fn(scheduler)` run on the engine thread between steps; its result, or its MeshError re-raised here."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[R] = loop.create_future()
-
-        def settle(result: Any, error: MeshError | None) -> None:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)
-
-        def command(sched: Scheduler) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, fn(sched), None)
-            except MeshError as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
-
-        runner.submit(command)
-        while not done.done():  # a command submitted as the engine thread stops is never run
-            await asyncio.wait({done}, timeout=1.0)
-            if not done.done() and not runner.alive:
-                raise EngineShutdown(runner.failure or "the llamacpp engine stopped")
-        return done.result()
 
     # ------------------------------------------------------------ disaggregation
     def _hold(self, finish: Finish, prompt: list[int], first: list[int]) -> DisaggInfo:
@@ -445,7 +338,7 @@ class LlamaCppEngine(LLMEngine):
             found = sched.tiers.prefix(hashes) if sched.tiers is not None else None
             return found[1] if found is not None else None
 
-        state = await self._on_engine_thread(self._require_runner(), lookup)
+        state = await self._require_runner().call(lookup)
         if state is None:
             raise NotFound(f"no lower tier here holds the prefix of {len(hashes)} blocks any more")
         return state, len(hashes) * block_size
@@ -496,29 +389,3 @@ class LlamaCppEngine(LLMEngine):
         if self.kv_pull is None:
             raise FailedPrecondition("this engine cannot pull KV from another worker: it runs outside a worker")
         return await pull_remote(self.kv_pull, address, raw, layout=self.layout, n_tokens=len(prompt))
-
-
-def _logprobs(request: TokenRequest, key: Literal["logprobs", "prompt_logprobs"]) -> int | None:
-    """Top alternatives asked per token (0 = only the token's own), None when `output.<key>` is not asked."""
-    output = request.get("output") or {}
-    if key not in output:
-        return None
-    n = int(output[key])
-    if not 0 <= n <= 20:
-        raise InvalidArgument(f"{key} must be in [0, 20], got {n}", param=key)
-    return n
-
-
-def _add(seq: Sequence) -> Any:
-    def add(sched: Scheduler) -> None:
-        sched.add(seq)
-
-    return add
-
-
-def _cancel(seq: Sequence) -> Any:
-    def cancel(sched: Scheduler) -> list[Output]:
-        out = sched.cancel(seq)
-        return [out] if out is not None else []
-
-    return cancel

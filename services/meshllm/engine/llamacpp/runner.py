@@ -18,7 +18,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from meshllm.engine.base import LoadMetrics
 from meshllm.engine.llamacpp.config import LlamaCppConfig
@@ -27,6 +27,8 @@ from meshllm.engine.llamacpp.sequence import Output
 from meshllm.engine.llamacpp.slots import KvEvent, SlotTable
 from meshllm.engine.llamacpp.tiers import TierStore
 from meshllm.errors import EngineShutdown, MeshError, Unknown
+
+R = TypeVar("R")
 
 __all__ = ["Command", "Deliver", "Runner"]
 
@@ -82,6 +84,32 @@ class Runner:
                 log.error("the llamacpp engine thread did not stop within %.0f s", timeout_s)
 
     # ------------------------------------------------------------ thread
+    async def call(self, fn: Callable[[Scheduler], R]) -> R:
+        """`fn(scheduler)` run on the engine thread between steps; its result, or its MeshError re-raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[R] = loop.create_future()
+
+        def settle(result: Any, error: MeshError | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def command(sched: Scheduler) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, fn(sched), None)
+            except MeshError as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+
+        self.submit(command)
+        while not done.done():  # a command submitted as the engine thread stops is never run
+            await asyncio.wait({done}, timeout=1.0)
+            if not done.done() and not self.alive:
+                raise EngineShutdown(self.failure or "the llamacpp engine stopped")
+        return done.result()
+
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
         try:
