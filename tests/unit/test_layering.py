@@ -75,6 +75,7 @@ PLANE_BACKENDS = (
     "meshllm.plane.discovery.etcd_client",
     "meshllm.plane.discovery.retry",
     "meshllm.plane.events.nats",
+    "meshllm.plane.events.nats_client",
     "meshllm.plane.backends",
 )
 

@@ -3,7 +3,7 @@ tenant (another tenant's use neither finds, renews nor reorders an entry)."""
 
 from __future__ import annotations
 
-from meshllm.frontend.openai.responses_api import ResponseStore
+from meshllm.frontend.openai.response_store import ResponseStore
 
 EMPTY = {"output": []}  # the stored Response object; its output counts 2 characters ("[]")
 

@@ -43,7 +43,8 @@ from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
 from meshllm.frontend.openai.grpc_api import inference_binding
 from meshllm.frontend.openai.inference import InferenceCore
-from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, SharedMetricsRegistry, supervise
+from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, supervise
+from meshllm.frontend.shared_metrics import SharedMetricsRegistry
 from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream, follow_router_sessions
 from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
 from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery

@@ -37,18 +37,14 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from meshllm.config import ConfigError, EventsKind
 from meshllm.frontend.config import FrontendConfig
+from meshllm.frontend.shared_metrics import forget_process, shared_metrics_dir
 from meshllm.lifecycle import forced_exit, install_signal_handlers
 from meshllm.ports import bind_error, check_free
 
@@ -59,8 +55,6 @@ __all__ = [
     "PARENT_ENV",
     "RESTART_WINDOW_S",
     "FrontendGroup",
-    "SharedMetricsRegistry",
-    "forget_process",
     "reserve_port",
     "supervise",
 ]
@@ -95,36 +89,6 @@ def reserve_port(host: str, port: int, *, flag: str) -> socket.socket:
         sock.close()
         raise bind_error(host, port, flag, exc) from None
     return sock
-
-
-class SharedMetricsRegistry(CollectorRegistry):
-    """The /metrics view of a process group: this registry's metric families, summed over every process.
-
-    Metrics register here as usual (names are checked for clashes); the
-    exposition reads the prometheus_client multiprocess files of `path`, so
-    counters and histograms are the group's totals (a dead process's counts
-    stay in) and gauges carry a `pid` label (each process's own value). The
-    process must have been started with PROMETHEUS_MULTIPROC_DIR=`path`.
-    Families of other registries in the same processes (the embedded routing
-    core's) are left out, as a single frontend leaves them out.
-    """
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self.path = path
-
-    def collect(self) -> Iterable[Any]:
-        own = {family.name for family in super().collect()}
-        for family in MultiProcessCollector(None, str(self.path)).collect():
-            if family.name in own:
-                yield family
-
-
-def forget_process(path: Path, pid: int) -> None:
-    """Drop a dead process's gauges from the shared view (its counters and histograms stay: totals never go back)."""
-    for f in path.glob(f"gauge_*_{pid}.db"):
-        with contextlib.suppress(FileNotFoundError):
-            f.unlink()
 
 
 class ChildFailed(Exception):
@@ -339,16 +303,6 @@ def sync_note(config: FrontendConfig) -> tuple[int, str] | None:
         f"{config.workers} frontend processes without an event bus (--events {config.plane.events.value}): their routing "
         "cores cannot sync, each sees only the load it routed itself; use --events nats --nats-url URL for replica sync"
     )
-
-
-def shared_metrics_dir(given: str | None) -> tuple[Path, Path | None]:
-    """PROMETHEUS_MULTIPROC_DIR when set (kept afterwards), else a new temporary directory (removed at exit)."""
-    if given:
-        path = Path(given)
-        path.mkdir(parents=True, exist_ok=True)
-        return path, None
-    path = Path(tempfile.mkdtemp(prefix="meshllm-frontend-metrics-"))
-    return path, path
 
 
 async def supervise(argv: Sequence[str], config: FrontendConfig) -> int:

@@ -23,8 +23,7 @@ into KV events with the tier: a block is stored in a tier when its first blob
 there arrives and removed when its last leaves.
 
 Everything here runs on the engine thread (disk reads and writes included:
-they delay that thread's next step by milliseconds, never the event loop).
-"""
+they delay that thread's next step by milliseconds, never the event loop)."""
 
 from __future__ import annotations
 

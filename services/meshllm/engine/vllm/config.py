@@ -27,8 +27,18 @@ from typing import Any
 
 from meshllm.config import ConfigError, EnvArgumentParser, flag_value
 from meshllm.engine.cpus import format_cpu_list, parse_cpu_list, usable_cpus
+from meshllm.engine.worker_config import DisaggregationMode
 
-__all__ = ["BIND_ENV", "CPU_BLOCK_MULTIPLE", "VllmConfig", "add_vllm_args", "cpu_environment", "engine_kwargs", "operator_env"]
+__all__ = [
+    "BIND_ENV",
+    "CPU_BLOCK_MULTIPLE",
+    "VllmConfig",
+    "add_vllm_args",
+    "check_role",
+    "cpu_environment",
+    "engine_kwargs",
+    "operator_env",
+]
 
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend: "MultipleOf(32)"
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU
@@ -225,3 +235,18 @@ def add_vllm_args(parser: EnvArgumentParser) -> None:
         help='disaggregation: vLLM KVTransferConfig JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"} (GPU)',
     )  # fmt: skip
     g.add_argument("--extra-engine-args", default="", help="JSON object of further AsyncEngineArgs fields")
+
+
+def check_role(role: DisaggregationMode, config: VllmConfig) -> None:
+    """Prefill and decode need a KV connector, which vLLM's CPU build lacks: a one-line ConfigError at startup."""
+    if role is DisaggregationMode.AGGREGATED:
+        return
+    if config.cpu:
+        raise ConfigError(
+            f"--role {role.value}: vLLM on CPU has no KV connector to move KV between workers "
+            "(NixlConnector needs a GPU); run the vllm engine with --role agg on CPU"
+        )
+    if config.kv_transfer is None:
+        raise ConfigError(
+            f'--role {role.value} needs --kv-transfer-config (e.g. {{"kv_connector":"NixlConnector","kv_role":"kv_both"}})'
+        )

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Self
 
-from meshllm.config import ConfigError, env_name, scoped_environ
+from meshllm.config import env_name, scoped_environ
 from meshllm.engine.base import (
     Context,
     DisaggregationMode,
@@ -51,10 +51,18 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.cpus import cpu_shares, usable_cpus
 from meshllm.engine.optional import first_line, import_engine_library
-from meshllm.engine.vllm.config import BIND_ENV, VllmConfig, add_vllm_args, cpu_environment, engine_kwargs, operator_env
+from meshllm.engine.vllm.config import (
+    BIND_ENV,
+    VllmConfig,
+    add_vllm_args,
+    check_role,
+    cpu_environment,
+    engine_kwargs,
+    operator_env,
+)
 from meshllm.engine.vllm.kv_events import VllmKvEvents
 from meshllm.engine.vllm.model import default_model_dir
-from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, sampling_kwargs
+from meshllm.engine.vllm.translate import logprob_items, map_finish, prompt_logprob_items, refusal_types, sampling_kwargs
 from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.errors import EngineShutdown, FailedPrecondition, InvalidArgument, Unknown
 from meshllm.protocol.types import DisaggInfo
@@ -71,15 +79,6 @@ _MODEL_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "chat_template.jinja", "vocab.json", "merges.txt",
 )  # fmt: skip
-
-
-def _refusal_types() -> tuple[type[Exception], ...]:
-    """What vLLM raises for a request it refuses: ValueError, and (0.32) its VLLMClientError, not a ValueError."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return (ValueError,)
-    return (ValueError, VLLMClientError)
 
 
 def import_vllm() -> ModuleType:
@@ -148,7 +147,7 @@ class VllmEngine(LLMEngine):
         if self._closing:
             raise EngineShutdown("the vllm engine was cleaned up")
         vllm = self._vllm = import_vllm()
-        self._refusals = _refusal_types()
+        self._refusals = refusal_types()
         check_role(self.role, self.config)
         if self.model_dir is None:
             self.model_dir = await asyncio.to_thread(default_model_dir)
@@ -371,21 +370,6 @@ class VllmEngine(LLMEngine):
         rid = self._live.get(context.id)
         if rid is not None and self._llm is not None:
             await self._llm.abort(rid)
-
-
-def check_role(role: DisaggregationMode, config: VllmConfig) -> None:
-    """Prefill and decode need a KV connector, which vLLM's CPU build lacks: a one-line ConfigError at startup."""
-    if role is DisaggregationMode.AGGREGATED:
-        return
-    if config.cpu:
-        raise ConfigError(
-            f"--role {role.value}: vLLM on CPU has no KV connector to move KV between workers "
-            "(NixlConnector needs a GPU); run the vllm engine with --role agg on CPU"
-        )
-    if config.kv_transfer is None:
-        raise ConfigError(
-            f'--role {role.value} needs --kv-transfer-config (e.g. {{"kv_connector":"NixlConnector","kv_role":"kv_both"}})'
-        )
 
 
 def _usage(prompt: int, completion: int, cached: int) -> Any:

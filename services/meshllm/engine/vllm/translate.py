@@ -16,7 +16,7 @@ from typing import Any
 from meshllm.errors import InvalidArgument
 from meshllm.protocol.types import FinishReason, LogprobItem, TokenRequest
 
-__all__ = ["logprob_items", "map_finish", "prompt_logprob_items", "sampling_kwargs"]
+__all__ = ["logprob_items", "map_finish", "prompt_logprob_items", "refusal_types", "sampling_kwargs"]
 
 _SAMPLING = ("temperature", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -100,3 +100,12 @@ def map_finish(finish: str | None, stop_reason: Any, tokens: list[int]) -> tuple
             return "eos", "", tokens
         return "stop", str(stop_reason), tokens
     return "error", str(stop_reason or finish or ""), tokens
+
+
+def refusal_types() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: ValueError, and (0.32) its VLLMClientError, not a ValueError."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)

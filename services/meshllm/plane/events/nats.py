@@ -31,20 +31,19 @@ import asyncio
 import collections
 import contextlib
 import logging
-import ssl
 import time
 from typing import Any
 
 import nats
 import nats.errors
 from google.protobuf.message import Message
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from meshllm.credentials import NatsCredentials
-from meshllm.errors import CannotConnect, MeshError, Unavailable
+from meshllm.errors import CannotConnect, Unavailable
 from meshllm.logs import redact_text, redact_url
 from meshllm.plane.events.base import DEFAULT_MAX_PENDING, EventBus, M, Subscription, check_subject
+from meshllm.plane.events.nats_client import SecureClient, is_refusal, refusal_message
 
 __all__ = ["NatsEventBus"]
 
@@ -53,79 +52,6 @@ log = logging.getLogger(__name__)
 _REPEAT_LOG_S = 30.0  # the same connection error is logged at warning at most this often
 _ROUNDTRIP_LIMIT_S = 60  # longer than stale-connection detection (3 pings x 10 s), see _roundtrip
 _YIELD_EVERY = 256  # hand this many buffered messages to the client between yields to the loop
-_REFUSALS = ("authorization violation", "authentication", "user authentication expired")
-
-
-class _SslEofNoise(logging.Filter):
-    """Drops asyncio's "returning true from eof_received() has no effect when using ssl".
-
-    asyncio logs it at warning whenever a TLS peer closes a stream connection
-    (nats-py's transport); it is harmless and would otherwise precede every
-    NATS-over-TLS disconnect, including a refused login.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "eof_received() has no effect when using ssl" not in record.getMessage()
-
-
-logging.getLogger("asyncio").addFilter(_SslEofNoise())
-
-
-class _Client(Client):
-    """nats-py's client: TLS only when configured, TLS files read again at every (re)connection.
-
-    nats-py upgrades to TLS only when the server's INFO asks for it, so a
-    client holding a CA and certificate would otherwise talk (and send its
-    credentials) in plaintext to a server without TLS.
-    """
-
-    require_tls = False
-    credentials: NatsCredentials | None = None
-
-    @property
-    def ssl_context(self) -> ssl.SSLContext:
-        # Rebuilt per handshake so certificates rotated on disk are used at the
-        # next reconnection; a half-written pair keeps the previous context.
-        if self.credentials is not None and self.credentials.tls:
-            try:
-                ctx = self.credentials.ssl_context()
-            except MeshError as exc:
-                log.warning("events: NATS TLS files unusable (%s); keeping the previous ones", exc.message)
-            else:
-                if ctx is not None:
-                    self.options["tls"] = ctx
-        return super().ssl_context
-
-    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
-        if self.require_tls and initial_connection and not info.get("tls_required"):
-            raise nats.errors.SecureConnWantedError()
-        await super()._process_info(info, initial_connection)
-
-
-def _is_refusal(exc: BaseException) -> bool:
-    """The server refused who we are or the TLS handshake failed: retrying cannot help."""
-    if isinstance(exc, (ssl.SSLError, nats.errors.AuthorizationError, nats.errors.SecureConnWantedError)):
-        return True
-    if isinstance(exc, (nats.errors.SecureConnRequiredError, nats.errors.InvalidUserCredentialsError)):
-        return True
-    return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
-
-
-def _refusal_message(url: str, exc: BaseException, credentials: NatsCredentials) -> str:
-    detail = redact_text(str(exc)) or type(exc).__name__
-    if isinstance(exc, ssl.SSLError) or isinstance(exc, (nats.errors.SecureConnWantedError, nats.errors.SecureConnRequiredError)):
-        return f"TLS with NATS at {url} failed ({detail}): check --nats-ca, --nats-cert and --nats-key against the server's TLS"
-    if credentials.token:
-        hint = "check --nats-token (or MESHLLM_NATS_TOKEN / --nats-token-file)"
-    elif credentials.user:
-        hint = "check --nats-user and its password (MESHLLM_NATS_PASSWORD or --nats-password-file)"
-    elif credentials.creds:
-        hint = "check --nats-creds"
-    elif credentials.nkey:
-        hint = "check --nats-nkey"
-    else:
-        hint = "the server requires authentication: set --nats-token, --nats-user, --nats-creds or --nats-nkey"
-    return f"NATS at {url} refused the credentials ({detail}): {hint}"
 
 
 class NatsEventBus(EventBus):
@@ -148,7 +74,7 @@ class NatsEventBus(EventBus):
         self.max_buffered_bytes = max_buffered_bytes
         self.max_pending = max_pending
         self.reconnects = 0
-        self._nc = _Client()
+        self._nc = SecureClient()
         self._connecting: asyncio.Future[BaseException] | None = None  # set by _on_error when the server refuses us
         self._connect_error: BaseException | None = None
         self._buffer: collections.deque[tuple[int, str, bytes]] = collections.deque()
@@ -215,7 +141,7 @@ class NatsEventBus(EventBus):
             if connecting in done:
                 connecting.result()
             elif refused in done:
-                raise CannotConnect(_refusal_message(shown, refused.result(), credentials))
+                raise CannotConnect(refusal_message(shown, refused.result(), credentials))
             else:
                 last = bus._connect_error
                 raise CannotConnect(
@@ -231,8 +157,8 @@ class NatsEventBus(EventBus):
                 await bus._nc.close()
             if isinstance(exc, CannotConnect):
                 raise
-            if _is_refusal(exc):
-                raise CannotConnect(_refusal_message(shown, exc, credentials)) from exc
+            if is_refusal(exc):
+                raise CannotConnect(refusal_message(shown, exc, credentials)) from exc
             raise CannotConnect(f"cannot connect to NATS at {shown}: {redact_text(str(exc)) or type(exc).__name__}") from exc
         finally:
             bus._connecting = None
@@ -379,7 +305,7 @@ class NatsEventBus(EventBus):
     async def _on_error(self, exc: Exception) -> None:
         if self._connecting is not None:  # the first connection: connect() reports it
             self._connect_error = exc
-            if _is_refusal(exc) and not self._connecting.done():
+            if is_refusal(exc) and not self._connecting.done():
                 self._connecting.set_result(exc)
             return
         text = f"{type(exc).__name__}: {redact_text(str(exc))}"
