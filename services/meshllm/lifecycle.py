@@ -268,18 +268,23 @@ async def serve_until_signal(
             settle_heap()
             for line in ready_lines(service):
                 print(line, flush=True)
-            waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
-            if closing is not None:
-                waits.append(asyncio.ensure_future(closing(service)))
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            await _until_stopped(stop, closing(service) if closing is not None else None)
             log.info("meshllm %s shutting down (%s)", command, "signal" if stop.is_set() else "requested")
             stop.set()  # from here on a SIGINT forces the exit
         return 0
     finally:
         uninstall()
         shutdown_tracing()
+
+
+async def _until_stopped(stop: asyncio.Event, closing: Awaitable[object] | None) -> None:
+    """Wait for a signal (`stop`) or for the service's own `closing` to return, whichever comes first."""
+    waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
+    if closing is not None:
+        waits.append(asyncio.ensure_future(closing))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:

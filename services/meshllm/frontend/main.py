@@ -175,10 +175,15 @@ class Frontend(AsyncCloseable):
             retry_after_s=cfg.retry_after_s,
             parsers=cfg.parsers,
         )
+        await self._serve(self.core)
+
+    async def _serve(self, core: InferenceCore) -> None:
+        """The dashboard, the HTTP app and server, and the Inference gRPC server over `core`."""
+        cfg = self.config
         routers = [RouterClient(self.channels, a) for a in cfg.router_addresses] if self.router is None else []
-        self.dashboard = await Dashboard(self.core, router=self.router, routers=routers).start()
+        self.dashboard = await Dashboard(core, router=self.router, routers=routers).start()
         self.app = app = OpenAIApp(
-            self.core,
+            core,
             max_body_bytes=cfg.max_body_bytes,
             api_keys=cfg.api_keys,
             open_metrics=cfg.open_metrics,
@@ -194,7 +199,7 @@ class Frontend(AsyncCloseable):
         if cfg.grpc is not None:
             self.grpc = await start_server(
                 cfg.grpc,
-                [inference_binding(self.core, cfg.api_keys)],
+                [inference_binding(core, cfg.api_keys)],
                 port_flag="--grpc-port",
                 reuse_port=shared,
                 security=cfg.api_security,

@@ -100,7 +100,7 @@ class Worker(AsyncCloseable):
         cfg = self.config
         self.discovery = await open_discovery(cfg.plane, memory_store=memory_store)
         self.bus = await open_events(cfg.plane, memory_broker=memory_broker)
-        self.sink = WorkerSink(
+        self.sink = sink = WorkerSink(
             self.id,
             self.bus,
             namespace=cfg.plane.namespace,
@@ -111,37 +111,23 @@ class Worker(AsyncCloseable):
         self.engine.sink = self.sink
         self._peers = ChannelCache(security=cfg.security)
         self.engine.kv_pull = peer_kv_pull(self._peers)
-        t0 = time.monotonic()
-        self.engine_config = await self.engine.start(self.id)
-        self.metrics.model_load_time.set(time.monotonic() - t0)
-        self.metrics.kv_total_blocks.set(self.engine_config.total_kv_blocks)
-        self.servicer = WorkerServicer(
-            self.engine,
-            self.sink,
-            self.metrics,
-            info=self.info,
-            validate_streams=cfg.validate_streams,
-            stream_interval_s=cfg.server.stream_interval_ms / 1000.0,
-            limits=Limits(self.engine_config.context_length, self.engine_config.vocab_size),
-        )
-        self.servicer.on_drain_request = self.close_soon  # the Drain RPC: this worker keeps and awaits its close
-        self.servicer.trace_service = worker_service_name(cfg.role.value)
+        servicer, engine_config = await self._start_engine(sink)
         binding = ServiceBinding(
             "meshllm.v1.Worker",
-            self.servicer,
+            servicer,
             worker_pb2_grpc.add_WorkerServicer_to_server,
-            self.servicer.sessions.close,
-            sessions=self.servicer.sessions,
+            servicer.sessions.close,
+            sessions=servicer.sessions,
         )
         self.server = await start_server(cfg.server, [binding], security=cfg.security)
         self.instance = self._instance(self.server.port, self.server.session_port)
-        self.model_card = await self._model_card(self.engine_config)
+        self.model_card = await self._model_card(engine_config)
         self.metrics.label(model=self.model_card.name, role=cfg.role.value)
         if self._local is not None:
             self._local.register(
                 self.address,
-                self.servicer.sessions.handler,
-                self.servicer.sessions.method,
+                servicer.sessions.handler,
+                servicer.sessions.method,
                 service=worker_service_name(cfg.role.value),
             )
         if not cfg.static:
@@ -149,18 +135,41 @@ class Worker(AsyncCloseable):
             await self.discovery.register_model(self.model_card)
         self._tasks.append(asyncio.create_task(self._health_loop(), name=f"health-{self.id}"))
         if cfg.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            from meshllm.ports import bind_error
-
-            try:
-                self._metrics_server, _ = start_http_server(
-                    cfg.metrics_port, addr=cfg.server.host, registry=self.metrics.registry
-                )
-            except OSError as exc:
-                raise bind_error(cfg.server.host, cfg.metrics_port, "--metrics-port", exc) from None
+            self._serve_metrics(cfg.metrics_port)
         self._plan_shutdown()
         log.info("worker %s serving %s at %s (role %s)", self.id, self.model_card.name, self.address, cfg.role.value)
+
+    async def _start_engine(self, sink: WorkerSink) -> tuple[WorkerServicer, EngineConfig]:
+        """Start the engine and the Worker servicer around it (not served yet)."""
+        cfg = self.config
+        t0 = time.monotonic()
+        self.engine_config = engine_config = await self.engine.start(self.id)
+        self.metrics.model_load_time.set(time.monotonic() - t0)
+        self.metrics.kv_total_blocks.set(engine_config.total_kv_blocks)
+        self.servicer = servicer = WorkerServicer(
+            self.engine,
+            sink,
+            self.metrics,
+            info=self.info,
+            validate_streams=cfg.validate_streams,
+            stream_interval_s=cfg.server.stream_interval_ms / 1000.0,
+            limits=Limits(engine_config.context_length, engine_config.vocab_size),
+        )
+        servicer.on_drain_request = self.close_soon  # the Drain RPC: this worker keeps and awaits its close
+        servicer.trace_service = worker_service_name(cfg.role.value)
+        return servicer, engine_config
+
+    def _serve_metrics(self, port: int) -> None:
+        """Prometheus metrics on their own port (`--metrics-port`)."""
+        from prometheus_client import start_http_server
+
+        from meshllm.ports import bind_error
+
+        host = self.config.server.host
+        try:
+            self._metrics_server, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise bind_error(host, port, "--metrics-port", exc) from None
 
     @property
     def address(self) -> str:

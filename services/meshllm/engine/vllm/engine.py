@@ -173,24 +173,26 @@ class VllmEngine(LLMEngine):
             log.error("vLLM failed to load %s", self.model_dir, exc_info=True)
             raise FailedPrecondition(f"vLLM could not load {self.model_dir}: {first_line(exc)}") from exc
         self._tasks.append(asyncio.create_task(self.kv.run(), name="vllm-kv-events"))
-        cache = self._llm.vllm_config.cache_config
+        return await self._engine_config(self._llm, self.kv, vllm.__version__)
+
+    async def _engine_config(self, llm: Any, kv: VllmKvEvents, version: str) -> EngineConfig:
+        """What the loaded vLLM reports: its KV blocks, context, vocabulary and special tokens."""
+        cache = llm.vllm_config.cache_config
         self.block_size = int(getattr(cache, "block_size", 0) or self.block_size)
-        self.kv.converter.block_size = self.block_size
+        kv.converter.block_size = self.block_size
         self.total_blocks = int(getattr(cache, "num_gpu_blocks", 0) or 0)
         self.sink.load(LoadMetrics(active_blocks=0, total_blocks=self.total_blocks, waiting=0, running=0))
-        tokenizer = self._llm.tokenizer if hasattr(self._llm, "tokenizer") else await self._llm.get_tokenizer()
+        tokenizer = llm.tokenizer if hasattr(llm, "tokenizer") else await llm.get_tokenizer()
         eos = getattr(tokenizer, "eos_token_id", None)
         bos = getattr(tokenizer, "bos_token_id", None)
-        model_config = self._llm.model_config
-        log.info(
-            "vllm %s %s ready: %d KV blocks of %d tokens", vllm.__version__, self.served_name, self.total_blocks, self.block_size
-        )
+        model_config = llm.model_config
+        log.info("vllm %s %s ready: %d KV blocks of %d tokens", version, self.served_name, self.total_blocks, self.block_size)
         return EngineConfig(
             model=self.served_name,
             kv_block_size=self.block_size,
             total_kv_blocks=self.total_blocks,
             max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=int(getattr(self._llm.vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0),
+            max_num_batched_tokens=int(getattr(llm.vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0),
             context_length=int(model_config.max_model_len),
             vocab_size=int(model_config.get_vocab_size()),
             eos_token_ids=(eos,) if isinstance(eos, int) else (),

@@ -136,35 +136,46 @@ class NatsEventBus(EventBus):
             )
         )
         try:
-            waits: set[asyncio.Future[Any]] = {connecting, refused}
-            done, _ = await asyncio.wait(waits, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if connecting in done:
-                connecting.result()
-            elif refused in done:
-                raise CannotConnect(refusal_message(shown, refused.result(), credentials))
-            else:
-                last = bus._connect_error
-                raise CannotConnect(
-                    f"cannot connect to NATS at {shown} in {connect_timeout_s:g}s"
-                    + (f": {redact_text(str(last)) or type(last).__name__}" if last is not None else "")
-                )
-        except (TimeoutError, OSError, nats.errors.Error, CannotConnect) as exc:
-            bus._quiet = True
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await connecting
-            with contextlib.suppress(Exception):
-                await bus._nc.close()
-            if isinstance(exc, CannotConnect):
-                raise
-            if is_refusal(exc):
-                raise CannotConnect(refusal_message(shown, exc, credentials)) from exc
-            raise CannotConnect(f"cannot connect to NATS at {shown}: {redact_text(str(exc)) or type(exc).__name__}") from exc
+            await bus._first_connection(connecting, refused, shown, connect_timeout_s, credentials)
         finally:
             bus._connecting = None
         bus._pump_task = asyncio.create_task(bus._pump(), name=f"meshllm-events-pump-{name}")
         log.info("events: connected to NATS at %s (%s)", shown, credentials.describe())
         return bus
+
+    async def _first_connection(
+        self,
+        connecting: asyncio.Future[Any],
+        refused: asyncio.Future[BaseException],
+        shown: str,
+        timeout_s: float,
+        credentials: NatsCredentials,
+    ) -> None:
+        """Wait for the first connection; CannotConnect (one line) on a refusal, a failure or the timeout."""
+        try:
+            done, _ = await asyncio.wait({connecting, refused}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if connecting in done:
+                connecting.result()
+            elif refused in done:
+                raise CannotConnect(refusal_message(shown, refused.result(), credentials))
+            else:
+                last = self._connect_error
+                raise CannotConnect(
+                    f"cannot connect to NATS at {shown} in {timeout_s:g}s"
+                    + (f": {redact_text(str(last)) or type(last).__name__}" if last is not None else "")
+                )
+        except (TimeoutError, OSError, nats.errors.Error, CannotConnect) as exc:
+            self._quiet = True
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            if isinstance(exc, CannotConnect):
+                raise
+            if is_refusal(exc):
+                raise CannotConnect(refusal_message(shown, exc, credentials)) from exc
+            raise CannotConnect(f"cannot connect to NATS at {shown}: {redact_text(str(exc)) or type(exc).__name__}") from exc
 
     @property
     def connected(self) -> bool:

@@ -117,38 +117,10 @@ async def start_server(
     """
     if not reuse_port:
         check_free(config.host, config.port, port_flag)  # before gRPC logs its own bind error
-    from meshllm.plane.auth import MeshAuth
-
-    interceptors: list[grpc.aio.ServerInterceptor] = [_ErrorMapping()]
-    if security is not None and security.token is not None:
-        interceptors.insert(0, MeshAuth(security.token))
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            *channel_options(config.max_message_bytes),
-            # Accept the clients' keepalive pings (the default minimum is 5 min, which
-            # answers them with GOAWAY too_many_pings on idle meshes). This is the
-            # name grpc reads; "min_recv_ping_interval_without_data_ms" is not one.
-            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.so_reuseport", 1 if reuse_port else 0),
-        ],
-    )
+    server = _new_server(config, reuse_port, security)
     for svc in services:
         svc.register(svc.servicer, server)
-    try:
-        if security is not None and security.tls is not None:
-            from meshllm.plane.tls import TlsFiles, server_credentials
-
-            port = server.add_secure_port(f"{config.host}:{config.port}", server_credentials(TlsFiles(security.tls)))
-        else:
-            port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError:  # grpc raises where older versions returned 0
-        port = 0
-    if port == 0:
-        if config.port != 0:
-            check_free(config.host, config.port, port_flag)  # PortInUse: taken since the first probe
-        raise ConfigError(f"cannot listen on {config.host}:{config.port} ({port_flag})")
+    port = _bind(server, config, port_flag, security)
     gs = GrpcServer(server, port, config.host, [s.name for s in services], [s.closing for s in services if s.closing])
     health_pb2_grpc.add_HealthServicer_to_server(gs.health, server)
     enable_reflection([s.name for s in services] + [health.SERVICE_NAME], server)
@@ -162,6 +134,45 @@ async def start_server(
             raise
     await gs.set_serving(serving)
     return gs
+
+
+def _new_server(config: ServerConfig, reuse_port: bool, security: MeshSecurity | None) -> grpc.aio.Server:
+    """A grpc.aio server with the error mapping (and the mesh-token check) in front of every method."""
+    from meshllm.plane.auth import MeshAuth
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [_ErrorMapping()]
+    if security is not None and security.token is not None:
+        interceptors.insert(0, MeshAuth(security.token))
+    return grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            *channel_options(config.max_message_bytes),
+            # Accept the clients' keepalive pings (the default minimum is 5 min, which
+            # answers them with GOAWAY too_many_pings on idle meshes). This is the
+            # name grpc reads; "min_recv_ping_interval_without_data_ms" is not one.
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ],
+    )
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig, port_flag: str, security: MeshSecurity | None) -> int:
+    """Bind host:port (TLS when configured); the bound port, or a one-line ConfigError (PortInUse when taken)."""
+    try:
+        if security is not None and security.tls is not None:
+            from meshllm.plane.tls import TlsFiles, server_credentials
+
+            port = server.add_secure_port(f"{config.host}:{config.port}", server_credentials(TlsFiles(security.tls)))
+        else:
+            port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # grpc raises where older versions returned 0
+        port = 0
+    if port == 0:
+        if config.port != 0:
+            check_free(config.host, config.port, port_flag)  # PortInUse: taken since the first probe
+        raise ConfigError(f"cannot listen on {config.host}:{config.port} ({port_flag})")
+    return port
 
 
 async def _start_tcp_sessions(
