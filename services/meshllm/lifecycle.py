@@ -233,14 +233,11 @@ async def serve_until_signal(
 ) -> int:
     """The body of every long-running `meshllm` command.
 
-    Enable tracing, install SIGTERM/SIGINT handlers, `start()` the service (a
-    MeshError becomes one line on stderr: exit 2 for a ConfigError, else 1;
-    any other startup failure is one line too, exit 1, its traceback logged
-    at DEBUG only), print its ready lines, wait for a signal (or for
-    `closing(service)` to return, e.g. a worker drained by RPC), then close it
-    in its own order. A SIGINT after the first signal (a second Ctrl-C while
-    draining) exits at once with FORCED_EXIT_STATUS and one line.
-    """
+    Enable tracing, install SIGTERM/SIGINT handlers, `start()` the service (a MeshError becomes one line on
+    stderr: exit 2 for a ConfigError, else 1; any other startup failure is one line too, exit 1, its traceback
+    logged at DEBUG only), print its ready lines, wait for a signal (or for `closing(service)` to return, e.g. a
+    worker drained by RPC), then close it in its own order. A SIGINT after the first signal (a second Ctrl-C
+    while draining) exits at once with FORCED_EXIT_STATUS and one line."""
     from meshllm.config import ConfigError
     from meshllm.errors import MeshError
     from meshllm.tracing import setup_tracing, shutdown_tracing

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from meshllm.bench.dataset import dataset_requests, load_dataset
 from meshllm.bench.http import Endpoint
@@ -70,6 +71,7 @@ def _levels(ns: argparse.Namespace) -> list[Level]:
     return [Level(request_rate=r, max_in_flight=cap) for r in _numbers(ns.request_rate, "--request-rate", float)]
 
 
+# size: a flat list of flags, one add_argument after another
 def bench_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
     p = EnvArgumentParser(
         prog="meshllm bench", env=os.environ if env is None else env, description="load generator for OpenAI endpoints"
@@ -212,6 +214,15 @@ def main(argv: Sequence[str]) -> int:
             if runs[-1].replay.stopped:
                 break
     results = [r.summary for r in runs]
+    _report_levels(ns, runs, how)
+    if runs and (stopped := runs[-1].replay).stopped:
+        return _fail(stop_message(stopped, ns.url), 1)
+    return 1 if any(r.errors for r in results) else 0
+
+
+def _report_levels(ns: argparse.Namespace, runs: Sequence[LevelRun], how: str) -> None:
+    """Each level's figures on stdout (unless JSON or CSV goes there), then --json, --csv and --plot."""
+    results = [r.summary for r in runs]
     if ns.json != "-" and ns.csv != "-":
         print(how)
         shown = [r for r in results if r.completed or r.errors < r.requests]  # not a level that never reached the server
@@ -227,9 +238,6 @@ def main(argv: Sequence[str]) -> int:
     if ns.plot:
         plot(results, ns.plot)
     _warn_isl(results)
-    if runs and (stopped := runs[-1].replay).stopped:
-        return _fail(stop_message(stopped, ns.url), 1)
-    return 1 if any(r.errors for r in results) else 0
 
 
 def _warn_isl(results: Sequence[LevelResult]) -> None:
@@ -279,7 +287,17 @@ def _trace_main(ns: argparse.Namespace) -> int:
             if results[-1].stopped:
                 break
     summaries = [r.summary(slo=slo) for r in results]
-    if to_stdout:
+    _report_trace(ns, results, summaries, {"trace": ns.trace, "scale": scale.describe(), "stats": stats.describe()})
+    if results and results[-1].stopped:
+        return _fail(stop_message(results[-1], ns.url), 1)
+    return 1 if any(s.errors for s in summaries) else 0
+
+
+def _report_trace(
+    ns: argparse.Namespace, results: Sequence[ReplayResult], summaries: Sequence[LevelResult], about: dict[str, Any]
+) -> None:
+    """The replays' figures on stdout (unless JSON or CSV goes there), then --json (with `about`), --csv and --plot."""
+    if ns.json != "-" and ns.csv != "-":
         for s in summaries:
             print(format_level(s))
         print(format_table(summaries))
@@ -291,11 +309,8 @@ def _trace_main(ns: argparse.Namespace) -> int:
         for r, s in zip(results, summaries, strict=True)
     ]  # fmt: skip
     if ns.json:
-        write_json({"trace": ns.trace, "scale": scale.describe(), "stats": stats.describe(), "runs": runs}, ns.json)
+        write_json({**about, "runs": runs}, ns.json)
     if ns.csv:
         write_csv(runs, ns.csv)
     if ns.plot:
-        plot(summaries, ns.plot)
-    if results and results[-1].stopped:
-        return _fail(stop_message(results[-1], ns.url), 1)
-    return 1 if any(s.errors for s in summaries) else 0
+        plot(list(summaries), ns.plot)

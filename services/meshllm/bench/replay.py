@@ -109,6 +109,7 @@ def _ms(value: float, spec: str) -> str:
     return "-" if math.isnan(value) else f"{value:{spec}} ms"
 
 
+# size: the replay loop with its open/closed modes, stop rules and cleanup in one place: the finally must see every exit
 async def replay(
     requests: Sequence[R],
     send: Callable[[R], Awaitable[RequestRecord]],

@@ -122,6 +122,7 @@ class LevelResult:
         return f"c={self.concurrency}"
 
 
+# size: one field after another of LevelResult, as the report and its JSON list them
 def summarize(
     concurrency: int,
     records: Sequence[RequestRecord],

@@ -30,6 +30,9 @@ from meshllm.protocol.types import (
 
 T = TypeVar("T")
 
+# size: the engine contract stays one file: everything an engine implements or is handed, read in one place
+# (docs/writing-an-engine.md walks through it top to bottom).
+
 __all__ = [
     "Context",
     "DisaggregationMode",

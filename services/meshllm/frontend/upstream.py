@@ -163,17 +163,20 @@ class RouterReplicas:
             if not gone:
                 raise last  # every replica answered with an error of its own: waiting would not help
             now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.wait_s
-                if call is not None and call.deadline is not None:
-                    deadline = min(deadline, call.deadline)
-            if now >= deadline:
-                where = ", ".join(c.address for c in self._clients)
-                raise Unavailable(
-                    f"no router replica could be reached within {self.wait_s:g} s ({where}): {last.message}"
-                ) from None
+            deadline = self._wait_deadline(deadline, now, call, last)
             await _any_reachable(gone, min(pause, deadline - now))
             pause = min(2 * pause, LONGEST_PAUSE_S)
+
+    def _wait_deadline(self, deadline: float | None, now: float, call: CallInfo | None, last: MeshError) -> float:
+        """Until when a request waits for a reachable replica (`--router-wait-s`, or its own deadline); Unavailable past it."""
+        if deadline is None:
+            deadline = now + self.wait_s
+            if call is not None and call.deadline is not None:
+                deadline = min(deadline, call.deadline)
+        if now >= deadline:
+            where = ", ".join(c.address for c in self._clients)
+            raise Unavailable(f"no router replica could be reached within {self.wait_s:g} s ({where}): {last.message}") from None
+        return deadline
 
 
 def _gone(exc: MeshError, target: Replica) -> bool:

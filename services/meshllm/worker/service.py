@@ -104,6 +104,7 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         async for down in self.sessions.serve(request_iterator, context):
             yield down
 
+    # size: the stream's per-chunk loop, cancellation and release in one generator whose finally must see every exit
     async def run_request(
         self,
         req: TokenRequest,

@@ -211,6 +211,7 @@ class LlamaCppEngine(LLMEngine):
             self.sink.load(load)
 
     # ------------------------------------------------------------ streams
+    # size: an engine stream: admission, the per-step delivery loop and its cleanup in one generator whose finally frees the slot
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         runner = self._require_runner()
         if (request.get("output") or {}).get("embedding"):

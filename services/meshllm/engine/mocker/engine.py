@@ -203,6 +203,7 @@ class MockerEngine(LLMEngine):
         # A subclass that overrides generate (to look at or change the chunks) gets every chunk through it.
         return type(self).generate is MockerEngine.generate
 
+    # size: an engine stream: admission, the per-step delivery loop and its cleanup in one generator whose finally frees the KV
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         if self._task is None or self._task.done():
             raise EngineShutdown(self._failure or "the mocker engine is not running")
@@ -295,6 +296,7 @@ class MockerEngine(LLMEngine):
                 seq.finish_reason = "error"
                 sched.abort(seq)
 
+    # size: the step loop: schedule, timing, postprocess and load per step, inline (it runs once per simulated step)
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
         sched, blocks, speedup = self.scheduler, self.blocks, self.config.speedup_ratio

@@ -263,6 +263,7 @@ class TrtllmEngine(LLMEngine):
             raise InvalidArgument(f"TensorRT-LLM refused the request: {first_line(exc)}") from exc
         return result, kw
 
+    # size: an engine stream: admission, the per-step delivery loop and its cleanup in one generator whose finally aborts
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         prompt = request["token_ids"]
         if not prompt:

@@ -68,6 +68,7 @@ _OPTIONAL_SAMPLING = ("seed", "frequency_penalty", "presence_penalty", "repetiti
 # --------------------------------------------------------------- request side
 
 
+# size: one sampling option after another, in the order of the mesh's SamplingOptions
 def sampling_kwargs(request: TokenRequest, *, default_max_tokens: int, context_length: int = 0) -> dict[str, Any]:
     """`SamplingParams` keyword arguments for `request` ("guided_decoding" is a nested kwargs dict).
 

@@ -251,6 +251,7 @@ class VllmEngine(LLMEngine):
 
     # ------------------------------------------------------------ requests
 
+    # size: an engine stream: admission, the per-step delivery loop and its cleanup in one generator whose finally aborts
     async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         prompt = list(request["token_ids"])
         if not prompt:

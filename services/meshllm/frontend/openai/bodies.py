@@ -53,6 +53,7 @@ def content_event_frame(rid: str, created: int, model: str, index: int, include_
     return prefix, suffix
 
 
+# size: the per-token SSE loop stays inline: a helper call per event costs on every token (bench/mesh_ab.py)
 async def sse_events(c: Completion) -> AsyncIterator[bytes]:
     """The SSE byte events of a streaming response; raises only before the first event."""
     req = c.request

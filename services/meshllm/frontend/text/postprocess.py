@@ -98,6 +98,7 @@ class ChoiceStream:
     def cached_tokens(self) -> int:
         return self._cached
 
+    # size: runs once per chunk: detokenize, stop strings, logprobs and finish inline (a call per step costs on every token)
     def feed(self, chunk: TokenChunk) -> Delta:
         """Process one upstream chunk; the Delta's finish_reason is set when the choice is done."""
         ids = chunk.get("token_ids")

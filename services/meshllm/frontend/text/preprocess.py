@@ -98,6 +98,25 @@ def _max_tokens(req: TextRequest, prompt_len: int, context_length: int, param: s
     return req.max_tokens
 
 
+def _output_settings(req: TextRequest) -> OutputSettings:
+    output = OutputSettings(skip_special_tokens=req.skip_special_tokens)
+    if req.logprobs is not None:
+        output["logprobs"] = req.logprobs
+    if (k := req.prompt_logprobs_asked()) is not None:
+        output["prompt_logprobs"] = k
+    return output
+
+
+def _sample_settings(req: TextRequest, j: int) -> SamplingSettings:
+    """Choice `j`'s sampling: n samples, not n copies, so with n > 1 each choice gets its own seed."""
+    if req.n == 1:
+        return req.sampling
+    sampling = SamplingSettings(**req.sampling)
+    base = req.sampling.get("seed")
+    sampling["seed"] = secrets.randbits(63) if base is None else (base + j) % (1 << 64)
+    return sampling
+
+
 async def preprocess(
     req: TextRequest,
     model: ServedModel,
@@ -118,11 +137,7 @@ async def preprocess(
     else:
         prompts = [await _completion_prompt(p, tk, alone) for p in req.prompts]
         param = "prompt"
-    output = OutputSettings(skip_special_tokens=req.skip_special_tokens)
-    if req.logprobs is not None:
-        output["logprobs"] = req.logprobs
-    if (k := req.prompt_logprobs_asked()) is not None:
-        output["prompt_logprobs"] = k
+    output = _output_settings(req)
     eos = list(tk.eos_token_ids)
     requests: list[TokenRequest] = []
     prompt_of: list[int] = []
@@ -134,11 +149,7 @@ async def preprocess(
         if max_tokens is not None:
             stop["max_tokens"] = max_tokens
         for j in range(req.n):
-            sampling = req.sampling
-            if req.n > 1:  # n samples, not n copies: each choice gets its own seed
-                sampling = SamplingSettings(**sampling)
-                base = req.sampling.get("seed")
-                sampling["seed"] = secrets.randbits(63) if base is None else (base + j) % (1 << 64)
+            sampling = _sample_settings(req, j)
             index = len(requests)
             requests.append(
                 TokenRequest(

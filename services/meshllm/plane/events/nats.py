@@ -104,11 +104,9 @@ class NatsEventBus(EventBus):
     ) -> NatsEventBus:
         """Connect to `url` (`nats://host:port`, or several comma-separated) and start the drain.
 
-        Raises CannotConnect if no connection is made within `connect_timeout_s`,
-        or at once when the server refuses `credentials` or the TLS handshake.
-        `max_buffered` / `max_buffered_bytes` bound the publish buffer,
-        `max_pending` each subscription's queue.
-        """
+        CannotConnect if no connection is made within `connect_timeout_s`, or at once when the server refuses
+        `credentials` or the TLS handshake. `max_buffered(_bytes)` bound the publish buffer, `max_pending` each
+        subscription's queue."""
         credentials = credentials if credentials is not None else NatsCredentials()
         bus = cls(max_buffered=max_buffered, max_buffered_bytes=max_buffered_bytes, max_pending=max_pending)
         servers = [u.strip() for u in url.split(",") if u.strip()]

@@ -113,6 +113,7 @@ class LocalPeer:
         return local_generate(self.handler, self.method, request, call, ticker=self.ticker, service=self.service)
 
 
+# size: an in-process stream's per-chunk loop, pacing and cleanup in one generator whose finally must see every exit
 async def local_generate(
     handler: LocalHandler,
     method: str,

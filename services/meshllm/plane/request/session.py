@@ -179,6 +179,7 @@ class _ServerSession:
         self.items.append((sid, item))
         self.wake()
 
+    # size: a session's serve loop: reader, writer and every stream's end in one generator whose finally sees every exit
     async def run(self, request_iterator: AsyncIterator[session_pb2.SessionUp]) -> AsyncIterator[session_pb2.SessionDown]:
         reader = asyncio.ensure_future(self._read(request_iterator))
         loop = asyncio.get_running_loop()

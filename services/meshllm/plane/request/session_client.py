@@ -319,6 +319,7 @@ class SessionClient(AsyncCloseable):
             s = self._session = _ClientSession(self._open_call(), self.peer, self.stats, self.liveness)
         return s
 
+    # size: one stream of a session: open, per-chunk reads and cancel in one generator whose finally sees every exit
     async def generate(
         self,
         request: TokenRequest,

@@ -113,6 +113,7 @@ class EmbeddingsRequest(TextRequest):
 # ---------------------------------------------------------------- common fields
 
 
+# size: one request field after another, in the order of OpenAI's API reference
 def _common(body: Mapping[str, Any], kind: RequestKind) -> dict[str, Any]:
     """The fields chat and completions share."""
     sampling = SamplingSettings()

@@ -129,9 +129,8 @@ def _attempt(core: RoutingCore, req: TokenRequest, state: MigrationState, call: 
     return _disaggregated(core, req, plan, state, call)
 
 
-async def _disaggregated(
-    core: RoutingCore, req: TokenRequest, plan: AttemptPlan, state: MigrationState, call: CallInfo
-) -> AsyncGenerator[TokenChunk, None]:
+def _prefill_request(core: RoutingCore, req: TokenRequest, plan: AttemptPlan) -> TokenRequest:
+    """The prefill leg's request: context only, with the peer prefix pull the plan chose (shown on the dashboard)."""
     assert plan.prefill is not None
     prefill_req = req.copy()
     prefill_req["disagg"] = {"request_type": "context_only"}
@@ -148,6 +147,14 @@ async def _disaggregated(
             f"{pull.peer.worker_id} ({pull.pull_ms:.1f} ms vs {pull.recompute_ms:.1f} ms recompute)",
             worker_id=pull.peer.worker_id,
         )  # fmt: skip
+    return prefill_req
+
+
+async def _disaggregated(
+    core: RoutingCore, req: TokenRequest, plan: AttemptPlan, state: MigrationState, call: CallInfo
+) -> AsyncGenerator[TokenChunk, None]:
+    assert plan.prefill is not None
+    prefill_req = _prefill_request(core, req, plan)
     first: list[int] = []
     terminal: TokenChunk = {}
     # The prefill leg's tokens are collected here, not relayed: the decode leg decides what the caller sees.
@@ -173,18 +180,17 @@ async def _disaggregated(
     yield first_chunk
 
     p = plan.prefill.chosen
-    decode_params = params.copy()
-    decode_params["request_type"] = "generation_only"
-    decode_params["first_token_ids"] = list(params.get("first_token_ids") or first)
-    decode_params["prefill_worker_id"] = p.worker_id
-    decode_params["prefill_address"] = p.address
     decode_req = req.copy()
-    decode_req["disagg"] = decode_params
+    decode_req["disagg"] = {
+        **params, "request_type": "generation_only", "first_token_ids": list(params.get("first_token_ids") or first),
+        "prefill_worker_id": p.worker_id, "prefill_address": p.address,
+    }  # fmt: skip
     async with aclosing(_leg(core, decode_req, plan.main, plan.hashes, state, call, "decode")) as leg:
         async for chunk in leg:
             yield chunk
 
 
+# size: a worker leg's per-chunk loop, relay and migration bookkeeping inline: a call per chunk costs on every token
 async def _leg(
     core: RoutingCore,
     req: TokenRequest,

@@ -123,6 +123,7 @@ class MigrationState:
         }
 
 
+# size: the migration driver's per-chunk loop and its retries in one generator whose finally must see every exit
 async def migrating(
     state: MigrationState,
     attempt: Callable[[TokenRequest], AsyncGenerator[TokenChunk, None]],

@@ -62,6 +62,7 @@ def _config_for_tiers(p: _Probe, cfg: EngineConfig) -> tuple[int, int, int]:
     return cfg.kv_block_size, cfg.total_kv_blocks, room
 
 
+# size: one conformance scenario step after step (start, fill, evict, restore, compare), as its clause reads
 async def _evict_and_restore(factory: EngineFactory, p: _Probe) -> _Restored:
     if p.shared is not None and isinstance(p.shared.config, EngineConfig) and not p.shared.config.kv_tiers:
         _config_for_tiers(p, p.shared.config)  # skips: no tiers, so no engine of its own is started to learn that
