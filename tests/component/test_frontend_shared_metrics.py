@@ -16,13 +16,14 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshllm.frontend.metrics import FrontendMetrics
-from meshllm.frontend.procs import METRICS_DIR_ENV, SharedMetricsRegistry, forget_process
+from meshllm.frontend.procs import METRICS_DIR_ENV
+from meshllm.frontend.shared_metrics import SharedMetricsRegistry, forget_process
 
 WRITER = """
 import sys
 from pathlib import Path
 from meshllm.frontend.metrics import FrontendMetrics
-from meshllm.frontend.procs import SharedMetricsRegistry
+from meshllm.frontend.shared_metrics import SharedMetricsRegistry
 from meshllm.router.metrics import RouterMetrics
 chats, inflight = int(sys.argv[2]), int(sys.argv[3])
 m = FrontendMetrics(registry=SharedMetricsRegistry(Path(sys.argv[1])))
