@@ -24,6 +24,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     # grpc.aio objects sit in reference cycles. Collected later, while another test's event loop runs, a call of
     # a closed loop makes grpc's poller log "Event loop is closed" tracebacks into that test. Each test's garbage
-    # is collected once it is done, when no loop of its own runs any more.
+    # is collected once it is done, when no loop of its own runs any more; what survives (modules a test imported,
+    # torch's among them) is frozen, so the next collection scans only what the next test makes.
     yield
     gc.collect()
+    gc.freeze()
