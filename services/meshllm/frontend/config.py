@@ -38,7 +38,14 @@ from meshllm.frontend.upstream import DEFAULT_ROUTER_WAIT_S
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.request.liveness import SessionLiveness
 from meshllm.plane.tls import TlsConfig
-from meshllm.router.config import RouterMode, RoutingTuning, add_liveness_args, add_tuning_args, check_health_flags
+from meshllm.router.config import (
+    RouterMode,
+    RoutingTuning,
+    add_liveness_args,
+    add_tuning_args,
+    check_health_flags,
+    check_model_and_static,
+)
 
 __all__ = [
     "MAX_FRONTEND_WORKERS",
@@ -156,19 +163,11 @@ class FrontendConfig:
                 raise ConfigError(f"{flag} must be between 0 and 3600 seconds (> 0), got {value}")
         if self.retry_after_s <= 0:
             raise ConfigError("--retry-after must be > 0 seconds")
-        if self.model_name is not None and not self.model_name.strip():
-            raise ConfigError("--model-name must not be empty")
         if self.model_path is not None:
             check_model_path(self.model_path)
-        if self.static:
-            if self.static_endpoint is None:
-                raise ConfigError("static mode needs --static-endpoint namespace.component.endpoint")
-            if not self.static_workers:
-                raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
-            if not self.model_name:
-                raise ConfigError("static mode needs --model-name")
-            if self.router_addresses:
-                raise ConfigError("--router-address and --static-workers exclude each other")
+        check_model_and_static(self.model_name, self.static, self.static_endpoint, self.static_workers)
+        if self.static and self.router_addresses:
+            raise ConfigError("--router-address and --static-workers exclude each other")
 
     @property
     def static(self) -> bool:

@@ -13,7 +13,7 @@ import enum
 import math
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshllm.config import (
@@ -39,6 +39,7 @@ __all__ = [
     "add_liveness_args",
     "add_tuning_args",
     "check_health_flags",
+    "check_model_and_static",
     "router_arg_parser",
 ]
 
@@ -199,17 +200,9 @@ class RouterConfig:
             raise ConfigError(f"--metrics-port {self.metrics_port} is out of range 0..65535")
         if not self.component or not all(c.isalnum() or c in "-_" for c in self.component):
             raise ConfigError(f"--component {self.component!r} must be letters, digits, '-' or '_'")
-        if self.model_name is not None and not self.model_name.strip():
-            raise ConfigError("--model-name must not be empty")
         for address in self.static_workers:
             parse_host_port(address, what="--static-workers entry")
-        if self.static:
-            if self.static_endpoint is None:
-                raise ConfigError("static mode needs --static-endpoint namespace.component.endpoint")
-            if not self.static_workers:
-                raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
-            if not self.model_name:
-                raise ConfigError("static mode needs --model-name")
+        check_model_and_static(self.model_name, self.static, self.static_endpoint, self.static_workers)
 
     @property
     def liveness(self) -> SessionLiveness:
@@ -274,6 +267,21 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
     add_security_args(parser)
     add_tracing_args(parser)
     return parser
+
+
+def check_model_and_static(
+    model_name: str | None, static: bool, static_endpoint: object | None, static_workers: Sequence[str]
+) -> None:
+    """A given --model-name is not empty; static mode (no discovery) names its endpoint, its workers and the model."""
+    if model_name is not None and not model_name.strip():
+        raise ConfigError("--model-name must not be empty")
+    if static:
+        if static_endpoint is None:
+            raise ConfigError("static mode needs --static-endpoint namespace.component.endpoint")
+        if not static_workers:
+            raise ConfigError("static mode needs --static-workers host:port[,host:port...]")
+        if not model_name:
+            raise ConfigError("static mode needs --model-name")
 
 
 def check_health_flags(interval_s: float, timeout_s: float) -> None:

@@ -40,34 +40,24 @@ from meshllm.plane.request.transport import CallInfo, ChunkSink
 from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
-from meshllm.router.kv.index import KvIndex
-from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 from meshllm.router.metrics import RouterMetrics
+from meshllm.router.policy.candidates import RouterViews
 from meshllm.router.policy.decision import AttemptPlan, Decision
-from meshllm.router.policy.load import LoadTracker
-from meshllm.router.policy.timing import WorkerTimes
 from meshllm.router.recent import request_tag
 from meshllm.router.stream.migration import MigrationState, migrating
 from meshllm.router.sync import ReplicaSync
-from meshllm.router.workers import DECODE, WorkerPool, role_name
+from meshllm.router.workers import DECODE, role_name
 from meshllm.worker.client import WorkerClient
 
 __all__ = ["RoutingCore", "serve"]
 
 
-class RoutingCore(Protocol):
-    """What a request's stream uses of its routing core (`RouterCore`, which calls `serve`)."""
+class RoutingCore(RouterViews, Protocol):
+    """What a request's stream uses of its routing core (`RouterCore`, which calls `serve`): its views, and these."""
 
     id: str
-    mode: RouterMode
     leg_ids: count[int]
     metrics: RouterMetrics
-    pool: WorkerPool
-    index: KvIndex
-    load: LoadTracker
-    inflight: PredictedIndex
-    approx: RoutedCache
-    times: WorkerTimes
     sync: ReplicaSync
 
     def client(self, address: str) -> WorkerClient: ...
