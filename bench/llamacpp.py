@@ -163,9 +163,15 @@ async def mesh_figures(args: argparse.Namespace, systems: list[str]) -> dict[str
     """TTFT through frontend + KV router + 2 workers: per system prompt, cold, then repeated (routed to its cache)."""
     from openai import AsyncOpenAI
 
+    from meshllm.frontend.config import FrontendConfig
     from meshllm.run import Mesh, RunConfig
 
-    config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=("--n-ctx", "1024", *args.engine_args))
+    config = RunConfig(
+        engine="llamacpp",
+        workers=2,
+        engine_args=("--n-ctx", "1024", *args.engine_args),
+        frontend=FrontendConfig(http_port=0),
+    )
     out: dict[str, list[float]] = {"cold_s": [], "routed_s": [], "routed_cached": [], "routed_prompt": []}
     async with await Mesh.start(config) as mesh, AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="-") as client:  # type: ignore[union-attr]
         for system in systems:

@@ -198,12 +198,13 @@ async def mesh_config(args: argparse.Namespace, prompts: dict[tuple[int, int], l
     """
     from openai import AsyncOpenAI
 
+    from meshllm.frontend.config import FrontendConfig
     from meshllm.run import Mesh, RunConfig
 
     argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1", fa_flag(args)]
     if mode == "on":
         argv += ["--kv-host-bytes", str(args.mesh_host_bytes)]
-    config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=tuple(argv))
+    config = RunConfig(engine="llamacpp", workers=2, engine_args=tuple(argv), frontend=FrontendConfig(http_port=0))
     results: list[Result] = []
     async with await Mesh.start(config) as mesh, AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="-") as client:  # type: ignore[union-attr]
         engines = [w.engine for w in mesh.workers]

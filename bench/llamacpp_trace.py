@@ -76,13 +76,14 @@ async def replay(args: argparse.Namespace, reqs: list[TraceRequest], back: list[
     """One configuration through a fresh in-process `meshllm run`; results, tier counters, requests per worker."""
     from openai import AsyncOpenAI
 
+    from meshllm.frontend.config import FrontendConfig
     from meshllm.run import Mesh, RunConfig
 
     disk = Path(tempfile.mkdtemp(prefix="meshllm-bench-trace-"))
     argv = ["--n-ctx", str(args.n_ctx), "--n-seq-max", str(args.n_seq_max), "--n-threads", "1", fa_flag(args)]
     if tiers:
         argv += ["--kv-host-bytes", str(args.host_bytes), "--kv-disk-dir", str(disk), "--kv-disk-bytes", str(args.disk_bytes)]
-    config = RunConfig(engine="llamacpp", workers=2, http_port=0, engine_args=tuple(argv))
+    config = RunConfig(engine="llamacpp", workers=2, engine_args=tuple(argv), frontend=FrontendConfig(http_port=0))
     results: list[Sent] = []
     queue = list(enumerate(reqs))
     queue.reverse()

@@ -19,6 +19,7 @@ processes (etcd, NATS), and `meshllm run` keeps both in memory in one process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shlex
@@ -46,7 +47,7 @@ from meshllm.frontend.config import (
     check_frontend_workers,
     check_model_path,
 )
-from meshllm.frontend.http.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
+from meshllm.frontend.http.auth import add_api_key_args, api_keys_from_namespace
 from meshllm.frontend.main import Frontend, setup_logging
 from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
 from meshllm.plane.auth import MeshSecurity, add_security_args
@@ -68,40 +69,30 @@ log = logging.getLogger("meshllm.run")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    """What `meshllm run` starts, validated when built."""
+    """What `meshllm run` starts, validated when built: its workers, and the frontend in front of them.
+
+    `frontend` is the embedded frontend's own configuration (its HTTP and gRPC
+    ports, routing, model, API keys, security, coalescing), not a copy of it:
+    the run takes its model, security and coalescing for the workers from
+    there, and only replaces its planes with the run's in-memory ones.
+    """
 
     workers: int = 2
     prefill_workers: int = 0
     engine: str = "mocker"
     engine_args: tuple[str, ...] = ()
-    router_mode: str = "kv"
-    routing: RoutingTuning = field(default_factory=RoutingTuning)  # the embedded core's tuning flags
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 0
     router_port: int = 0
-    model_path: str | None = None
-    model_name: str | None = None
     namespace: str = "meshllm"
-    max_inflight: int = 4096
-    otlp_endpoint: str | None = None
-    coalesce: bool = True  # False: --no-coalesce (meshllm.protocol.chunks), for the whole process
     frontend_workers: int = 1
-    api_keys: ApiKeys = field(default_factory=ApiKeys)  # of the frontend's APIs (frontend/http/auth.py)
-    open_metrics: bool = False
-    frontend_extra: dict[str, Any] = field(default_factory=dict)
-    security: MeshSecurity = field(default_factory=MeshSecurity)  # TLS and mesh token of every server and client
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         if self.prefill_workers < 0:
             raise ConfigError(f"--prefill-workers must be >= 0, got {self.prefill_workers}")
-        if self.router_mode not in ROUTER_MODES:
-            raise ConfigError(f"--router-mode {self.router_mode!r}: choose from {', '.join(ROUTER_MODES)}")
-        for name, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--router-port", self.router_port)):
-            if not 0 <= port < 65536:
-                raise ConfigError(f"{name} {port} is out of range 0..65535")
+        if not 0 <= self.router_port < 65536:
+            raise ConfigError(f"--router-port {self.router_port} is out of range 0..65535")
         check_frontend_workers(self.frontend_workers, flag="--frontend-workers")
         if self.frontend_workers > 1:
             raise ConfigError(
@@ -111,41 +102,33 @@ class RunConfig:
             )
 
     def frontend_config(self) -> FrontendConfig:
-        return FrontendConfig(
-            plane=self.plane,
-            http_host=self.http_host,
-            http_port=self.http_port,
-            grpc=ServerConfig(host=self.http_host, port=self.grpc_port),
-            router_mode=self.router_mode,
-            routing=self.routing,
-            max_inflight=self.max_inflight,
-            model_path=self.model_path,
-            model_name=self.model_name,
-            api_keys=self.api_keys,
-            open_metrics=self.open_metrics,
-            coalesce=self.coalesce,
-            security=self.security,
-            **self.frontend_extra,
-        )
+        """The embedded frontend's configuration, on the run's in-memory planes."""
+        return dataclasses.replace(self.frontend, plane=self.plane)
 
     @property
     def plane(self) -> PlaneConfig:
         return PlaneConfig(namespace=self.namespace, discovery=DiscoveryKind.MEMORY, events=EventsKind.MEMORY)
 
+    @property
+    def security(self) -> MeshSecurity:
+        """TLS and mesh token of every server and client of the run (the frontend's flags)."""
+        return self.frontend.security
+
     def worker_argv(self, role: str, *, simulate: Sequence[str] = ()) -> list[str]:
         """Flags for one worker: the embedded defaults first, so that the user's engine flags win."""
         argv = [*simulate, "--discovery", "memory", "--events", "memory", "--namespace", self.namespace]
         argv += ["--host", "127.0.0.1", "--port", "0", "--grace-period", "0", "--role", role]
-        if self.model_name:
-            argv += ["--model-name", self.model_name]
-        if self.model_path and self.engine not in ("mocker", "sample"):
-            argv += ["--model-path", self.model_path]
+        model_name, model_path = self.frontend.model_name, self.frontend.model_path
+        if model_name:
+            argv += ["--model-name", model_name]
+        if model_path and self.engine not in ("mocker", "sample"):
+            argv += ["--model-path", model_path]
         if (tls := self.security.tls) is not None:
             argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
             argv += ["--tls-ca", str(tls.ca)] if tls.ca is not None else []
         if self.security.token is not None:
             argv += ["--mesh-token", self.security.token]  # parsed in this process, never on a command line
-        if not self.coalesce:
+        if not self.frontend.coalesce:
             argv += ["--no-coalesce"]
         return argv + list(self.engine_args)
 
@@ -192,30 +175,35 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
     ns = run_arg_parser().parse_args(args)
     if ns.model_path is not None:
         check_model_path(ns.model_path)
-    outputs = {"tool_call_parser": ns.tool_call_parser, "reasoning_parser": ns.reasoning_parser}
-    _ = FrontendConfig(**outputs).parsers  # a bad parser name stops here, with one line
+    if not 0 <= ns.grpc_port < 65536:
+        raise ConfigError(f"--grpc-port {ns.grpc_port} is out of range 0..65535")
+    frontend = FrontendConfig(
+        http_host=ns.http_host,
+        http_port=ns.http_port,
+        grpc=ServerConfig(host=ns.http_host, port=ns.grpc_port),
+        router_mode=ns.router_mode,
+        routing=RoutingTuning.from_namespace(ns),
+        max_inflight=ns.max_inflight,
+        model_path=ns.model_path,
+        model_name=ns.model_name,
+        api_keys=api_keys_from_namespace(ns),
+        open_metrics=ns.open_metrics,
+        coalesce=not ns.no_coalesce,
+        security=MeshSecurity.from_namespace(ns),
+        otlp_endpoint=ns.otlp_endpoint or None,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        strict_params=ns.strict_params,
+    )
     return RunConfig(
         workers=ns.workers,
         prefill_workers=ns.prefill_workers,
         engine=ns.engine,
         engine_args=tuple(engine_args),
-        router_mode=ns.router_mode,
-        routing=RoutingTuning.from_namespace(ns),
-        http_host=ns.http_host,
-        http_port=ns.http_port,
-        grpc_port=ns.grpc_port,
         router_port=ns.router_port,
-        model_path=ns.model_path,
-        model_name=ns.model_name,
         namespace=ns.namespace,
-        max_inflight=ns.max_inflight,
-        otlp_endpoint=ns.otlp_endpoint or None,
-        coalesce=not ns.no_coalesce,
-        api_keys=api_keys_from_namespace(ns),
-        open_metrics=ns.open_metrics,
         frontend_workers=ns.frontend_workers,
-        security=MeshSecurity.from_namespace(ns),
-        frontend_extra={**outputs, "strict_params": ns.strict_params},
+        frontend=frontend,
     )
 
 
@@ -238,11 +226,11 @@ class Mesh(AsyncCloseable):
 
     async def _start(self, ready_timeout_s: float) -> None:
         cfg = self.config
-        host = cfg.http_host
+        front = cfg.frontend
         check_free_all(
             [
-                (host, cfg.http_port, "--http-port"),
-                (host, cfg.grpc_port, "--grpc-port"),
+                (front.http_host, front.http_port, "--http-port"),
+                (front.grpc.host, front.grpc.port, "--grpc-port") if front.grpc is not None else ("", None, ""),
                 ("127.0.0.1", cfg.router_port, "--router-port"),
             ]
         )
@@ -293,13 +281,13 @@ class Mesh(AsyncCloseable):
         if self.frontend.grpc_address:
             out.append(f"Inference gRPC     {self.frontend.grpc_address}")
         if self.router_address:
-            out.append(f"Router gRPC        {self.router_address}   (mode {self.config.router_mode})")
+            out.append(f"Router gRPC        {self.router_address}   (mode {self.config.frontend.router_mode})")
         for w in self.workers:
             out.append(f"worker {w.config.role.value:<8}   {w.address}   ({w.id}, engine {w.config.engine})")
         body = f'{{"model": "{self.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
         out.append(
             f"try: curl {self.frontend.url}/v1/chat/completions -H 'content-type: application/json'"
-            + (" -H 'authorization: Bearer YOUR_API_KEY'" if self.config.api_keys else "")
+            + (" -H 'authorization: Bearer YOUR_API_KEY'" if self.config.frontend.api_keys else "")
             + _curl_tls(self.config.security)
             + f" -d {shlex.quote(body)}"
         )
@@ -328,11 +316,11 @@ def _curl_tls(security: MeshSecurity) -> str:
 
 async def _simulated_model_flags(cfg: RunConfig) -> list[str]:
     """With --model-path, the mocker simulates that model: its vocabulary size and EOS id."""
-    if cfg.engine != "mocker" or not cfg.model_path:
+    if cfg.engine != "mocker" or not cfg.frontend.model_path:
         return []
     from meshllm.frontend.text.tokenizer import load_tokenizer
 
-    tok = await asyncio.to_thread(load_tokenizer, cfg.model_path)
+    tok = await asyncio.to_thread(load_tokenizer, cfg.frontend.model_path)
     flags = ["--vocab-size", str(tok.vocab_size)]
     if tok.eos_token_ids:
         flags += ["--eos-token-id", str(tok.eos_token_ids[0])]
@@ -348,13 +336,13 @@ async def _serve_router(router: RouterCore | None, port: int, security: MeshSecu
 
 
 async def serve(config: RunConfig) -> int:
-    set_coalescing(config.coalesce)  # --no-coalesce: a property of the whole process
+    set_coalescing(config.frontend.coalesce)  # --no-coalesce: a property of the whole process
     return await serve_until_signal(
         "run",
         lambda: Mesh.start(config),
         Mesh.lines,
         service_name="meshllm",
-        otlp_endpoint=config.otlp_endpoint,
+        otlp_endpoint=config.frontend.otlp_endpoint,
     )
 
 

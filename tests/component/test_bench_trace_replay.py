@@ -25,6 +25,7 @@ from meshllm.bench.http import Endpoint
 from meshllm.bench.main import run_trace
 from meshllm.bench.replay import ReplayMode
 from meshllm.bench.trace import TraceScale, load_trace
+from meshllm.frontend.config import FrontendConfig
 from meshllm.run import Mesh, RunConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -54,7 +55,9 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def mesh() -> AsyncIterator[Mesh]:
     engine = ("--block-size", str(BLOCK), "--speedup-ratio", "20", "--num-gpu-blocks", "4096")
-    m = await Mesh.start(RunConfig(workers=1, http_port=0, router_mode="kv", engine_args=engine))
+    m = await Mesh.start(
+        RunConfig(workers=1, engine_args=engine, frontend=FrontendConfig(http_port=0, router_mode="kv")),
+    )
     yield m
     await m.aclose()
 

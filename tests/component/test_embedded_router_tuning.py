@@ -30,11 +30,11 @@ TUNED = RoutingTuning(
 
 
 def test_run_frontend_and_router_parse_the_same_tuning() -> None:
-    assert parse_run_args(FLAGS).routing == TUNED
+    assert parse_run_args(FLAGS).frontend.routing == TUNED
     assert parse_run_args(FLAGS).frontend_config().routing == TUNED
     assert FrontendConfig.from_namespace(frontend_arg_parser(env={}).parse_args(FLAGS)).routing == TUNED
     assert RouterConfig.from_namespace(router_arg_parser(env={}).parse_args(FLAGS)).tuning == TUNED
-    assert parse_run_args([]).routing == RoutingTuning()
+    assert parse_run_args([]).frontend.routing == RoutingTuning()
 
 
 def test_the_variables_set_the_embedded_cores_tuning_too() -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from meshllm.frontend.config import FrontendConfig
 from meshllm.run import Mesh, RunConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client() -> AsyncIterator[openai.AsyncOpenAI]:
-    config = RunConfig(workers=2, http_port=0, engine_args=("--speedup-ratio", "100", "--context-length", "4096"))
+    config = RunConfig(
+        workers=2, engine_args=("--speedup-ratio", "100", "--context-length", "4096"), frontend=FrontendConfig(http_port=0)
+    )
     mesh = await Mesh.start(config)
     assert mesh.frontend is not None
     async with openai.AsyncOpenAI(base_url=f"{mesh.frontend.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:

@@ -37,7 +37,12 @@ async def main() -> None:
     exporter = InMemorySpanExporter()
     setup_tracing("meshllm-trace-test", exporter=exporter)
     cfg = RunConfig(
-        workers=1, prefill_workers=1, http_port=0, router_port=0, engine="mocker", engine_args=("--speedup-ratio", "0")
+        workers=1,
+        prefill_workers=1,
+        router_port=0,
+        engine="mocker",
+        engine_args=("--speedup-ratio", "0"),
+        frontend=FrontendConfig(http_port=0),
     )
     async with await Mesh.start(cfg) as mesh:
         assert mesh.router_address is not None
