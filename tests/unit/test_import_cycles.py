@@ -107,7 +107,7 @@ def test_a_circle_through_a_lazy_or_type_only_import_is_found(tmp_path: Path) ->
         {
             "meshllm/__init__.py": "",
             "meshllm/router/__init__.py": "",
-            "meshllm/router/core.py": "from meshllm.router.stream.legs import serve\n",
+            "meshllm/router/core.py": "from meshllm.router.stream.legs import stream_request\n",
             "meshllm/router/stream/legs.py": (
                 "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from meshllm.router.core import RouterCore\n"
             ),

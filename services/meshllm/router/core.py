@@ -46,7 +46,7 @@ from meshllm.router.policy.choice import make_policy, score
 from meshllm.router.policy.decision import AttemptPlan, Decision
 from meshllm.router.policy.load import LoadTracker
 from meshllm.router.policy.timing import WorkerTimes, restore_costs
-from meshllm.router.stream.legs import serve
+from meshllm.router.stream.legs import stream_request
 from meshllm.router.sync import ReplicaSync
 from meshllm.router.workers import AGGREGATED, DECODE, PREFILL, PoolWorker, WorkerPool, role_name
 from meshllm.v1 import discovery_pb2, router_pb2
@@ -171,7 +171,7 @@ class RouterCore(AsyncCloseable):
         if not req.get("eos_token_ids") and card is not None and card.eos_token_ids:
             req["eos_token_ids"] = list(card.eos_token_ids)
         self.metrics.requests.inc()
-        return serve(self, req, call)
+        return stream_request(self, req, call)
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None

@@ -262,8 +262,8 @@ class MockerEngine(LLMEngine):
 
     # ------------------------------------------------------------ peer prefix pulls
     def pull_kv(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
-        """Serve a prefix handle from any tier of this mocker (`KvTransfers.serve`)."""
-        return self.transfers.serve(kv_handle, layout)
+        """Serve a prefix handle from any tier of this mocker (`KvTransfers.serve_prefix`)."""
+        return self.transfers.serve_prefix(kv_handle, layout)
 
     def _usage(self, seq: Sequence) -> TokenUsage:
         return {

@@ -5,7 +5,7 @@ decode leg presents the handle (`accept_handle`, on this engine), the request
 is cancelled, or `--kv-hold-timeout` passes. A peer prefix pull
 (`disagg.kv_source`) fetches the handle's pieces through the worker's
 `kv_pull`, waits the transfer's simulated time, and caches the blocks on the
-device; `serve` answers such a pull from any tier, after the blocks'
+device; `serve_prefix` answers such a pull from any tier, after the blocks'
 simulated restore time. The mocker has no KV bytes: a piece carries the
 blocks' hashes, which the puller checks.
 """
@@ -112,7 +112,7 @@ class KvTransfers:
         return transfer_seconds(tokens, cfg.kv_bytes_per_token, cfg.kv_transfer_bandwidth, cfg.speedup_ratio)
 
     # ------------------------------------------------------------ peer prefix pulls
-    async def serve(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
+    async def serve_prefix(self, kv_handle: bytes, layout: str) -> AsyncIterator[KvTransfer]:
         """Serve a prefix handle (`meshllm.protocol.kv.prefix_handle`) from any tier of this mocker.
 
         NOT_FOUND when some block of it is in no tier any more; the blocks'

@@ -1,6 +1,6 @@
 """One request's stream through the router: attempts, legs, disaggregation and migration.
 
-    serve        → one attempt after another until a terminal chunk (migration)
+    stream_request → one attempt after another until a terminal chunk (migration)
       attempt    → plan, then one aggregated leg, or a prefill leg then a decode leg
         leg      → charge load, WorkerClient.generate, release load (also on cancel)
 
@@ -21,7 +21,7 @@ terminal, a disaggregated request's first tokens (the prefill leg has no
 sink) and error terminals, after every chunk the sink was given.
 
 Cancellation: the caller closing the stream (or cancelling the task that
-iterates it) unwinds `serve` through whichever leg is running — prefill or
+iterates it) unwinds `stream_request` through whichever leg is running — prefill or
 decode — and closes its `WorkerClient.generate`, which sends the stream's
 cancel on the worker session, so that worker's engine frees the request's KV.
 """
@@ -49,11 +49,11 @@ from meshllm.router.sync import ReplicaSync
 from meshllm.router.workers import DECODE, role_name
 from meshllm.worker.client import WorkerClient
 
-__all__ = ["RoutingCore", "serve"]
+__all__ = ["RoutingCore", "stream_request"]
 
 
 class RoutingCore(RouterViews, Protocol):
-    """What a request's stream uses of its routing core (`RouterCore`, which calls `serve`): its views, and these."""
+    """What a request's stream uses of its routing core (`RouterCore`, which calls `stream_request`): its views, and these."""
 
     id: str
     leg_ids: count[int]
@@ -72,7 +72,7 @@ class RoutingCore(RouterViews, Protocol):
 log = logging.getLogger(__name__)
 
 
-def serve(core: RoutingCore, request: TokenRequest, call: CallInfo | None) -> AsyncGenerator[TokenChunk, None]:
+def stream_request(core: RoutingCore, request: TokenRequest, call: CallInfo | None) -> AsyncGenerator[TokenChunk, None]:
     """Run attempts until one ends with a terminal chunk; migrate broken ones (see migration.py).
 
     Returns `migrating`'s generator itself: no extra generator layer per chunk.
