@@ -254,9 +254,7 @@ class Mesh(AsyncCloseable):
             cfg.frontend_config(), memory_store=self.store, memory_broker=self.broker, local=self.local
         )
         self.router_server = await _serve_router(self.frontend.router, cfg.router_port, cfg.security, interval_s)
-        # One /metrics for the whole process: the frontend's, the routing core's and every worker's.
-        if self.frontend.router is not None:
-            self.frontend.metrics.include(self.frontend.router.metrics.registry)
+        # One /metrics for the whole process: the frontend's, its routing core's (Frontend does that) and every worker's.
         for w in self.workers:
             self.frontend.metrics.include(w.metrics.registry)
         assert self.frontend.registry is not None

@@ -1,4 +1,4 @@
-"""The routing core a frontend or `meshllm run` embeds takes the router's tuning flags (RoutingTuning).
+"""The routing core a frontend or `meshllm run` embeds: it takes the router's tuning flags, and serves its metrics.
 
 Locks: `meshllm run` and `meshllm frontend` parse the same nine flags as `meshllm router`, from flags and from
 `MESHLLM_*` variables; a bad value stops the command with the router's own one-line error; and the core a
@@ -17,6 +17,7 @@ from meshllm.plane.discovery.base import MemoryStore
 from meshllm.plane.events.base import MemoryBroker
 from meshllm.router.config import RouterConfig, RoutingTuning, router_arg_parser
 from meshllm.run import parse_run_args
+from meshllm.testing.mesh import scrape
 
 FLAGS = [
     "--router-temperature", "0.5", "--kv-overlap-weight", "2", "--kv-capacity-weight", "0", "--kv-wait-weight", "0.25",
@@ -64,5 +65,18 @@ async def test_a_started_frontends_embedded_core_runs_with_the_tuning() -> None:
         assert fe.router is not None
         assert fe.router.config.tuning == TUNED
         assert fe.router.migration_limit("any-model") == 5  # no card: the flag's limit
+    finally:
+        await fe.aclose()
+
+
+async def test_a_started_frontends_metrics_hold_its_embedded_cores_router_metrics() -> None:
+    config = FrontendConfig(plane=PLANE, http_port=0, grpc=ServerConfig(port=0))
+    fe = await Frontend.start(config, memory_store=MemoryStore(), memory_broker=MemoryBroker())
+    try:
+        assert fe.router is not None and fe.http is not None
+        text = await scrape("127.0.0.1", fe.http.port)
+        assert f'meshllm_router_workers{{router_id="{fe.router.id}"}} 0.0' in text, text[:2000]
+        assert "# TYPE meshllm_router_decisions_total counter" in text
+        assert text.count("# TYPE meshllm_router_workers gauge") == 1
     finally:
         await fe.aclose()

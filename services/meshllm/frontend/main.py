@@ -234,6 +234,8 @@ class Frontend(AsyncCloseable):
         )
         core = RouterCore(rc, self.discovery, self.bus, self.channels)
         self.router = core
+        if cfg.shared_metrics_dir is None:  # under --workers N each process routes on its own: not one group's view
+            self.metrics.include(core.metrics.registry)
         await core.start()
         return core
 
