@@ -162,7 +162,7 @@ async def proxied_mesh(carrier: str) -> AsyncIterator[tuple[str, list[TcpProxy]]
                              "--session-port", str(q) if carrier == "tcp" else "-1")
                 for i, (p, q) in enumerate(ports)
             ))  # fmt: skip
-            _, url = await procs.frontend()
+            _, url = await procs.frontend(workers=2)
             streams_through = proxies[1::2] if carrier == "tcp" else proxies[0::2]
             yield url, streams_through
         finally:

@@ -60,9 +60,9 @@ async def start_mesh(*worker_flags: str) -> AsyncIterator[Mesh]:
     async with EtcdServer() as etcd, NatsServer() as nats, ProcessMesh(etcd.endpoint, nats.url) as procs:
         ports = [free_port(), free_port()]
         started = await asyncio.gather(*(procs.worker(f"w{i}", "--metrics-port", str(ports[i]), *worker_flags) for i in range(2)))
-        # Round-robin: the fault needs both workers carrying streams. Under `kv`, the undisturbed run's cached
-        # prefixes decide the placement, and on a loaded machine all 16 streams went to one worker (~1 run in 4).
-        _, url = await procs.frontend("--router-mode", "round-robin")
+        # Round-robin: the fault needs both workers carrying streams, whatever the costs say. (Under `kv`, all 16
+        # went to one worker ~1 run in 4: a load sample stamped when sent, not when taken; fixed in worker/sink.py.)
+        _, url = await procs.frontend("--router-mode", "round-robin", workers=2)
         yield Mesh([p for p, _ in started], ports, url)
 
 

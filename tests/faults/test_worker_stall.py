@@ -69,7 +69,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     ):
         ports = [free_port(), free_port()]
         started = await asyncio.gather(*(procs.worker(f"w{i}", "--metrics-port", str(ports[i])) for i in range(2)))
-        frontend, url = await procs.frontend()
+        frontend, url = await procs.frontend(workers=2)  # else the undisturbed run may all go to one
         workers = [p for p, _ in started]
         try:
             yield Mesh(workers, ports, frontend, url)

@@ -59,7 +59,7 @@ async def test_the_dashboard_shows_the_mesh_and_follows_a_worker_killed(tmp_path
     ):
         await mesh.worker("w1")
         victim, _ = await mesh.worker("w2")
-        _, url = await mesh.frontend()
+        _, url = await mesh.frontend(workers=2)
         prompts = [{"model": "mocker", "prompt": f"dashboard prompt {i} " * 20, "max_tokens": 8} for i in range(8)]
         results = await asyncio.gather(*(stream_completion(url, body, timeout_s=30) for body in prompts))
         assert all(r.ok for r in results), [r.error for r in results]

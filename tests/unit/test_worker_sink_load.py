@@ -2,12 +2,15 @@
 
 Locks: the latest sample is republished after `LOAD_REFRESH_S` without one
 (an idle engine reports no change), with a fresh timestamp; closing the sink
-stops the refresh.
+stops the refresh. A sample the 100 ms throttle holds back is stamped with the
+time the engine took it, not the time it went out (a router subtracts the
+requests that ended after the stamp).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from test_worker_sink_batching import RecordingBus
@@ -37,3 +40,22 @@ async def test_an_unchanged_load_is_published_again_until_the_sink_closes(monkey
     with pytest.raises(TimeoutError):  # several refresh intervals pass: nothing more after close
         await asyncio.wait_for(bus.arrived.wait(), timeout=0.3)
     assert len(bus.published) == count
+
+
+async def test_a_held_back_sample_carries_the_time_it_was_taken() -> None:
+    bus = RecordingBus()
+    sink = WorkerSink("w1", bus, namespace="ns", component="backend")
+    sink.load(LoadMetrics(active_blocks=240, total_blocks=4096, waiting=0, running=8))
+    assert len(bus.published) == 1
+    bus.arrived.clear()
+    before = time.time()
+    sink.load(LoadMetrics(active_blocks=0, total_blocks=4096, waiting=0, running=0))  # within the interval: held
+    after = time.time()
+    assert len(bus.published) == 1
+    await asyncio.wait_for(bus.arrived.wait(), timeout=5)
+    sent_at = time.time()
+    held = bus.published[1]
+    assert isinstance(held, events_pb2.LoadSnapshot) and held.running == 0
+    assert int(before * 1000) <= held.timestamp_ms <= int(after * 1000) + 1
+    assert sent_at - after >= sink_mod.LOAD_INTERVAL_S / 2  # it really was held: the stamp is not the send time
+    sink.close()

@@ -32,6 +32,7 @@ import orjson
 from meshllm.bench.http import Connection, Endpoint, HttpError
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.testing.processes import MeshllmProcess
+from meshllm.testing.waiting import wait_until
 
 __all__ = ["MOCKER", "Completion", "ProcessMesh", "StreamSet", "metric", "report", "scrape", "stream_completion"]
 
@@ -81,13 +82,24 @@ class ProcessMesh(AsyncCloseable):
         proc = self.spawn("router", "--port", "0", *self.plane_flags(), *extra)
         return proc, await proc.address(timeout_s)
 
-    async def frontend(self, *extra: str, timeout_s: float = 60.0) -> tuple[MeshllmProcess, str]:
-        """A `meshllm frontend` (embedded routing core unless `--router-address` is in `extra`) and its HTTP base URL."""
+    async def frontend(self, *extra: str, workers: int = 0, timeout_s: float = 60.0) -> tuple[MeshllmProcess, str]:
+        """A `meshllm frontend` (embedded routing core unless `--router-address` is in `extra`) and its HTTP base URL.
+
+        With `workers`, it returns once the embedded routing core's pool holds that many workers (its
+        `meshllm_router_workers` on the frontend's /metrics): requests sent earlier may all go to the first found.
+        """
         proc = self.spawn("frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "-1",
                           *self.plane_flags(), *extra)  # fmt: skip
         line = await proc.line(timeout_s)
-        m = re.search(r"OpenAI HTTP API on (https?://\S+)/v1", line)
+        m = re.search(r"OpenAI HTTP API on (https?://([^:/]+):(\d+))/v1", line)
         assert m, line
+        if workers:
+            host, port = m[2], int(m[3])
+
+            async def pool_full() -> bool:
+                return metric(await scrape(host, port), "meshllm_router_workers") >= workers
+
+            await wait_until(pool_full, timeout_s=timeout_s, what=f"the frontend to see {workers} workers")
         return proc, m[1]
 
     async def _aclose(self) -> None:

@@ -8,6 +8,13 @@ answers `Worker.GetKvSnapshot`. Load samples are published at most every 100 ms 
 latest sample wins), and the latest again after `LOAD_REFRESH_S` without one: an
 idle engine reports no change, so a router that starts or restarts after its
 last sample would otherwise never learn its load, capacity or tiers.
+
+A sample's `timestamp_ms` is when the engine took it, not when the throttle let
+it go: a router subtracts the requests that ended after that time, and a sample
+held back up to 100 ms while its requests ended would otherwise count them for
+good (until the next sample; a burst of requests routed meanwhile all avoided
+the worker). A republished sample is stamped anew: the engine reported no
+change since.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class WorkerSink:
         self._pending: list[tuple[int, events_pb2.KvEvent]] = []
         self._pacer = FlushPacer(self._flush, KV_FLUSH_INTERVAL_S)
         self._latest_load: LoadMetrics | None = None
+        self._latest_at = 0.0  # wall-clock seconds the latest sample was taken (or last republished)
         self._load_sent_at = 0.0
         self._load_timer: asyncio.TimerHandle | None = None
         self._refresh_timer: asyncio.TimerHandle | None = None
@@ -109,7 +117,7 @@ class WorkerSink:
         self._add(dp_rank, events_pb2.KvEvent(cleared=events_pb2.AllCleared()))
 
     def load(self, metrics: LoadMetrics) -> None:
-        self._latest_load = metrics
+        self._latest_load, self._latest_at = metrics, time.time()
         if self._on_load is not None:
             self._on_load(metrics)
         if self._load_timer is not None:
@@ -173,6 +181,10 @@ class WorkerSink:
         if self._on_published is not None:
             self._on_published(len(batch.events))
 
+    def _refresh_load(self) -> None:
+        self._latest_at = time.time()
+        self._send_load()
+
     def _send_load(self) -> None:
         self._load_timer = None
         m = self._latest_load
@@ -182,7 +194,7 @@ class WorkerSink:
         if self._refresh_timer is not None:
             self._refresh_timer.cancel()
         if not self._closed:
-            self._refresh_timer = asyncio.get_running_loop().call_later(LOAD_REFRESH_S, self._send_load)
+            self._refresh_timer = asyncio.get_running_loop().call_later(LOAD_REFRESH_S, self._refresh_load)
         self._bus.publish(
             self._load_subject,
             events_pb2.LoadSnapshot(
@@ -194,7 +206,7 @@ class WorkerSink:
                 running=m.running,
                 queued_prefill_tokens=m.queued_prefill_tokens,
                 last_event_id=self.last_event_id,
-                timestamp_ms=int(time.time() * 1000),
+                timestamp_ms=int(self._latest_at * 1000),
                 tiers=[
                     events_pb2.KvTierUsage(
                         tier=_pb_tier(t.tier),
