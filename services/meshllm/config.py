@@ -32,6 +32,7 @@ __all__ = [
     "add_coalesce_arg",
     "add_plane_args",
     "add_tracing_args",
+    "doc_default",
     "env_name",
     "flag_value",
     "parse_byte_size",
@@ -61,6 +62,20 @@ def env_name(flag: str) -> str:
     return "MESHLLM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+_LINK = re.compile(r"\[([^\]]+)\]\([^)]+\)")
+
+
+def terminal_help(text: str) -> str:
+    """A flag's help as `--help` prints it: its Markdown (code spans, links) as plain text."""
+    return _LINK.sub(r"\1", text).replace("`", "")
+
+
+def doc_default(action: argparse.Action, text: str) -> argparse.Action:
+    """Say in the docs' flag tables what `action`'s default is, where its value alone does not (meshllm.flag_docs)."""
+    action.doc_default = text  # type: ignore[attr-defined]
+    return action
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """`--help` shows each option's default, "(default: 8000)", unless it has none or its help already speaks of it."""
 
@@ -86,7 +101,8 @@ class EnvArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose long options default to their `MESHLLM_*` variable.
 
     `--help` shows every option's default (`DefaultsHelpFormatter`) and its
-    variable. Errors print one line (`meshllm worker: error: ...`) and exit
+    variable. Help texts are the docs' flag tables' meanings (Markdown, which
+    `--help` prints plain; `meshllm.flag_docs` writes the tables). Errors print one line (`meshllm worker: error: ...`) and exit
     with status 2.
     """
 
@@ -106,7 +122,8 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 continue
             var = env_name(longs[0])
             if action.help is not None and action.help != argparse.SUPPRESS:
-                action.help = f"{action.help} [env {var}]"
+                action.markdown_help = action.help  # type: ignore[attr-defined]  # the docs' text (meshllm.flag_docs)
+                action.help = f"{terminal_help(action.help)} [env {var}]"
             if var not in self.env:
                 continue
             raw = self.env[var]
@@ -272,24 +289,36 @@ def _split(value: str | Sequence[str]) -> tuple[str, ...]:
 def add_plane_args(parser: EnvArgumentParser, *, default_discovery: DiscoveryKind) -> None:
     """The discovery and event flags every service shares."""
     g = parser.add_argument_group("planes")
-    g.add_argument("--namespace", default="meshllm", help="deployment namespace")
+    g.add_argument(
+        "--namespace",
+        default="meshllm",
+        help="deployment namespace: isolates meshes sharing one etcd / NATS (letters, digits, `-`, `_`)",
+    )
     g.add_argument(
         "--discovery",
         choices=[k.value for k in DiscoveryKind],
         default=default_discovery.value,
-        help="discovery backend",
+        help="`etcd`, `memory` (one process only) or `static` (no discovery; see [Static mode](#static-mode))",
     )
     g.add_argument(
-        "--etcd-endpoints", default="127.0.0.1:2379", help="comma-separated etcd host:port list (https://host:port: TLS)"
+        "--etcd-endpoints",
+        default="127.0.0.1:2379",
+        help="comma-separated etcd `host:port` list (`https://host:port` turns TLS on)",
     )
-    g.add_argument("--lease-ttl", type=float, default=10.0, help="discovery lease TTL in seconds")
     g.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=10.0,
+        help="discovery lease TTL, seconds (≥ 2): a process that dies vanishes from discovery within it",
+    )
+    events = g.add_argument(
         "--events",
         choices=[k.value for k in EventsKind],
         default=None,
-        help="event plane (default: nats with etcd, memory with memory, none with static)",
+        help="`nats`, `memory` or `none`; default `nats` with etcd, `memory` with memory, `none` with static",
     )
-    g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
+    doc_default(events, "by discovery")
+    g.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL (`nats://` or `tls://`)")
     add_etcd_args(parser.add_argument_group("etcd TLS and authentication"))
     add_nats_args(parser.add_argument_group("NATS TLS and authentication"))
 
@@ -300,16 +329,22 @@ def add_stream_args(group: Any) -> None:
         "--stream-interval-ms",
         type=float,
         default=DEFAULT_STREAM_INTERVAL_MS,
-        help="optional least time between two stream messages to one client (default 0: none; a message leaves "
-        "when the previous write has completed, with all that was made meanwhile; a stream's first chunk never waits)",
+        help=(
+            "optional least time between two stream messages to one client. 0 (default): no clock; a message leaves as soon as "
+            "the previous write to that client has completed, and what engines made meanwhile goes together in it (coalescing "
+            "by backpressure). A cap > 0 holds a session's later messages for the rest of the interval (a stream's first chunk "
+            "never waits)"
+        ),
     )
     group.add_argument(
         "--session-port",
         type=int,
         default=0,
-        help="also serve Generate sessions as length-prefixed frames on this TCP port, registered in discovery; "
-        "peers that read it stream there instead of over gRPC (same TLS and mesh token; a fraction of gRPC's CPU "
-        "per message). 0 = an ephemeral port, -1 = off (sessions on gRPC only)",
+        help="also serve Generate sessions as length-prefixed frames on this TCP port, registered in discovery as the "
+        "process's `session_address`; the routers and frontends that route to it open their sessions there "
+        "([sessions on TCP](architecture.md#generate-sessions)): a fraction of gRPC's CPU per message. Same TLS and "
+        "mesh token as the gRPC port; 0 = an ephemeral port, -1 = off (sessions on gRPC only). Open the port between "
+        "mesh processes as you do the gRPC one (give a fixed port where a firewall lists ports)",
     )
     add_coalesce_arg(group)
 
@@ -328,20 +363,24 @@ def add_coalesce_arg(group: Any) -> None:
     """`--no-coalesce` (env MESHLLM_NO_COALESCE=1), the same on every command (`meshllm.protocol.chunks`)."""
     group.add_argument(
         "--no-coalesce", action="store_true",
-        help="never merge a stream's chunks: every engine step of every stream is its own message and SSE event "
-        "(for comparisons at one event per token; costs CPU per token)",
+        help=(
+            "never merge a stream's chunks: every engine step of every stream is its own message and SSE event (for comparisons"
+            " at one event per token; costs CPU per token). Set it on every process of a mesh (the variable does that)"
+        ),
     )  # fmt: skip
 
 
 def add_tracing_args(parser: EnvArgumentParser) -> None:
     """`--otlp-endpoint`, defaulting to OpenTelemetry's own `OTEL_EXPORTER_OTLP_ENDPOINT`."""
-    parser.add_argument(
+    endpoint = parser.add_argument(
         "--otlp-endpoint",
         default=parser.env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         or ("console" if parser.env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "console" else ""),
-        help="OTLP gRPC endpoint for traces, or 'console' for one JSON line per span on stderr "
-        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else console when $OTEL_TRACES_EXPORTER=console; empty = tracing off)",
+        help="OTLP gRPC endpoint for traces, or `console` for one JSON line per span on stderr; empty = tracing off "
+        "(default: `$OTEL_EXPORTER_OTLP_ENDPOINT`, else `console` when `$OTEL_TRACES_EXPORTER` is `console`; "
+        "[Tracing](#tracing))",
     )
+    doc_default(endpoint, "`$OTEL_EXPORTER_OTLP_ENDPOINT`")
 
 
 @contextlib.contextmanager

@@ -225,23 +225,31 @@ _SECRET_HELP = "prefer the variable or the -file flag: a flag's value shows in p
 
 def add_etcd_args(group: Any) -> None:
     """etcd TLS and auth flags (an argparse group of `add_plane_args`)."""
-    group.add_argument("--etcd-ca", default="", help="CA certificate (PEM) that signed etcd's; turns TLS on")
-    group.add_argument("--etcd-cert", default="", help="client certificate (PEM) for etcd's --client-cert-auth; turns TLS on")
+    group.add_argument("--etcd-ca", default="", help="CA certificate (PEM) that signed etcd's certificate; turns TLS on")
+    group.add_argument(
+        "--etcd-cert", default="", help="client certificate and key (PEM) for etcd's `--client-cert-auth`; turn TLS on"
+    )
     group.add_argument("--etcd-key", default="", help="private key (PEM) of --etcd-cert")
-    group.add_argument("--etcd-user", default="", help="etcd user (etcd auth enabled)")
-    group.add_argument("--etcd-password", default="", help=f"password of --etcd-user ({_SECRET_HELP})")
-    group.add_argument("--etcd-password-file", default="", help="file whose first line is the etcd password")
+    group.add_argument("--etcd-user", default="", help="etcd user (etcd auth enabled); needs a password")
+    group.add_argument("--etcd-password", default="", help="its password")
+    group.add_argument("--etcd-password-file", default="", help="file whose first line is the password")
 
 
 def add_nats_args(group: Any) -> None:
     """NATS TLS and auth flags (an argparse group of `add_plane_args`)."""
-    group.add_argument("--nats-ca", default="", help="CA certificate (PEM) that signed nats-server's; turns TLS on")
-    group.add_argument("--nats-cert", default="", help="client certificate (PEM) for nats-server --tlsverify; turns TLS on")
+    group.add_argument(
+        "--nats-ca",
+        default="",
+        help="CA certificate (PEM) that signed nats-server's; turns TLS on (never falls back to plaintext)",
+    )
+    group.add_argument(
+        "--nats-cert", default="", help="client certificate and key (PEM) for nats-server `--tlsverify`; turn TLS on"
+    )
     group.add_argument("--nats-key", default="", help="private key (PEM) of --nats-cert")
-    group.add_argument("--nats-token", default="", help=f"NATS authentication token ({_SECRET_HELP})")
-    group.add_argument("--nats-token-file", default="", help="file whose first line is the NATS token")
-    group.add_argument("--nats-user", default="", help="NATS user")
-    group.add_argument("--nats-password", default="", help=f"password of --nats-user ({_SECRET_HELP})")
-    group.add_argument("--nats-password-file", default="", help="file whose first line is the NATS password")
-    group.add_argument("--nats-creds", default="", help="NATS credentials file (JWT + NKey seed, decentralised auth)")
-    group.add_argument("--nats-nkey", default="", help="file holding an NKey seed (SU...) for NATS nkey auth")
+    group.add_argument("--nats-token", default="", help="NATS token (one of token, user, creds, nkey)")
+    group.add_argument("--nats-token-file", default="", help="file whose first line is the token")
+    group.add_argument("--nats-user", default="", help="NATS user; needs a password")
+    group.add_argument("--nats-password", default="", help="its password")
+    group.add_argument("--nats-password-file", default="", help="file whose first line is the password")
+    group.add_argument("--nats-creds", default="", help="NATS credentials file (user JWT + NKey seed; decentralised auth)")
+    group.add_argument("--nats-nkey", default="", help="file holding a user NKey seed (`SU...`)")

@@ -37,6 +37,7 @@ from meshllm.config import (
     ServerConfig,
     add_coalesce_arg,
     add_tracing_args,
+    doc_default,
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
@@ -140,21 +141,35 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
         description="frontend + router + workers in one process (flags after -- go to every worker's engine)",
     )
     g = parser.add_argument_group("run")
-    g.add_argument("--workers", type=int, default=2, help="workers (decode workers when --prefill-workers > 0)")
-    g.add_argument("--prefill-workers", type=int, default=0, help="prefill workers (> 0 = disaggregated layout)")
-    g.add_argument("--engine", default="mocker", help="engine of every worker: a built-in name or module:Class")
-    g.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="routing policy")
+    g.add_argument("--workers", type=int, default=2, help="workers (decode workers when `--prefill-workers` > 0)")
+    g.add_argument("--prefill-workers", type=int, default=0, help="prefill workers; > 0 makes the layout disaggregated")
+    g.add_argument(
+        "--engine", default="mocker", help="engine of every worker: `mocker`, `sample`, `llamacpp`, `trtllm`, or `module:Class`"
+    )
+    g.add_argument(
+        "--router-mode",
+        choices=ROUTER_MODES,
+        default="kv",
+        help="routing policy: `kv`, `approximate`, `round-robin`, `random`, `least-loaded`",
+    )
     g.add_argument("--http-host", default="127.0.0.1", help="HTTP and Inference gRPC listen host")
     g.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = ephemeral)")
     g.add_argument("--grpc-port", type=int, default=0, help="Inference gRPC port (0 = ephemeral)")
-    g.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0 = ephemeral)")
-    g.add_argument("--model-path", default=None, help="HF directory or .gguf file: the model's tokenizer and template")
-    g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
-    g.add_argument("--namespace", default="meshllm", help="deployment namespace")
+    g.add_argument("--router-port", type=int, default=0, help="Router gRPC port, for grpcurl and clients (0 = ephemeral)")
+    g.add_argument(
+        "--model-path",
+        default=None,
+        help="Hugging Face directory or `.gguf` file: the model (for engines that load one), its tokenizer and chat template",
+    )
+    doc_default(g.add_argument("--model-name", default=None, help="public model name"), "the engine's")
+    g.add_argument("--namespace", default="meshllm", help="namespace of the in-memory planes")
     g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
     g.add_argument(
         "--frontend-workers", type=int, default=1,
-        help="frontend processes (only 1: the in-memory planes cannot be shared; see meshllm frontend --workers)",
+        help=(
+            "only 1: the in-memory planes of `meshllm run` cannot be shared between processes; a larger value stops startup "
+            "with one line naming `meshllm frontend --workers N` (etcd + NATS)"
+        ),
     )  # fmt: skip
     add_tuning_args(parser)
     add_output_args(parser)

@@ -52,6 +52,7 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "cli": ("*",),
     "__main__": ("*",),
     "run": ("*",),
+    "flag_docs": ("*",),
     "completion": ("*",),
     "health": ("*",),
     "certs": ("*",),

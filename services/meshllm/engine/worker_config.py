@@ -20,6 +20,7 @@ from meshllm.config import (
     add_plane_args,
     add_stream_args,
     add_tracing_args,
+    doc_default,
     server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
@@ -124,24 +125,37 @@ def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> E
         description=f"meshllm worker running the {engine} engine",
     )
     g = parser.add_argument_group("worker")
-    g.add_argument("--role", choices=[m.value for m in DisaggregationMode], default="agg", help="worker role")
+    g.add_argument(
+        "--role", choices=[m.value for m in DisaggregationMode], default="agg", help="`agg` (aggregated), `prefill` or `decode`"
+    )
     g.add_argument("--component", default="worker", help="discovery component name")
     g.add_argument("--endpoint", default="generate", help="discovery endpoint name")
-    g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC (and metrics) listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
     add_stream_args(g)
-    g.add_argument("--advertise-host", default="", help="host registered in discovery (default: --host, or the hostname)")
-    g.add_argument("--static", action="store_true", help="do not register in discovery")
-    g.add_argument("--instance-id", default="", help="instance id (default: random)")
-    g.add_argument("--model-name", default=None, help="public model name (default: the engine's)")
-    g.add_argument("--migration-limit", type=int, default=3, help="migrations allowed per request")
-    g.add_argument("--health-check-payload", default="", help='canary request JSON, e.g. {"token_ids": [1, 2]}')
+    doc_default(g.add_argument("--advertise-host", default="", help="host registered in discovery"), "`--host`, or the hostname")
+    g.add_argument("--static", action="store_true", help="do not register in discovery ([static mode](#static-mode))")
+    doc_default(g.add_argument("--instance-id", default="", help="instance id"), "random")
+    doc_default(g.add_argument("--model-name", default=None, help="public model name"), "the engine's")
+    g.add_argument("--migration-limit", type=int, default=3, help="migrations allowed per request (published in the model card)")
+    doc_default(
+        g.add_argument("--health-check-payload", default="", help='canary request JSON, e.g. `{"token_ids": [1, 2]}`'),
+        "a tiny prompt",
+    )
     g.add_argument("--health-check-interval", type=float, default=10.0, help="idle seconds between canaries")
-    g.add_argument("--grace-period", type=float, default=1.0, help="seconds between unregistering and refusing requests")
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="max seconds to wait for in-flight requests")
-    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
-    g.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
+    g.add_argument("--grace-period", type=float, default=1.0, help="seconds between unregistering and refusing new requests")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="most seconds to wait for in-flight requests at shutdown")
+    doc_default(g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port"), "off")
+    g.add_argument(
+        "--validate-streams", action="store_true", help="check every engine stream against the contract (engine development)"
+    )
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
-    add_security_args(parser)
+    add_security_args(
+        parser,
+        tls="TLS on the Worker gRPC server and on KV pulls from other workers",
+        tls_ca="callers need a certificate from it",
+        mesh_token="shared secret of the mesh: Worker calls (Generate, Abort, Drain, ClearKvBlocks, GetKvSnapshot, "
+        "PullKv, ...) without it are refused (UNAUTHENTICATED)",
+    )
     add_tracing_args(parser)
     return parser

@@ -28,6 +28,7 @@ from meshllm.config import (
     add_coalesce_arg,
     add_plane_args,
     add_tracing_args,
+    doc_default,
     parse_host_port,
 )
 from meshllm.frontend.http.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
@@ -246,21 +247,30 @@ def add_output_args(parser: EnvArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI output parsing and strictness")
     g.add_argument(
         "--tool-call-parser", default="auto",
-        help=f"tool-call format: {', '.join(TOOL_PARSERS)}, auto (worker card, then chat template) or none; "
-        "one for every model or MODEL=NAME,...",
+        help=(
+            "tool-call format of the models' output: `hermes`, `qwen`, `llama3_json`, `mistral`, `pythonic`, `json`, `auto` "
+            "(the worker's model card, then the chat template) or `none`; one name for every model or `MODEL=NAME,...` ([tool "
+            "calls](frontend.md#tool-calls))"
+        ),
     )  # fmt: skip
     g.add_argument(
         "--reasoning-parser", default="auto",
-        help=f"<think> reasoning split into reasoning_content: {', '.join(REASONING_PARSERS)}, auto (card, then "
-        "template) or none; one for every model or MODEL=NAME,...",
+        help=(
+            "`<think>` text into `reasoning_content`: `qwen3`, `deepseek_r1`, `auto` (card, then a template that mentions "
+            "`<think>`) or `none`; one or `MODEL=NAME,...` ([reasoning](frontend.md#reasoning))"
+        ),
     )  # fmt: skip
     g.add_argument(
         "--strict-params", action="store_true",
-        help="refuse request fields the API does not know with OpenAI's 400 (default: accept them and name every "
-        "ignored field in the x-meshllm-ignored-params response header)",
+        help=(
+            "refuse unknown request fields with OpenAI's 400 `Unrecognized request argument supplied: X`; off: accept them and "
+            "name every field without effect in the `x-meshllm-ignored-params` response header "
+            "([strictness](frontend.md#strictness-and-ignored-fields))"
+        ),
     )  # fmt: skip
 
 
+# size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)
 def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "meshllm frontend") -> EnvArgumentParser:
     """Every `meshllm frontend` flag (defaults from `MESHLLM_*`, `os.environ` unless `env` is given)."""
     parser = EnvArgumentParser(
@@ -273,40 +283,70 @@ def frontend_arg_parser(*, env: Mapping[str, str] | None = None, prog: str = "me
     g.add_argument("--http-port", type=int, default=8000, help="HTTP listen port (0 = ephemeral)")
     g.add_argument("--grpc-host", default="0.0.0.0", help="Inference gRPC listen host")
     g.add_argument("--grpc-port", type=int, default=0, help="Inference gRPC port (0 = ephemeral, -1 = off)")
-    g.add_argument("--router-address", default="", help="router replicas host:port[,...] (default: embed the routing core)")
+    g.add_argument(
+        "--router-address", default="", help="router replicas `host:port[,...]`; empty = embed the routing core in the frontend"
+    )
     g.add_argument(
         "--router-wait-s", type=float, default=DEFAULT_ROUTER_WAIT_S,
-        help="seconds a request waits for a router replica to be reachable (restart) before 503",
+        help="seconds a request waits while no router replica can be reached (a restart) before a 503, 0..3600",
     )  # fmt: skip
-    g.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="policy of the embedded routing core")
-    g.add_argument("--max-inflight", type=int, default=4096, help="requests in flight before 429 (0 = unlimited)")
-    g.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds sent with 429")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
+    g.add_argument(
+        "--router-mode",
+        choices=ROUTER_MODES,
+        default="kv",
+        help="policy of the embedded routing core (ignored with `--router-address`)",
+    )
+    g.add_argument(
+        "--max-inflight", type=int, default=4096, help="requests in flight before 429 with `Retry-After` (0 = unlimited)"
+    )
+    g.add_argument("--retry-after", type=float, default=1.0, help="seconds sent in `Retry-After` with a 429")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted (413 beyond)")
     g.add_argument("--model-name", default=None, help="serve this model name (static mode: required)")
-    g.add_argument("--model-path", default=None, help="HF directory or .gguf file: tokenizer and chat template")
-    g.add_argument("--tokenizer-cache-dir", default="", help="where fetched/converted tokenizers are cached")
+    g.add_argument(
+        "--model-path",
+        default=None,
+        help="HF directory or `.gguf` file: tokenizer and chat template, overriding the model card's",
+    )
+    doc_default(
+        g.add_argument("--tokenizer-cache-dir", default="", help="where fetched / converted tokenizers are cached"),
+        "per-user cache",
+    )
     g.add_argument(
         "--api-client-certs", choices=("required", "none"), default="required",
-        help="with --tls-ca: whether the HTTP and Inference APIs require client certificates (none = API keys only)",
+        help=(
+            "with `--tls-ca`: `required` = the HTTP and Inference APIs want a client certificate from the CA too; `none` = "
+            "public clients need only TLS (and an API key), while the calls to routers and workers stay mTLS"
+        ),
     )  # fmt: skip
     g.add_argument(
         "--frontend-workers", "--workers", dest="workers", type=int, default=1,
-        help="frontend processes serving the same HTTP and gRPC ports (SO_REUSEPORT), each with its own routing core",
+        help="frontend processes on the same HTTP and gRPC ports (`SO_REUSEPORT`), each with its own routing core, "
+        "1..256 ([several processes](frontend.md#several-processes---workers-n))",
     )  # fmt: skip
     g.add_argument(
         "--http-header-timeout", type=float, default=10.0,
-        help="seconds a client has to send a request's headers (slow clients are answered 408 and closed)",
+        help="seconds a client has to send a request's headers (408 and close beyond), 0..3600",
     )  # fmt: skip
-    g.add_argument("--http-body-timeout", type=float, default=30.0, help="seconds a client has to send a request body (408)")
+    g.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request body (408 and close beyond), 0..3600",
+    )
     add_output_args(parser)
     add_coalesce_arg(parser)
     add_api_key_args(parser)
     add_tuning_args(parser)
     add_liveness_args(parser, health=True)
     s = parser.add_argument_group("static mode (no etcd, no NATS)")
-    s.add_argument("--static-endpoint", default="", help="namespace.component.endpoint of the workers")
-    s.add_argument("--static-workers", default=None, help="comma-separated worker host:port list")
+    s.add_argument("--static-endpoint", default="", help="static mode: `namespace.component.endpoint` of the workers")
+    s.add_argument("--static-workers", default=None, help="static mode: comma-separated worker `host:port` list")
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
-    add_security_args(parser)
+    add_security_args(
+        parser,
+        tls="HTTPS on the HTTP API, TLS on the Inference gRPC API and on the calls to routers and workers",
+        tls_ca="both APIs require a client certificate from it; routers and workers are verified against it",
+        mesh_token="the mesh token sent to routers and workers",
+    )
     add_tracing_args(parser)
     return parser

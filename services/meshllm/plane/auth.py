@@ -101,15 +101,22 @@ class MeshSecurity:
         return cls(tls=TlsConfig.from_values(ns.tls_cert, ns.tls_key, ns.tls_ca), token=token)
 
 
-def add_security_args(parser: EnvArgumentParser | argparse.ArgumentParser) -> None:
-    """The TLS and mesh-token flags every gRPC service shares."""
+def add_security_args(
+    parser: EnvArgumentParser | argparse.ArgumentParser,
+    *,
+    tls: str = "TLS on every gRPC server and client of this process",
+    tls_ca: str = "clients need a certificate from it; servers are verified against it",
+    mesh_token: str = "shared secret of the mesh: internal RPCs without it are refused",
+) -> None:
+    """The TLS and mesh-token flags every gRPC service shares; each says what they cover on it (the docs' meanings)."""
     g = parser.add_argument_group("security")
-    g.add_argument("--tls-cert", default="", help="PEM certificate: TLS on every gRPC server and client of this process")
-    g.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     g.add_argument(
-        "--tls-ca", default="", help="PEM CA bundle: mTLS (client certificates from it required; servers verified with it)"
-    )
-    g.add_argument("--mesh-token", default="", help="shared secret mesh peers send; internal RPCs without it are refused")
+        "--tls-cert", default="",
+        help=f"PEM certificate and key: {tls}; reloaded when the files change ([security.md](security.md#tls-and-mtls))",
+    )  # fmt: skip
+    g.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default="", help=f"PEM CA bundle: mutual TLS — {tls_ca}")
+    g.add_argument("--mesh-token", default="", help=f"{mesh_token} ([security.md](security.md#control-rpcs))")
     g.add_argument("--mesh-token-file", default="", help="file holding the mesh token (instead of --mesh-token)")
 
 

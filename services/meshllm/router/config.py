@@ -25,6 +25,7 @@ from meshllm.config import (
     add_plane_args,
     add_stream_args,
     add_tracing_args,
+    doc_default,
     parse_host_port,
     server_config,
 )
@@ -108,39 +109,68 @@ class RoutingTuning:
         )
 
 
+# size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)
 def add_tuning_args(parser: argparse.ArgumentParser) -> None:
     """The routing core's tuning flags (`RoutingTuning`): on `meshllm router`, and on `meshllm frontend` and
     `meshllm run` for the core they embed."""
     g = parser.add_argument_group("routing")
-    g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost; > 0 = softmax sampling")
-    g.add_argument("--kv-overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the kv cost")
+    g.add_argument("--router-temperature", type=float, default=0.0, help="0 = lowest cost wins; > 0 = sample softmax(−cost / T)")
+    g.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=1.0,
+        help=(
+            "weight of prefill blocks in the cost `overlap_weight × prefill_blocks + decode_blocks + capacity_weight × "
+            "(pressure + evicted_hot_blocks)`"
+        ),
+    )
     g.add_argument(
         "--kv-capacity-weight",
         type=float,
         default=1.0,
-        help="weight of cache pressure and evicted reused blocks in the kv cost (0 = ignore cache capacity)",
+        help=(
+            "weight of the capacity terms: cache pressure and evicted reused blocks (0 = ignore capacity; [routing](routing.md))"
+        ),
     )
     g.add_argument(
         "--kv-wait-weight",
         type=float,
         default=1.0,
-        help="weight of the measured wait behind a busy worker's running requests in the kv cost (0 = ignore it)",
+        help=(
+            "weight of the measured wait behind a busy worker's running requests, in prefill blocks (0 = ignore it; "
+            "[routing](routing.md))"
+        ),
     )
     g.add_argument("--router-ttl", type=float, default=120.0, help="approximate mode: seconds a routed prompt counts as cached")
-    g.add_argument("--migration-limit", type=int, default=3, help="times a broken stream may move to another worker")
-    g.add_argument("--disagg-min-prompt-tokens", type=int, default=0, help="shorter prompts are prefilled on the decode worker")
+    g.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a broken stream may move to another worker (the model card's limit applies when lower)",
+    )
+    g.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="shorter prompts are prefilled on the decode worker (no remote prefill)",
+    )
     g.add_argument(
         "--disagg-max-local-hit",
         type=float,
         default=0.9,
-        help="skip remote prefill when the decode worker caches (device or lower tiers) at least this fraction of the prompt",
+        help=(
+            "skip remote prefill when the decode worker already caches (on its device or in its own lower KV tiers) at least "
+            "this fraction of the prompt"
+        ),
     )
     g.add_argument(
         "--kv-pull-gbps",
         type=float,
         default=0.0,
-        help="assumed GB/s of a peer KV pull: a prefill leg pulls a prompt prefix another worker holds (device or "
-        "lower tier) when restore + transfer beats recomputing it (0 = never)",
+        help=(
+            "assumed GB/s of a peer KV pull: a prefill leg pulls a prompt prefix another worker holds (device or lower tier) "
+            "through `PullKv` when restore + transfer beats recomputing it (0 = never; [routing](routing.md#peer-prefix-pulls))"
+        ),
     )
 
 
@@ -251,20 +281,37 @@ def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentPar
         description="KV-aware router: routes, disaggregates, proxies and migrates generation streams",
     )
     g = parser.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1", help="gRPC listen host")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC (and metrics) listen host")
     g.add_argument("--port", type=int, default=0, help="gRPC listen port (0 = ephemeral)")
     add_stream_args(g)
-    g.add_argument("--router-mode", choices=[m.value for m in RouterMode], default="kv", help="routing policy")
-    g.add_argument("--static-endpoint", default="", help="static mode: namespace.component.endpoint of the workers")
-    g.add_argument("--static-workers", default="", help="static mode: comma-separated worker host:port list")
+    g.add_argument(
+        "--router-mode",
+        choices=[m.value for m in RouterMode],
+        default="kv",
+        help=(
+            "routing policy: `kv` (KV overlap + load, fed by KV events), `approximate` (no events: what was routed counts as "
+            "cached for `--router-ttl`), `round-robin`, `random`, `least-loaded`"
+        ),
+    )
+    g.add_argument("--static-endpoint", default="", help="static mode: `namespace.component.endpoint` of the workers")
+    g.add_argument("--static-workers", default="", help="static mode: comma-separated worker `host:port` list")
     g.add_argument("--model-name", default=None, help="static mode: the model the workers serve")
-    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port")
-    g.add_argument("--router-id", default="", help="replica id shared with other routers (default: random)")
-    g.add_argument("--component", default="router", help="discovery component / replica-sync subject of this router")
+    doc_default(g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port"), "off")
+    doc_default(g.add_argument("--router-id", default="", help="this replica's id in discovery and in replica sync"), "random")
+    g.add_argument(
+        "--component",
+        default="router",
+        help="discovery component, and the replica-sync subject `meshllm.<ns>.router.<component>`",
+    )
     add_tuning_args(parser)
     add_liveness_args(parser, health=True)
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
-    add_security_args(parser)
+    add_security_args(
+        parser,
+        tls="TLS on the Router gRPC server and on the calls to workers",
+        tls_ca="clients need a certificate from it; workers are verified against it",
+        mesh_token="shared secret of the mesh: Router calls without it are refused (UNAUTHENTICATED), and it is sent to workers",
+    )
     add_tracing_args(parser)
     return parser
 
@@ -297,8 +344,9 @@ def add_liveness_args(parser: argparse.ArgumentParser, *, health: bool) -> None:
     g = parser.add_argument_group("stall detection")
     g.add_argument(
         "--stall-timeout", type=float, default=3.0,
-        help="seconds a Generate session with open streams may send nothing (not even a heartbeat) before its streams "
-        "fail over (at least 5 of its observed steps)",
+        help="seconds a Generate session with open streams (a frontend's to a router, a routing core's to a worker) may "
+        "send nothing, not even a heartbeat, before its streams fail over; at least 5 of the session's observed steps; "
+        "1..3600 ([stall detection](reliability.md#stall-detection))",
     )  # fmt: skip
     g.add_argument(
         "--stream-stall-timeout", type=float, default=30.0,
@@ -307,6 +355,9 @@ def add_liveness_args(parser: argparse.ArgumentParser, *, health: bool) -> None:
     if health:
         g.add_argument(
             "--worker-health-interval", type=float, default=1.0,
-            help="seconds between health checks of each worker; a failed one takes it out of routing (0 = none)",
+            help="routing core: seconds between `grpc.health.v1` checks of each worker; a failed check takes the worker "
+            "out of routing until one succeeds (0 = none)",
         )  # fmt: skip
-        g.add_argument("--worker-health-timeout", type=float, default=2.0, help="seconds a worker health check may take")
+        g.add_argument(
+            "--worker-health-timeout", type=float, default=2.0, help="routing core: seconds a worker health check may take"
+        )

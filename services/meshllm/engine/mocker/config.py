@@ -144,7 +144,7 @@ def add_mocker_args(parser: EnvArgumentParser) -> None:
     g = parser.add_argument_group("mocker")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks in the simulated cache")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences running in one step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="new tokens per step (chunked prefill budget)")
     g.add_argument(
         "--enable-prefix-caching",
@@ -159,23 +159,23 @@ def add_mocker_args(parser: EnvArgumentParser) -> None:
         "--kv-bytes-per-token",
         type=int,
         default=DEFAULT_KV_BYTES_PER_TOKEN,
-        help="KV bytes per token (default: an fp16 Llama-3-8B)",
+        help="KV bytes per token (an fp16 Llama-3-8B)",
     )
     g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill result's KV is held for its decode leg")
     g.add_argument(
         "--kv-host-bytes",
         type=parse_byte_size,
         default=0,
-        help="byte budget of the host-memory KV tier that device evictions move to, e.g. 64GiB (0 = no host tier)",
+        help="byte budget of the host-memory KV tier device evictions move to, e.g. `64GiB` (0 = none)",
     )
     g.add_argument(
         "--kv-disk-bytes",
         type=parse_byte_size,
         default=0,
-        help="byte budget of the disk KV tier that host evictions move to, e.g. 1TB (0 = no disk tier)",
+        help="byte budget of the disk KV tier host evictions move to, e.g. `1TB` (0 = none)",
     )
-    g.add_argument("--kv-host-bandwidth", type=float, default=DEFAULT_KV_HOST_BANDWIDTH, help="host -> device restore GB/s")
-    g.add_argument("--kv-disk-bandwidth", type=float, default=DEFAULT_KV_DISK_BANDWIDTH, help="disk -> device restore GB/s")
-    g.add_argument("--context-length", type=int, default=8192, help="max prompt + output tokens")
-    g.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn from [0, vocab-size)")
+    g.add_argument("--kv-host-bandwidth", type=float, default=DEFAULT_KV_HOST_BANDWIDTH, help="host → device restore GB/s")
+    g.add_argument("--kv-disk-bandwidth", type=float, default=DEFAULT_KV_DISK_BANDWIDTH, help="disk → device restore GB/s")
+    g.add_argument("--context-length", type=int, default=8192, help="most prompt + output tokens")
+    g.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn from `[0, vocab-size)`")
     g.add_argument("--eos-token-id", type=int, default=2, help="the model's EOS token id")

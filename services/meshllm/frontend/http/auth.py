@@ -238,13 +238,16 @@ def add_api_key_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("API keys (docs/security.md)")
     g.add_argument(
         "--api-keys", default="",
-        help="comma-separated KEY or ID:KEY entries clients must send as Authorization: Bearer KEY "
-        "(prefer the variable or a file: flags show in ps)",
+        help=(
+            "comma-separated `KEY` or `ID:KEY` entries; with any key set, the HTTP API (but `/health`, `/live`, `/metrics`, the"
+            " `/dashboard` page and its data) and the Inference gRPC API need `Authorization: Bearer KEY` "
+            "([security.md](security.md#frontend-api-keys))"
+        ),
     )  # fmt: skip
-    g.add_argument("--api-keys-file", default="", help="file of API keys: one KEY or ID:KEY a line, # comments")
+    g.add_argument("--api-keys-file", default="", help="file of API keys: one `KEY` or `ID:KEY` a line, `#` comments")
     g.add_argument(
         "--open-metrics", action="store_true",
-        help="serve /metrics, /dashboard and /dashboard/state without an API key (default with keys set: they need one)",
+        help="with API keys set, serve `/metrics`, `/dashboard` and `/dashboard/state` without a key (by default they need one)",
     )  # fmt: skip
 
 
