@@ -191,6 +191,11 @@ def _engine(name: str) -> Callable[[], Awaitable[argparse.ArgumentParser]]:
     return parser
 
 
+def _worker_flags(engine: str) -> Callable[[], argparse.ArgumentParser]:
+    """The worker's own flags, which an engine's table leaves out."""
+    return lambda: worker_arg_parser(engine, env={})
+
+
 PLANES = ("planes",)
 CREDENTIALS = ("etcd TLS and authentication", "NATS TLS and authentication")
 AS_ROUTER = "as on `meshllm router`"
@@ -242,8 +247,12 @@ TABLES: dict[str, Table] = {
     ),
     "router": Table("docs/operations.md", _now(lambda: router_arg_parser(env={})), skip_groups=(*PLANES, *CREDENTIALS)),
     "worker": Table("docs/operations.md", _now(lambda: worker_arg_parser("mocker", env={})), skip_groups=(*PLANES, *CREDENTIALS)),
-    "mocker": Table("docs/operations.md", _engine("mocker"), without=lambda: worker_arg_parser("mocker", env={})),
-    "sample": Table("docs/operations.md", _engine("sample"), without=lambda: worker_arg_parser("sample", env={})),
+    "mocker": Table("docs/operations.md", _engine("mocker"), without=_worker_flags("mocker")),
+    "sample": Table("docs/operations.md", _engine("sample"), without=_worker_flags("sample")),
+    **{
+        name: Table(f"docs/engines/{name}.md", _engine(name), without=_worker_flags(name))
+        for name in ("llamacpp", "vllm", "trtllm")
+    },
 }
 
 

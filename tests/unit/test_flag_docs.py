@@ -27,9 +27,8 @@ async def test_every_flag_table_in_the_docs_is_what_the_parsers_say() -> None:
 
 
 async def test_a_stale_table_is_found_and_rewritten(tmp_path: Path) -> None:
-    (tmp_path / "docs").mkdir()
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
     doc = tmp_path / "docs" / "operations.md"
-    shutil.copy(ROOT / "docs" / "operations.md", doc)
     good = doc.read_text()
     row = "| `--router-ttl` | `MESHLLM_ROUTER_TTL` | `120.0` |"
     assert row in good
@@ -42,7 +41,7 @@ async def test_a_stale_table_is_found_and_rewritten(tmp_path: Path) -> None:
 
 
 async def test_a_doc_without_a_tables_marker_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "docs").mkdir()
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
     text = (ROOT / "docs" / "operations.md").read_text().replace("<!-- flags: sample -->", "")
     (tmp_path / "docs" / "operations.md").write_text(text)
     with pytest.raises(KeyError, match="sample"):

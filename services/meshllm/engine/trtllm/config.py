@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default
 from meshllm.engine.base import DisaggregationMode
 
 __all__ = [
@@ -62,14 +62,39 @@ _KV_CACHE = {
 def add_trtllm_args(parser: EnvArgumentParser) -> None:
     """The trtllm engine's flags (`--model-name` is a common worker flag)."""
     g = parser.add_argument_group("trtllm engine")
-    g.add_argument("--model-path", default=None, help="Hugging Face model directory (or hub id)")
-    g.add_argument("--extra-engine-args", default=None, help="YAML file of extra tensorrt_llm.LLM arguments")
-    g.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs per model replica")
-    g.add_argument("--max-batch-size", type=int, default=None, help="max requests scheduled together")
-    g.add_argument("--max-num-tokens", type=int, default=None, help="max tokens in one engine iteration")
-    g.add_argument("--max-seq-len", type=int, default=None, help="max prompt + output tokens per request")
-    g.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block (kv_cache_config.tokens_per_block)")
-    g.add_argument("--free-gpu-memory-fraction", type=float, default=None, help="share of free GPU memory for the KV cache")
+    doc_default(
+        g.add_argument(
+            "--model-path", default=None, help="Hugging Face model directory (a hub id also works; TensorRT-LLM downloads it)"
+        ),
+        "required",
+    )
+    g.add_argument("--extra-engine-args", default=None, help="YAML file of extra `tensorrt_llm.LLM` arguments (below)")
+    doc_default(
+        g.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs per model replica"), "TensorRT-LLM's (1)"
+    )
+    doc_default(g.add_argument("--max-batch-size", type=int, default=None, help="requests scheduled together"), "TensorRT-LLM's")
+    doc_default(g.add_argument("--max-num-tokens", type=int, default=None, help="tokens per engine iteration"), "TensorRT-LLM's")
+    doc_default(
+        g.add_argument(
+            "--max-seq-len", type=int, default=None, help="prompt + output tokens per request (reported as the context length)"
+        ),
+        "the model's",
+    )
+    doc_default(
+        g.add_argument(
+            "--kv-block-size",
+            type=int,
+            default=None,
+            help="tokens per KV block: `kv_cache_config.tokens_per_block`, and the router's hashing unit",
+        ),
+        "TensorRT-LLM's (32)",
+    )
+    doc_default(
+        g.add_argument(
+            "--free-gpu-memory-fraction", type=float, default=None, help="share of free GPU memory given to the KV cache"
+        ),
+        "TensorRT-LLM's (0.9)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

