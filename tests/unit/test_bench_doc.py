@@ -29,3 +29,22 @@ def test_no_bench_script_shadows_an_installed_package() -> None:
     installed = set(importlib.metadata.packages_distributions())
     shadows = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "bench").glob("*.py") if p.stem in installed)
     assert not shadows, f"bench scripts named like installed packages: {shadows}"
+
+
+def test_every_section_of_the_benchmarks_doc_names_a_bench_script_that_exists() -> None:
+    """Locks: a reader of docs/benchmarks.md can rerun what they read: each `## ` section names the bench/ script
+    (the scenario) that wrote it, and that script is still there."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "benchmarks.md").read_text()
+    sections = re.split(r"(?m)^## ", text)[1:]
+    assert len(sections) > 20
+    problems = []
+    for section in sections:
+        title = section.splitlines()[0]
+        scripts = set(re.findall(r"\bbench/[\w/]+\.py\b", section))
+        if not scripts:
+            problems.append(f"{title}: names no bench/ script")
+        problems += [f"{title}: {s} is gone" for s in sorted(scripts) if not (root / s).is_file()]
+    assert not problems, problems
