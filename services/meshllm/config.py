@@ -101,9 +101,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose long options default to their `MESHLLM_*` variable.
 
     `--help` shows every option's default (`DefaultsHelpFormatter`) and its
-    variable. Help texts are the docs' flag tables' meanings (Markdown, which
-    `--help` prints plain; `meshllm.flag_docs` writes the tables). Errors print one line (`meshllm worker: error: ...`) and exit
-    with status 2.
+    variable. Help texts are the meanings in the docs' flag tables (Markdown,
+    which `--help` prints plain; `meshllm.flag_docs` writes the tables).
+    Errors print one line (`meshllm worker: error: ...`) and exit with status 2.
     """
 
     def __init__(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:

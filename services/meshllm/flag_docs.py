@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from meshllm.frontend.config import frontend_arg_parser
 from meshllm.router.config import router_arg_parser
 from meshllm.run import run_arg_parser
 
-__all__ = ["TABLES", "Collapsed", "Table", "render", "rewrite", "table"]
+__all__ = ["TABLES", "Collapsed", "Table", "engine_parser", "plane_parser", "render", "rewrite", "table"]
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "| flag | variable | default | meaning |\n|---|---|---|---|"
@@ -70,7 +71,7 @@ def _default(action: argparse.Action) -> str:
     if said is not None:
         return str(said)
     value = action.default
-    if isinstance(action, argparse.BooleanOptionalAction) or isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
         return "on" if value else "off"
     if value is None or value == "":
         return "—"
@@ -147,13 +148,14 @@ def render(text: str, tables: dict[str, str]) -> str:
 # ---------------------------------------------------------------- the tables
 
 
-def _plane_parser() -> argparse.ArgumentParser:
+def plane_parser() -> argparse.ArgumentParser:
+    """The discovery and event flags every service shares, alone."""
     parser = EnvArgumentParser(env={})
     add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
     return parser
 
 
-async def _engine_parser(name: str) -> argparse.ArgumentParser:
+async def engine_parser(name: str) -> argparse.ArgumentParser:
     """The parser an engine's `from_args` builds (taken at its `parse_args`, before it parses anything)."""
     captured: list[argparse.ArgumentParser] = []
 
@@ -184,13 +186,6 @@ def _now(make: Callable[[], argparse.ArgumentParser]) -> Callable[[], Awaitable[
     return parser
 
 
-def _engine(name: str) -> Callable[[], Awaitable[argparse.ArgumentParser]]:
-    async def parser() -> argparse.ArgumentParser:
-        return await _engine_parser(name)
-
-    return parser
-
-
 def _worker_flags(engine: str) -> Callable[[], argparse.ArgumentParser]:
     """The worker's own flags, which an engine's table leaves out."""
     return lambda: worker_arg_parser(engine, env={})
@@ -201,8 +196,8 @@ CREDENTIALS = ("etcd TLS and authentication", "NATS TLS and authentication")
 AS_ROUTER = "as on `meshllm router`"
 AS_FRONTEND = "as for `meshllm frontend`"
 TABLES: dict[str, Table] = {
-    "planes": Table("docs/operations.md", _now(_plane_parser), groups=PLANES),
-    "plane-credentials": Table("docs/operations.md", _now(_plane_parser), groups=CREDENTIALS),
+    "planes": Table("docs/operations.md", _now(plane_parser), groups=PLANES),
+    "plane-credentials": Table("docs/operations.md", _now(plane_parser), groups=CREDENTIALS),
     "run": Table(
         "docs/operations.md",
         _now(lambda: run_arg_parser(env={})),
@@ -247,10 +242,10 @@ TABLES: dict[str, Table] = {
     ),
     "router": Table("docs/operations.md", _now(lambda: router_arg_parser(env={})), skip_groups=(*PLANES, *CREDENTIALS)),
     "worker": Table("docs/operations.md", _now(lambda: worker_arg_parser("mocker", env={})), skip_groups=(*PLANES, *CREDENTIALS)),
-    "mocker": Table("docs/operations.md", _engine("mocker"), without=_worker_flags("mocker")),
-    "sample": Table("docs/operations.md", _engine("sample"), without=_worker_flags("sample")),
+    "mocker": Table("docs/operations.md", functools.partial(engine_parser, "mocker"), without=_worker_flags("mocker")),
+    "sample": Table("docs/operations.md", functools.partial(engine_parser, "sample"), without=_worker_flags("sample")),
     **{
-        name: Table(f"docs/engines/{name}.md", _engine(name), without=_worker_flags(name))
+        name: Table(f"docs/engines/{name}.md", functools.partial(engine_parser, name), without=_worker_flags(name))
         for name in ("llamacpp", "vllm", "trtllm")
     },
 }

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.config import DiscoveryKind, EnvArgumentParser, add_plane_args, env_name
-from meshllm.engine import load_engine_class
+from meshllm.config import env_name
 from meshllm.engine.worker_config import worker_arg_parser
+from meshllm.flag_docs import engine_parser, plane_parser
 from meshllm.frontend.config import frontend_arg_parser
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.router.config import router_arg_parser
@@ -56,31 +56,6 @@ def options(parser: argparse.ArgumentParser, *, without: argparse.ArgumentParser
     return found
 
 
-def plane_parser() -> EnvArgumentParser:
-    parser = EnvArgumentParser(env={})
-    add_plane_args(parser, default_discovery=DiscoveryKind.ETCD)
-    return parser
-
-
-class _Captured(Exception):
-    pass
-
-
-async def engine_parser(name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
-    """The parser an engine's `from_args` builds (captured at `parse_args`, before it parses anything)."""
-    captured: list[argparse.ArgumentParser] = []
-
-    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        captured.append(self)
-        raise _Captured
-
-    monkeypatch.setattr(EnvArgumentParser, "parse_args", capture)
-    with pytest.raises(_Captured):
-        await load_engine_class(name).from_args([])
-    monkeypatch.undo()
-    return captured[0]
-
-
 def missing(found: list[list[str]], *headings: str) -> list[str]:
     """Options (or their variables) that none of `headings`' sections mention."""
     docs = sections()
@@ -115,8 +90,8 @@ def test_the_worker_engine_flag_is_documented() -> None:
 
 
 @pytest.mark.parametrize("engine", ["mocker", "sample"])
-async def test_every_engine_flag_is_documented_in_the_engines_section(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = await engine_parser(engine, monkeypatch)
+async def test_every_engine_flag_is_documented_in_the_engines_section(engine: str) -> None:
+    parser = await engine_parser(engine)
     own = options(parser, without=worker_arg_parser(engine, env={}))
     assert own, f"{engine} adds no flags of its own?"
     assert not missing(own, f"#### `{engine}` engine flags")
