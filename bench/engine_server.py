@@ -34,22 +34,19 @@ import importlib.util
 import math
 import os
 import random
-import re
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-from benchdoc import publish
-from mesh_cpu import CpuMeter
-from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
+from harness.cpu import CpuMeter
+from harness.doc import publish
+from harness.probes import until_models
+from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
+from harness.servers import free_port, ready_url, rotated, server_process, serving_address
 
 from meshllm.bench.http import Endpoint
 from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
@@ -91,29 +88,7 @@ WORKLOADS = (
 class Running:
     url: str
     pids: dict[str, int]
-    alone: tuple[str, ...] = ()  # names of `pids` counted without their children (mesh_cpu.CpuMeter)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _models(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
-            return resp.status == 200 and bool(orjson.loads(resp.read()).get("data"))
-    except OSError:
-        return False
-
-
-async def until_models(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(_models, url):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} serves no model after {timeout_s:g}s")
-        await asyncio.sleep(0.2)  # a server starting up: poll, bounded by the deadline
+    alone: tuple[str, ...] = ()  # names of `pids` counted without their children (harness.cpu.CpuMeter)
 
 
 @contextlib.asynccontextmanager
@@ -124,22 +99,8 @@ async def server(model: Path, threads: int) -> AsyncIterator[Running]:
         "--n_batch", "512", "--n_threads", str(threads), "--n_threads_batch", str(threads), "--flash_attn", "true",
         "--interrupt_requests", "false", "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    log = tempfile.TemporaryFile()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=log, stdin=asyncio.subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        await until_models(url)
-        yield Running(url, {"llama_cpp.server": proc.pid})
-    finally:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-        log.close()
+    async with server_process(argv, port=port) as served:
+        yield Running(served.url, {"llama_cpp.server": served.pid})
 
 
 def engine_flags(model: Path, threads: int) -> list[str]:
@@ -153,10 +114,7 @@ async def meshllm_run(model: Path, threads: int) -> AsyncIterator[Running]:
         "--grpc-port", "0", "--router-port", "0", "--model-name", MODEL, "--", *engine_flags(model, threads),
     )  # fmt: skip
     try:
-        url = ""
-        while not url:
-            m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await proc.line(180))
-            url = m[1] if m else ""
+        url = await ready_url(proc, 180)
         await until_models(url)
         yield Running(url, {"meshllm run": proc.proc.pid})
     finally:
@@ -170,18 +128,12 @@ async def split(model: Path, threads: int) -> AsyncIterator[Running]:
     )
     frontend = None
     try:
-        line = ""
-        while "serving on" not in line:  # an engine may print its own log lines on stdout first
-            line = await worker.line(180)
-        address = line.rsplit(" ", 1)[-1]
+        address = await serving_address(worker, 180)
         frontend = MeshllmProcess(
             "frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--static-workers", address,
             "--static-endpoint", "meshllm.worker.generate", "--model-name", MODEL, "--model-path", str(model),
         )  # fmt: skip
-        url = ""
-        while not url:
-            m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await frontend.line(120))
-            url = m[1] if m else ""
+        url = await ready_url(frontend)
         await until_models(url)
         yield Running(url, {"worker": worker.proc.pid, "frontend": frontend.proc.pid})
     finally:
@@ -215,12 +167,6 @@ def _with_front(url: str, pids: dict[str, int]) -> Running:
 
 SYSTEMS = {"server": server, "run": meshllm_run, "split": split}
 VLLM_SYSTEMS = {"serve": vllm_serve, "run": vllm_run}
-
-
-def rotated(kinds: Sequence[str], k: int) -> list[str]:
-    """`kinds` starting at its k-th: no system always goes first (right after another's request) or last."""
-    k %= len(kinds)
-    return [*kinds[k:], *kinds[:k]]
 
 
 async def measure(

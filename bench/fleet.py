@@ -83,8 +83,8 @@ from typing import Any
 
 import grpc
 import orjson
-from benchdoc import publish
-from runinfo import LoadMonitor, load_sentence, machine, today
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.trace import TraceScale, hash_id_tokens
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig

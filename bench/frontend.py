@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from benchdoc import write_section
-from runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
+from harness.cpu import process_seconds
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
 
 from meshllm.config import DEFAULT_STREAM_INTERVAL_MS
 from meshllm.plane.request.channels import ChannelCache
@@ -51,12 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Frontend"
 LEVELS = (1, 8, 32, 64)
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 def env() -> dict[str, str]:
@@ -117,9 +112,9 @@ def measure(url: str, pid: int, requests: int) -> list[dict[str, Any]]:
     rows = []
     for c in LEVELS:
         warmup = min(2 * c, 64)
-        cpu0 = cpu_seconds(pid)
+        cpu0 = process_seconds(pid)
         row = bench_level(url, c, requests, warmup)
-        row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / (requests + warmup)
+        row["cpu_ms_per_request"] = (process_seconds(pid) - cpu0) * 1000 / (requests + warmup)
         rows.append(row)
         print(
             f"  c={c}: {row['req_per_s']:.1f} req/s, {row['output_tok_per_s']:,.0f} tok/s, TTFT p50 {row['ttft_p50_ms']:.1f} ms, "

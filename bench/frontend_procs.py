@@ -18,11 +18,11 @@ import statistics
 import sys
 from typing import Any
 
-from benchdoc import write_section
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.systems import MODEL_DIR, SystemSpec, start_system
 from mesh import measure_level
 from mesh_load import Load, calibrate_chars_per_token
-from mesh_systems import MODEL_DIR, SystemSpec, start_system
-from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.frontend.text.tokenizer import load_tokenizer
 

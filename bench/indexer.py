@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchdoc import write_section
-from runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.kv.index import KvIndex

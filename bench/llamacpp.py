@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
-from runinfo import LoadMonitor, best_phrase, llama_cpp_build, load_sentence, machine, median_range, today
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, best_phrase, llama_cpp_build, load_sentence, machine, median_range, today
 
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
 from meshllm.engine.base import Context, DisaggregationMode

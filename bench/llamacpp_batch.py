@@ -27,8 +27,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from benchdoc import publish
-from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 HEADING = "## llama.cpp: what batching can gain"
 PROMPT = 64

@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchdoc import publish
-from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.llamacpp.engine import LlamaCppEngine

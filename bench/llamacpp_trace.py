@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchdoc import publish
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 from llamacpp_tiers import add_engine_args, fa_flag, pct, stream_completion
-from runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
 
 from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, sample_sessions, trace_stats, unbounded_hits
 from meshllm.engine.base import KvTier

@@ -9,7 +9,7 @@
     .venv/bin/python bench/mesh.py --tls --no-router --speedup 1000 --concurrency 32 --repeats 2   # "## TLS cost"
     .venv/bin/python bench/mesh.py --frontend-extra "--some-flag 2"   # extra flags for every `meshllm frontend`
 
-Systems (bench/mesh_systems.py), each started on loopback ephemeral ports as separate OS processes, one after
+Systems (bench/harness/systems.py), each started on loopback ephemeral ports as separate OS processes, one after
 the other (never two at once), with the same load:
 - *meshllm split*: etcd + nats-server + `meshllm frontend` (embedded routing core, --model-path = the SmolLM2
   directory Dynamo serves, so both tokenize identically) + N `meshllm worker --engine mocker` processes;
@@ -21,7 +21,7 @@ Per level: warm-up requests (other prompts), then /proc CPU of every process tre
 `meshllm bench` level, sampled again. Before the systems of every speedup and repeat, the same mockers run alone in
 this process (bench/mesh_load.py `engines_alone`): what the simulated engines give with no mesh in front of them.
 `--profile` adds one unmeasured level per system and speedup under py-spy.
-Results go to the "## Split mesh" section of docs/benchmarks.md (bench/benchdoc.py; `--tls`: the "## TLS cost" section,
+Results go to the "## Split mesh" section of docs/benchmarks.md (bench/harness/doc.py; `--tls`: the "## TLS cost" section,
 bench/mesh_tls.py; `--no-coalesce`: the "## Split mesh, one event per token" section) and to stdout.
 `--no-coalesce` gives every meshllm command `--no-coalesce` (each engine step its own SSE event, Dynamo's framing);
 `--grpc-sessions` measures each split layout twice: as deployed (sessions on TCP session ports), then with every
@@ -41,12 +41,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
-from mesh_cpu import CpuMeter
+from harness.cpu import CpuMeter
+from harness.doc import write_section
+from harness.systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
 from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone, engines_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
 from mesh_report import Results, build_info, code_fingerprint, section, summary_line
-from mesh_systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
 from mesh_tls import tls_section
 
 from meshllm.frontend.text.tokenizer import load_tokenizer

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.runinfo import load_sentence, python, versions
+from harness.systems import DYNAMO_VERSION, LABELS, dynamo_venv
 from mesh_profile import Profile
-from mesh_systems import DYNAMO_VERSION, LABELS, dynamo_venv
-from runinfo import load_sentence, python, versions
 
 __all__ = ["Results", "build_info", "section"]
 

@@ -4,7 +4,7 @@
     .venv/bin/python bench/mesh_stages.py --systems split --no-write
 
 bench/mesh.py --overhead measures TTFT through each system against the mocker engine alone; this script says
-which stage of the path the difference is spent in. Each system is started (bench/mesh_systems.py, speedup 1,
+which stage of the path the difference is spent in. Each system is started (bench/harness/systems.py, speedup 1,
 the same load as bench/mesh.py, `meshllm bench` at concurrency 1) with bench/stage_probe/ on PYTHONPATH: its
 sitecustomize.py marks the moments a request passes the frontend's HTTP handler, preprocessing (chat template +
 tokenizer), the stream opened to the worker, the worker receiving it, the engine starting it and making its first
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, load_sentence, today
+from harness.systems import LABELS, MODEL_DIR, SystemSpec, start_system
 from mesh_load import Load, calibrate_chars_per_token, drive
 from mesh_report import build_info
-from mesh_systems import LABELS, MODEL_DIR, SystemSpec, start_system
-from runinfo import LoadMonitor, load_sentence, today
 
 from meshllm.bench.report import percentile
 from meshllm.config import scoped_environ

@@ -11,9 +11,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from harness.runinfo import load_sentence, median_range
+from harness.systems import LABELS
 from mesh_report import Results
-from mesh_systems import LABELS
-from runinfo import load_sentence, median_range
 
 __all__ = ["tls_section"]
 

@@ -26,8 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchdoc import write_section
-from runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
 
 from meshllm.engine.base import Context, NullSink
 from meshllm.engine.mocker import MockerConfig, MockerEngine

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from benchdoc import write_section
+from harness.doc import write_section
 from routing_cases import Arrival, Result, Scenario, Setup, Workload, requests
 from routing_http import http_docs, run_http_mode
 from routing_report import Row, merge, render

@@ -15,19 +15,16 @@ TTFT = first content delta (streamed, `stream_options.include_usage`).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import random
-import re
-import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from harness.servers import ready_match, ready_url
+
 from meshllm.bench.http import Connection, Endpoint
+from meshllm.testing.processes import MeshllmProcess
 
 __all__ = ["HttpDocs", "Sink", "http_docs", "run_http_mode"]
 
@@ -105,12 +102,6 @@ def http_docs(n: int, *, docs: int = 8, doc_blocks: int = 50, block_size: int = 
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def run_http_mode(
     mode: str,
     docs: HttpDocs,
@@ -123,18 +114,15 @@ async def run_http_mode(
     context_length: int = 1024,
 ) -> None:
     """Start a fresh `meshllm run` routed by `mode`, send every request of `docs` in order into `result`, stop it."""
-    port = _free_port()
-    argv = [
-        sys.executable, "-m", "meshllm", "run", "--workers", str(workers), "--router-mode", mode,
-        "--http-port", str(port), "--", "--block-size", str(block_size), "--num-gpu-blocks", str(num_gpu_blocks),
+    proc = MeshllmProcess(
+        "run", "--workers", str(workers), "--router-mode", mode, "--http-port", "0", "--",
+        "--block-size", str(block_size), "--num-gpu-blocks", str(num_gpu_blocks),
         "--speedup-ratio", f"{speedup_ratio:g}", "--context-length", str(context_length),
-    ]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    )  # fmt: skip
     try:
-        model = await _wait_ready(proc)
-        conn = Connection(Endpoint.parse(f"http://127.0.0.1:{port}/v1"))
+        url = await ready_url(proc)
+        model = (await ready_match(proc, r'"model": "([^"]+)"'))[1]  # from its `try: curl ...` line
+        conn = Connection(Endpoint.parse(f"{url}/v1"))
         start = time.monotonic()
         try:
             for content in docs.contents:
@@ -143,27 +131,7 @@ async def run_http_mode(
             await conn.close()
         result.seconds = time.monotonic() - start
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _wait_ready(proc: asyncio.subprocess.Process) -> str:
-    """Read `meshllm run`'s ready lines; the model name from its curl line."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = (await asyncio.wait_for(proc.stdout.readline(), deadline - time.monotonic())).decode()
-        if not line:
-            raise RuntimeError(f"meshllm run exited before it was ready (exit {await proc.wait()})")
-        m = re.search(r'"model": "([^"]+)"', line)
-        if m:
-            return m.group(1)
-    raise RuntimeError("meshllm run was not ready within 120 s")
+        await proc.stop()
 
 
 async def _chat(conn: Connection, model: str, content: str, result: Sink) -> None:

@@ -13,8 +13,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from harness.runinfo import load_sentence, machine, today, versions
 from routing_cases import Result, Scenario, Setup
-from runinfo import load_sentence, machine, today, versions
 
 from meshllm.router.policy.choice import REUSED_EVICT_COST
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from runinfo import machine, today, versions
+from harness.runinfo import machine, today, versions
 from session_relay import StepWorker, run_session_bench
 
 from meshllm.config import ServerConfig

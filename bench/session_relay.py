@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from benchdoc import write_section
-from runinfo import machine, today, versions
+from harness.doc import write_section
+from harness.runinfo import machine, today, versions
 
 from meshllm.config import ServerConfig
 from meshllm.engine.base import terminal

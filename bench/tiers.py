@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchdoc import write_section
+from harness.doc import write_section
+from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
 from routing import PLANE, TRACE, Arrival, Result
-from runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
 from meshllm.engine.mocker import MockerConfig, MockerEngine

@@ -30,8 +30,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchdoc import publish
-from runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
 
 from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.frontend.text.chat_template import ChatTemplate, chat_template_for

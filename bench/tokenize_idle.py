@@ -26,8 +26,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchdoc import publish
-from runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
 from tokenize_cache import pct, smollm2, unique_prompts
 
 SECTION = "## Prompt tokenization after idle"

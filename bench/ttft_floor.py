@@ -39,8 +39,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from benchdoc import publish
-from runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.doc import publish
+from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
 from tokenize_cache import pct, smollm2, unique_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

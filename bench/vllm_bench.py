@@ -37,31 +37,31 @@ import itertools
 import math
 import os
 import random
-import re
 import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-from benchdoc import publish
-from mesh_cpu import CpuMeter
+from harness.cpu import CpuMeter
+from harness.doc import publish
+from harness.probes import until_models
+from harness.runinfo import LoadMonitor, load_sentence, machine, today
+from harness.servers import free_port, ready_url, rotated, server_process, serving_address
 from openai import AsyncOpenAI
-from runinfo import LoadMonitor, load_sentence, machine, today
 
 from meshllm.bench.report import percentile
 from meshllm.engine.cpus import cpu_shares, format_cpu_list, usable_cpus
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.testing.processes import MeshllmProcess
-from meshllm.testing.servers import EtcdServer, NatsServer, free_port
+from meshllm.testing.servers import EtcdServer, NatsServer
 
 HEADING = "## vLLM behind the mesh"
 OSL = 32
+READY = 400.0  # vLLM on CPU takes minutes to load and warm up
 WORDS = "river city mountain sea forest bridge tower market garden harbor valley island road castle field".split()
 
 
@@ -72,30 +72,6 @@ class Running:
     pids: dict[str, int]
 
 
-def _served(url: str) -> list[str]:
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
-            return [m["id"] for m in orjson.loads(resp.read()).get("data", [])]
-    except OSError:
-        return []
-
-
-async def until_served(url: str, timeout_s: float = 400.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not (models := await asyncio.to_thread(_served, url)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} serves no model after {timeout_s:g}s")
-        await asyncio.sleep(0.5)  # a server starting up: poll, bounded by the deadline
-    return models[0]
-
-
-async def ready_url(proc: MeshllmProcess) -> str:
-    while True:
-        m = re.search(r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1", await proc.line(400))
-        if m:
-            return m[1]
-
-
 ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "8"]
 
 
@@ -103,27 +79,16 @@ ENGINE = ["--max-model-len", "2048", "--max-num-seqs", "8"]
 async def serve(name: str = "") -> AsyncIterator[Running]:
     model_dir = default_model_dir()
     port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = await asyncio.create_subprocess_exec(
+    argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", name or model_dir.name, "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
         "--max-num-seqs", "8", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details",  # else vLLM's server reports no cached tokens
-        stdout=asyncio.subprocess.DEVNULL, stderr=log, stdin=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-             "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"},
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        yield Running(url, await until_served(url), {"vllm serve": proc.pid})
-    finally:
-        proc.terminate()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 30)
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        log.close()
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}  # fmt: skip
+    async with server_process(argv, port=port, env=env, ready_s=READY) as served:
+        yield Running(served.url, served.models[0], {"vllm serve": served.pid})
 
 
 @contextlib.asynccontextmanager
@@ -132,8 +97,8 @@ async def run(name: str = "") -> AsyncIterator[Running]:
     proc = MeshllmProcess("run", "--engine", "vllm", "--workers", "1", "--http-port", "0", "--grpc-port", "0",
                           "--router-port", "0", *named, "--", *ENGINE)  # fmt: skip
     try:
-        url = await ready_url(proc)
-        yield Running(url, await until_served(url), {"meshllm run": proc.proc.pid})
+        url = await ready_url(proc, READY)
+        yield Running(url, (await until_models(url, READY))[0], {"meshllm run": proc.proc.pid})
     finally:
         await proc.stop()
 
@@ -149,13 +114,12 @@ async def split(workers: int, mode: str) -> AsyncIterator[Running]:
         frontend = None
         try:
             for p in procs:  # vLLM prints its own log lines on stdout before the worker's "serving on" line
-                while "serving on" not in await p.line(400):
-                    pass
+                await serving_address(p, READY)
             frontend = MeshllmProcess("frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
                                       "--router-mode", mode, *planes)  # fmt: skip
-            url = await ready_url(frontend)
+            url = await ready_url(frontend, READY)
             pids = {f"worker {i + 1}": p.proc.pid for i, p in enumerate(procs)} | {"frontend": frontend.proc.pid}
-            yield Running(url, await until_served(url), pids)
+            yield Running(url, (await until_models(url, READY))[0], pids)
         finally:
             for p in [*([frontend] if frontend else []), *procs]:
                 await p.stop()
@@ -198,7 +162,7 @@ async def dynamo(workers: int, mode: str) -> AsyncIterator[Running]:
         groups = dict(line.split() for line in (run_dir / "pids").read_text().splitlines() if line.strip())
         pids = {_dynamo_name(n): int(g) for n, g in groups.items()}
         url = f"http://127.0.0.1:{env['HTTP_PORT']}"
-        yield Running(url, await until_served(url), pids)
+        yield Running(url, (await until_models(url, READY))[0], pids)
     finally:
         down = await asyncio.create_subprocess_exec("bash", str(ANCHORS / "dynamo_vllm_down.sh"), env=env)
         await down.wait()
@@ -288,11 +252,6 @@ async def one(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], r
         res.prompt_tokens += usage.prompt_tokens
         details = usage.prompt_tokens_details
         res.cached_tokens += (details.cached_tokens or 0) if details is not None else 0
-
-
-def rotated(names: Sequence[str], k: int) -> list[str]:
-    k %= len(names)
-    return [*names[k:], *names[:k]]
 
 
 async def drive(runnings: dict[str, Running], prompts: list[list[dict[str, str]]], concurrency: int) -> dict[str, Result]:

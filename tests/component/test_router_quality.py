@@ -25,7 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "routing.py"
 
 def bench() -> ModuleType:
     if str(BENCH.parent) not in sys.path:
-        sys.path.insert(0, str(BENCH.parent))  # as when run as `python bench/routing.py` (its benchdoc import)
+        sys.path.insert(0, str(BENCH.parent))  # as when run as `python bench/routing.py` (its harness imports)
     spec = importlib.util.spec_from_file_location("meshllm_bench_routing", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -17,10 +17,11 @@ needs_model = pytest.mark.skipif(default_model_path() is None, reason="needs llm
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/NAME.py as a fresh module (its sibling imports, e.g. benchdoc, resolve from bench/)."""
+    """bench/NAME.py as a fresh module (its imports of siblings and of `harness` resolve from bench/)."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"meshllm_bench_{name}", BENCH / f"{name}.py")
+    path = BENCH.joinpath(*name.split(".")).with_suffix(".py")  # "harness.doc": bench/harness/doc.py
+    spec = importlib.util.spec_from_file_location(f"meshllm_bench_{name.replace('.', '_')}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module by name

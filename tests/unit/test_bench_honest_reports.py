@@ -43,7 +43,7 @@ NOISE = "noisy"
 
 
 def test_the_load_sentence_carries_the_samples_and_explains_noise_only_when_high() -> None:
-    runinfo = load("runinfo")
+    runinfo = load("harness.runinfo")
     quiet = runinfo.load_sentence(QUIET, 2)
     assert "0.3–0.9" in quiet and "3 samples" in quiet and "2 cores" in quiet
     assert NOISE not in quiet
@@ -53,21 +53,21 @@ def test_the_load_sentence_carries_the_samples_and_explains_noise_only_when_high
 
 
 def test_the_load_monitor_samples_at_start_and_end_at_least() -> None:
-    runinfo = load("runinfo")
+    runinfo = load("harness.runinfo")
     with runinfo.LoadMonitor(interval_s=3600) as monitor:
         pass
     assert len(monitor.samples) == 2 and all(s >= 0 for s in monitor.samples)
 
 
 def test_median_range_says_which_statistic_and_how_many() -> None:
-    runinfo = load("runinfo")
+    runinfo = load("harness.runinfo")
     assert runinfo.median_range([3.0, 1.0, 2.0], "{:.1f}", "×") == "2.0× (1.0–3.0, median of 3)"
     assert runinfo.median_range([4.0], "{:.1f}") == "4.0 (one run)"
     assert runinfo.best_phrase(3) == "best of 3 runs" and runinfo.best_phrase(1) == "one run"
 
 
 def test_the_llama_cpp_system_info_keeps_the_features_that_are_on() -> None:
-    runinfo = load("runinfo")
+    runinfo = load("harness.runinfo")
     info = "CPU : SSE3 = 1 | AVX = 1 | AVX512 = 0 | OPENMP = 1 | THREADS = 4 | "
     assert runinfo.compact_system_info(info) == "CPU: SSE3 AVX OPENMP THREADS=4"
 
@@ -298,7 +298,7 @@ FIXED_CLAIMS = (
 )
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+@pytest.mark.parametrize("script", sorted(p.relative_to(BENCH).as_posix() for p in BENCH.glob("**/*.py")))
 def test_no_script_prints_a_fixed_claim_about_its_run(script: str) -> None:
     text = (BENCH / script).read_text(encoding="utf-8")
     found = [claim for claim in FIXED_CLAIMS if claim in text]

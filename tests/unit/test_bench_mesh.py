@@ -22,9 +22,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def bench() -> tuple[ModuleType, ModuleType, ModuleType]:
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))  # as when run as `python bench/mesh.py` (its sibling imports)
-    import mesh_cpu
+    import harness.cpu as mesh_cpu
+    import harness.systems as mesh_systems
     import mesh_profile
-    import mesh_systems
 
     return mesh_cpu, mesh_profile, mesh_systems
 

@@ -30,7 +30,7 @@ def test_the_sides_alternate_their_order_from_pair_to_pair(ab: ModuleType) -> No
 
 
 def test_only_the_base_side_puts_other_services_first_on_the_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
-    systems = load_bench("mesh_systems")
+    systems = load_bench("harness.systems")
     monkeypatch.setenv("PYTHONPATH", "/already/there")
     head = systems.SystemSpec(speedup=10.0)
     base = systems.SystemSpec(speedup=10.0, services_path="/tmp/base/services")

@@ -4,7 +4,8 @@ Every import counts, wherever it is written (module level, `TYPE_CHECKING`, insi
 test_layering.py: a lazy import that "breaks" a circle at run time still means two modules know each other, and
 neither can be read, tested or moved without the other. An import names the deepest module it reaches
 (`from meshllm.router.core import RouterCore` → `meshllm.router.core`). bench/'s scripts import each other by
-file name (`from routing_cases import Setup`), as they run with bench/ on sys.path.
+file name (`from routing_cases import Setup`) and its harness by package (`from harness.doc import publish`), as
+they run with bench/ on sys.path.
 """
 
 from __future__ import annotations
@@ -35,18 +36,25 @@ def services_graph(root: Path, package: str = "meshllm") -> dict[str, set[str]]:
 
 
 def scripts_graph(root: Path) -> dict[str, set[str]]:
-    """bench script → the bench scripts it imports."""
-    names = {p.stem for p in root.glob("*.py")}
+    """bench module → the bench modules it imports: scripts by file name (`routing_cases`), the modules of its
+    packages by dotted name (`harness.doc`), as they run with bench/ on sys.path."""
+    paths = {p.stem: p for p in sorted(root.glob("*.py"))}
+    for init in sorted(root.glob("*/__init__.py")):
+        paths |= {f"{init.parent.name}.{p.stem}": p for p in sorted(init.parent.glob("*.py")) if p != init}
     graph: dict[str, set[str]] = {}
-    for path in sorted(root.glob("*.py")):
-        targets = graph.setdefault(path.stem, set())
+    for name, path in paths.items():
+        targets = graph.setdefault(name, set())
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             found: Iterable[str] = ()
             if isinstance(node, ast.Import):
-                found = (a.name.split(".")[0] for a in node.names)
+                found = (a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found = (node.module.split(".")[0],)
-            targets.update(n for n in found if n in names and n != path.stem)
+                found = (node.module, *(f"{node.module}.{a.name}" for a in node.names))
+            for imported in found:
+                while imported and imported not in paths:
+                    imported = imported.rpartition(".")[0]
+                if imported and imported != name:
+                    targets.add(imported)
     return graph
 
 
@@ -125,3 +133,17 @@ def test_a_circle_of_bench_scripts_is_found(tmp_path: Path) -> None:
         {"a.py": "from b import x\n", "b.py": "import c\n", "c.py": "from a import y\nimport json\n", "d.py": "import a\n"},
     )
     assert circles(scripts_graph(root)) == [["a", "b", "c"]]
+
+
+def test_a_circle_through_a_bench_package_is_found(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "a.py": "from h.x import f\n",
+            "h/__init__.py": "",
+            "h/x.py": "from h import y\n",
+            "h/y.py": "import a\n",
+            "b.py": "import h.y\n",
+        },
+    )
+    assert circles(scripts_graph(root)) == [["a", "h.x", "h.y"]]

@@ -1,4 +1,4 @@
-"""CPU time of named process trees from /proc, for the split-mesh benchmark's CPU-ms per request.
+"""CPU time of processes and named process trees from /proc: CPU-ms per request in every benchmark that reports it.
 
 A process's `/proc/PID/stat` counts every thread of the process (utime +
 stime) and the children it has reaped (cutime + cstime); a tree's total adds
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuMeter", "ProcStat", "parse_stat", "read_stats", "tree_ticks"]
+__all__ = ["CpuMeter", "ProcStat", "parse_stat", "process_seconds", "read_stats", "tree_ticks"]
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -35,6 +35,11 @@ def parse_stat(text: str) -> ProcStat:
     ppid = int(fields[1])
     utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
     return ProcStat(pid, ppid, utime + stime + cutime + cstime, utime + stime)
+
+
+def process_seconds(pid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds of one process's own threads (utime + stime), without its children."""
+    return parse_stat((proc / str(pid) / "stat").read_text()).own / TICK
 
 
 def read_stats(proc: Path = Path("/proc")) -> dict[int, ProcStat]:

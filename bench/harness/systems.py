@@ -19,16 +19,16 @@ import asyncio
 import os
 import re
 import shutil
-import ssl
 import tempfile
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
 
+from harness.probes import READY_S, healthy, http_get, metric_sum, until
+from harness.servers import ready_match, ready_url
 from meshllm.bench.http import Connection, Endpoint
 from meshllm.certs import make_dev_pki
 from meshllm.frontend.text.tokenizer import load_tokenizer
@@ -37,7 +37,7 @@ from meshllm.testing.servers import EtcdServer, NatsServer, free_port
 
 __all__ = ["DYNAMO_DIR", "LABELS", "MODEL_DIR", "Running", "SystemSpec", "dynamo_venv", "start_system"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: bench/harness/systems.py
 DYNAMO_DIR = ROOT.parent / "shared" / "anchors" / "dynamo"
 MODEL_DIR = DYNAMO_DIR / "models" / "smollm2-135m-instruct"
 DYNAMO_VERSION = "1.6.1"  # what ../shared/anchors/dynamo installs; bench/mesh_report.py checks the installed one
@@ -52,7 +52,6 @@ LABELS = {
     "dynamo": f"Dynamo {DYNAMO_VERSION}",
 }
 ENV = {"MESHLLM_LOG_LEVEL": "WARNING"}
-READY_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,56 +113,7 @@ async def start_system(kind: str, spec: SystemSpec) -> AsyncIterator[Running]:
         raise ValueError(f"unknown system {kind!r}")
 
 
-# ---------------------------------------------------------------- readiness probes
-
-
-async def http_get(port: int, path: str, timeout_s: float = 5.0, *, tls: bool = False) -> tuple[int, bytes]:
-    """A one-shot HTTP/1.0 GET on 127.0.0.1 (HTTPS when `tls`, trusting $SSL_CERT_FILE); (0, b'') when nothing answers."""
-    ctx = ssl.create_default_context() if tls else None
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), timeout_s)
-    except (OSError, TimeoutError, ssl.SSLError):
-        return 0, b""
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        raw = await asyncio.wait_for(reader.read(), timeout_s)
-    except (OSError, TimeoutError):
-        return 0, b""
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    try:
-        return int(head.split(b" ", 2)[1]), body
-    except (IndexError, ValueError):
-        return 0, b""
-
-
-def metric_sum(text: bytes, name: str) -> float:
-    """Sum of every sample of metric `name` (any labels) in a Prometheus text exposition."""
-    total = 0.0
-    for line in text.decode(errors="replace").splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = READY_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)  # polling a readiness probe, not synchronising on time
-    raise RuntimeError(f"not ready within {timeout_s:g}s: {what}")
-
-
-async def _healthy(url: str) -> None:
-    ep = Endpoint.parse(url)
-
-    async def check() -> bool:
-        status, _ = await http_get(ep.port, "/health", tls=ep.scheme == "https")
-        return status == 200
-
-    await _until(f"{url}/health answers 200", check)
+# ---------------------------------------------------------------- readiness
 
 
 async def _every_worker_serves(url: str, model: str, metrics_ports: Sequence[int]) -> None:
@@ -188,15 +138,9 @@ async def _every_worker_serves(url: str, model: str, metrics_ports: Sequence[int
         return all(now > before for now, before in zip(await counts(), start, strict=True))
 
     try:
-        await _until("every worker served a probe request", check)
+        await until("every worker served a probe request", check)
     finally:
         await conn.close()
-
-
-async def _ready_line(proc: MeshllmProcess, pattern: str) -> re.Match[str]:
-    while True:
-        if m := re.search(pattern, await proc.line(READY_S)):
-            return m
 
 
 # ---------------------------------------------------------------- meshllm
@@ -278,7 +222,7 @@ async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Seq
                 async def pool_full() -> bool:
                     return metric_sum((await http_get(rport, "/metrics"))[1], "meshllm_router_workers") >= spec.workers
 
-                await _until(f"the router sees {spec.workers} workers", pool_full)
+                await until(f"the router sees {spec.workers} workers", pool_full)
                 upstream = ("--router-address", address)
                 processes = {"router": rp.proc.pid, **processes}
             fe = MeshllmProcess(
@@ -287,8 +231,8 @@ async def _split_planes(spec: SystemSpec, *, router: bool, tls: Mapping[str, Seq
                 *tls["frontend"], *spec.extra.get("frontend", ()), env=spec.env(),
             )  # fmt: skip
             procs.insert(0, fe)
-            url = (await _ready_line(fe, r"OpenAI HTTP API on (\S+)/v1"))[1]
-            await _healthy(url)
+            url = await ready_url(fe, READY_S)
+            await healthy(url)
             await _every_worker_serves(url, spec.model_name, ports)
             meshllm = {"frontend": fe.proc.pid, **processes}
             assert etcd.pid is not None and nats.pid is not None
@@ -314,9 +258,9 @@ async def _run(spec: SystemSpec) -> AsyncIterator[Running]:
         env=spec.env(),
     )  # fmt: skip
     try:
-        url = (await _ready_line(proc, r"OpenAI HTTP API\s+(\S+)/v1"))[1]
-        await _ready_line(proc, r"^try:")  # the last ready line: nothing more will sit in the pipe
-        await _healthy(url)
+        url = await ready_url(proc, READY_S)
+        await ready_match(proc, r"^try:")  # the last ready line: nothing more will sit in the pipe
+        await healthy(url)
         yield Running(kind="run", url=url, model=spec.model_name, processes={"meshllm run": proc.proc.pid},
                       python={"meshllm run": proc.proc.pid})  # fmt: skip
     except BaseException:
@@ -398,4 +342,4 @@ async def _healthy_dynamo(url: str, model: str) -> None:
         status, body = await http_get(port, "/v1/models")
         return status == 200 and model.encode() in body
 
-    await _until(f"Dynamo lists {model}", check)
+    await until(f"Dynamo lists {model}", check)

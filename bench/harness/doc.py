@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def write_section(heading: str, section: str, doc: Path = DOC) -> None:

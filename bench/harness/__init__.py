@@ -1,0 +1,12 @@
+"""The harness every benchmark under bench/ runs on; the scripts beside this package are its scenarios.
+
+- systems: `systems` (the mocker meshes bench/mesh.py compares, and Dynamo beside them), `servers` (any OpenAI
+  server by its command line, meshllm's ready lines), `probes` (readiness and metrics);
+- load: `meshllm.bench` (workloads, senders, replay, per-request records), shipped with meshllm itself so that
+  `meshllm bench` and these scenarios send the same requests;
+- CPU sampling: `cpu` (whole process trees from /proc);
+- reports: `runinfo` (what a report says about its own run, measured) and `doc` (each scenario's section of
+  docs/benchmarks.md).
+
+Scenarios run as `python bench/NAME.py`, which puts bench/ on sys.path, so they import `harness.…` and each other.
+"""
