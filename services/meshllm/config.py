@@ -1,4 +1,4 @@
-"""Typed configuration shared by every service, and the flag parser that builds it.
+"""Typed configuration shared by every service (the flag parser that builds it is meshllm.flags).
 
 Each service owns one frozen config dataclass built once, at startup, from its
 CLI flags and `MESHLLM_*` environment variables (a flag `--etcd-endpoints`
@@ -12,13 +12,22 @@ import argparse
 import contextlib
 import enum
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from meshllm.credentials import EtcdCredentials, NatsCredentials, add_etcd_args, add_nats_args
 from meshllm.errors import ConfigError
+from meshllm.flags import (
+    DefaultsHelpFormatter,
+    EnvArgumentParser,
+    doc_default,
+    env_name,
+    flag_value,
+    from_flags,
+    parse_byte_size,
+    terminal_help,
+)
 from meshllm.logs import redact_url
 
 __all__ = [
@@ -35,9 +44,11 @@ __all__ = [
     "doc_default",
     "env_name",
     "flag_value",
+    "from_flags",
     "parse_byte_size",
     "parse_host_port",
     "scoped_environ",
+    "terminal_help",
 ]
 
 
@@ -55,121 +66,6 @@ class EventsKind(enum.StrEnum):
     NATS = "nats"
     MEMORY = "memory"
     NONE = "none"
-
-
-def env_name(flag: str) -> str:
-    """`--etcd-endpoints` -> `MESHLLM_ETCD_ENDPOINTS`."""
-    return "MESHLLM_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-_LINK = re.compile(r"\[([^\]]+)\]\([^)]+\)")
-
-
-def terminal_help(text: str) -> str:
-    """A flag's help as `--help` prints it: its Markdown (code spans, links) as plain text."""
-    return _LINK.sub(r"\1", text).replace("`", "")
-
-
-def doc_default(action: argparse.Action, text: str) -> argparse.Action:
-    """Say in the docs' flag tables what `action`'s default is, where its value alone does not (meshllm.flag_docs)."""
-    action.doc_default = text  # type: ignore[attr-defined]
-    return action
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """`--help` shows each option's default, "(default: 8000)", unless it has none or its help already speaks of it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if not action.option_strings or text == argparse.SUPPRESS or "default" in text.lower():
-            return action.help
-        if default is None or default is False or default is argparse.SUPPRESS or default in ("", [], ()):
-            return action.help
-        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
-
-
-def flag_value(value: object) -> bool:
-    """A BooleanOptionalAction flag's value: a bool from the command line, or a MESHLLM_* variable's string."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
-class EnvArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose long options default to their `MESHLLM_*` variable.
-
-    `--help` shows every option's default (`DefaultsHelpFormatter`) and its
-    variable. Help texts are the meanings in the docs' flag tables (Markdown,
-    which `--help` prints plain; `meshllm.flag_docs` writes the tables).
-    Errors print one line (`meshllm worker: error: ...`) and exit with status 2.
-    """
-
-    def __init__(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
-        self.env: Mapping[str, str] = env if env is not None else {}
-
-    def _apply_env(self) -> None:
-        # Runs at parse time so arguments added through groups are covered too.
-        if getattr(self, "_env_applied", False):
-            return
-        self._env_applied = True
-        for action in self._actions:
-            longs = [o for o in action.option_strings if o.startswith("--")]
-            if not longs or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
-                continue
-            var = env_name(longs[0])
-            if action.help is not None and action.help != argparse.SUPPRESS:
-                action.markdown_help = action.help  # type: ignore[attr-defined]  # the docs' text (meshllm.flag_docs)
-                action.help = f"{terminal_help(action.help)} [env {var}]"
-            if var not in self.env:
-                continue
-            raw = self.env[var]
-            if isinstance(action, argparse._StoreTrueAction):
-                action.default = raw.strip().lower() in ("1", "true", "yes", "on")
-                continue
-            try:
-                value: Any = action.type(raw) if callable(action.type) else raw
-            except (TypeError, ValueError) as exc:
-                self.error(f"{var}={raw!r}: {exc}")
-            if action.choices is not None and value not in action.choices:
-                self.error(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")
-            action.default = value
-            action.required = False
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        self._apply_env()
-        return super().parse_known_args(args, namespace)
-
-    def format_help(self) -> str:
-        self._apply_env()
-        return super().format_help()
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?", re.IGNORECASE)
-
-
-class _ByteSizeError(argparse.ArgumentTypeError, ValueError):
-    """A bad byte count: argparse shows the message as is (and `ValueError` for env values and callers)."""
-
-
-def parse_byte_size(text: str) -> int:
-    """A byte count of a budget flag: `1073741824`, `64GiB`, `1.5G`, `512MB`.
-
-    K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024 (as in SI and IEC);
-    a trailing B is optional and case does not matter. Every size flag of every
-    engine parses with this one, so `2G` means the same everywhere.
-    """
-    m = _BYTE_SIZE.fullmatch(text.strip())
-    if m is None:
-        raise _ByteSizeError(f"expected a byte count such as 68719476736, 64GiB or 500MB, got {text!r}")
-    return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "").lower()])
 
 
 def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
@@ -268,16 +164,10 @@ class PlaneConfig:
                 else EventsKind.NONE
             )
         )
-        return cls(
-            namespace=ns.namespace,
-            discovery=discovery,
-            etcd_endpoints=_split(ns.etcd_endpoints),
-            lease_ttl_s=ns.lease_ttl,
-            events=events,
-            nats_url=ns.nats_url,
-            etcd_credentials=EtcdCredentials.from_namespace(ns),
-            nats_credentials=NatsCredentials.from_namespace(ns),
-        )
+        return from_flags(
+            cls, ns, discovery=discovery, etcd_endpoints=_split(ns.etcd_endpoints), events=events,
+            etcd_credentials=EtcdCredentials.from_namespace(ns), nats_credentials=NatsCredentials.from_namespace(ns),
+        )  # fmt: skip
 
 
 def _split(value: str | Sequence[str]) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from meshllm.errors import ConfigError
+from meshllm.flags import from_flags
 
 __all__ = [
     "EtcdCredentials",
@@ -113,13 +114,8 @@ class EtcdCredentials:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EtcdCredentials:
-        return cls(
-            ca=ns.etcd_ca,
-            cert=ns.etcd_cert,
-            key=ns.etcd_key,
-            user=ns.etcd_user,
-            password=read_secret(ns.etcd_password, ns.etcd_password_file, flag="--etcd-password"),
-        )
+        password = read_secret(ns.etcd_password, ns.etcd_password_file, flag="--etcd-password")
+        return from_flags(cls, ns, prefix="etcd_", password=password)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,16 +204,10 @@ class NatsCredentials:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> NatsCredentials:
-        return cls(
-            ca=ns.nats_ca,
-            cert=ns.nats_cert,
-            key=ns.nats_key,
-            token=read_secret(ns.nats_token, ns.nats_token_file, flag="--nats-token"),
-            user=ns.nats_user,
+        return from_flags(
+            cls, ns, prefix="nats_", token=read_secret(ns.nats_token, ns.nats_token_file, flag="--nats-token"),
             password=read_secret(ns.nats_password, ns.nats_password_file, flag="--nats-password"),
-            creds=ns.nats_creds,
-            nkey=ns.nats_nkey,
-        )
+        )  # fmt: skip
 
 
 _SECRET_HELP = "prefer the variable or the -file flag: a flag's value shows in ps"

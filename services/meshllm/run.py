@@ -18,6 +18,7 @@ processes (etcd, NATS), and `meshllm run` keeps both in memory in one process.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
@@ -38,6 +39,7 @@ from meshllm.config import (
     add_coalesce_arg,
     add_tracing_args,
     doc_default,
+    from_flags,
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
@@ -187,39 +189,22 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
     if "--" in args:
         cut = args.index("--")
         args, engine_args = args[:cut], args[cut + 1 :]
-    ns = run_arg_parser().parse_args(args)
+    return run_config(run_arg_parser().parse_args(args), engine_args)
+
+
+def run_config(ns: argparse.Namespace, engine_args: Sequence[str] = ()) -> RunConfig:
+    """RunConfig from `run_arg_parser`'s flags and the engine's own (after `--`); ConfigError on a bad value."""
     if ns.model_path is not None:
         check_model_path(ns.model_path)
     if not 0 <= ns.grpc_port < 65536:
         raise ConfigError(f"--grpc-port {ns.grpc_port} is out of range 0..65535")
-    frontend = FrontendConfig(
-        http_host=ns.http_host,
-        http_port=ns.http_port,
-        grpc=ServerConfig(host=ns.http_host, port=ns.grpc_port),
-        router_mode=ns.router_mode,
-        routing=RoutingTuning.from_namespace(ns),
-        max_inflight=ns.max_inflight,
-        model_path=ns.model_path,
-        model_name=ns.model_name,
-        api_keys=api_keys_from_namespace(ns),
-        open_metrics=ns.open_metrics,
-        coalesce=not ns.no_coalesce,
-        security=MeshSecurity.from_namespace(ns),
-        otlp_endpoint=ns.otlp_endpoint or None,
-        tool_call_parser=ns.tool_call_parser,
-        reasoning_parser=ns.reasoning_parser,
-        strict_params=ns.strict_params,
-    )
-    return RunConfig(
-        workers=ns.workers,
-        prefill_workers=ns.prefill_workers,
-        engine=ns.engine,
-        engine_args=tuple(engine_args),
-        router_port=ns.router_port,
-        namespace=ns.namespace,
-        frontend_workers=ns.frontend_workers,
-        frontend=frontend,
-    )
+    frontend = from_flags(
+        FrontendConfig, ns, grpc=ServerConfig(host=ns.http_host, port=ns.grpc_port),
+        routing=RoutingTuning.from_namespace(ns), api_keys=api_keys_from_namespace(ns), coalesce=not ns.no_coalesce,
+        security=MeshSecurity.from_namespace(ns), otlp_endpoint=ns.otlp_endpoint or None,
+        workers=1,  # `meshllm run --workers` counts engine workers; its HTTP API is one process
+    )  # fmt: skip
+    return from_flags(RunConfig, ns, engine_args=tuple(engine_args), frontend=frontend)
 
 
 class Mesh(AsyncCloseable):

@@ -25,7 +25,7 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 #: Units everything may build on: the generated protobuf code, the root
 #: package (`__version__`) and the small leaf modules (errors, credentials,
 #: config, tracing, ports, lifecycle, logs).
-FOUNDATION = ("v1", "meshllm", "errors", "credentials", "config", "tracing", "ports", "lifecycle", "logs")
+FOUNDATION = ("v1", "meshllm", "errors", "flags", "credentials", "config", "tracing", "ports", "lifecycle", "logs")
 
 #: The allowed dependencies of each unit (docs/architecture.md, "Dependency
 #: direction"). "*" marks an entry point: it may import anything, and since no
@@ -37,8 +37,9 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "logs": (),
     "heap": (),
     "tracing": ("logs",),
-    "credentials": ("errors",),
-    "config": ("errors", "credentials", "logs"),
+    "credentials": ("errors", "flags"),
+    "flags": (),
+    "config": ("errors", "flags", "credentials", "logs"),
     "ports": ("config",),
     "lifecycle": ("config", "errors", "heap", "tracing"),
     "protocol": ("v1", "errors"),

@@ -21,6 +21,7 @@ from meshllm.config import (
     add_stream_args,
     add_tracing_args,
     doc_default,
+    from_flags,
     server_config,
 )
 from meshllm.plane.auth import MeshSecurity, add_security_args
@@ -90,28 +91,12 @@ class WorkerConfig:
         static = bool(ns.static) or plane.discovery is DiscoveryKind.STATIC
         if static and plane.discovery is not DiscoveryKind.STATIC:
             plane = plane.static(events_flag=ns.events)
-        return cls(
-            engine=engine,
-            role=DisaggregationMode(ns.role),
-            plane=plane,
-            server=server_config(ns),
-            component=ns.component,
-            endpoint=ns.endpoint,
-            static=static,
-            advertise_host=ns.advertise_host or None,
-            instance_id=ns.instance_id or None,
-            model_name=ns.model_name,
-            migration_limit=ns.migration_limit,
-            health_check_payload=payload,
-            health_check_interval_s=ns.health_check_interval,
-            grace_period_s=ns.grace_period,
-            drain_timeout_s=ns.drain_timeout,
-            metrics_port=ns.metrics_port,
-            otlp_endpoint=ns.otlp_endpoint or None,
-            validate_streams=ns.validate_streams,
-            coalesce=not ns.no_coalesce,
+        return from_flags(
+            cls, ns, engine=engine, role=DisaggregationMode(ns.role), plane=plane, server=server_config(ns),
+            static=static, advertise_host=ns.advertise_host or None, instance_id=ns.instance_id or None,
+            health_check_payload=payload, otlp_endpoint=ns.otlp_endpoint or None, coalesce=not ns.no_coalesce,
             security=MeshSecurity.from_namespace(ns),
-        )
+        )  # fmt: skip
 
 
 def worker_arg_parser(engine: str, *, env: Mapping[str, str] | None = None) -> EnvArgumentParser:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from meshllm.config import (
     ConfigError,
@@ -29,6 +30,7 @@ from meshllm.config import (
     add_plane_args,
     add_tracing_args,
     doc_default,
+    from_flags,
     parse_host_port,
 )
 from meshllm.frontend.http.auth import ApiKeys, add_api_key_args, api_keys_from_namespace
@@ -89,6 +91,13 @@ def check_model_path(path: str) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FrontendConfig:
     """Everything a frontend needs, validated when built."""
+
+    FLAG_DESTS: ClassVar[Mapping[str, str]] = {
+        "health_interval_s": "worker_health_interval",
+        "health_timeout_s": "worker_health_timeout",
+        "header_timeout_s": "http_header_timeout",
+        "body_timeout_s": "http_body_timeout",
+    }
 
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     http_host: str = "127.0.0.1"
@@ -206,40 +215,14 @@ class FrontendConfig:
         if endpoint is not None or workers:
             plane = plane.static(namespace=endpoint[0] if endpoint is not None else None, events_flag=ns.events)
         routers = tuple(a.strip() for a in (ns.router_address or "").split(",") if a.strip())
-        return cls(
-            plane=plane,
-            http_host=ns.http_host,
-            http_port=ns.http_port,
-            grpc=None if ns.grpc_port < 0 else ServerConfig(host=ns.grpc_host, port=ns.grpc_port),
-            router_addresses=routers,
-            router_wait_s=ns.router_wait_s,
-            router_mode=ns.router_mode,
-            routing=RoutingTuning.from_namespace(ns),
-            max_inflight=ns.max_inflight,
-            retry_after_s=ns.retry_after,
-            max_body_bytes=ns.max_body_bytes,
-            model_name=ns.model_name,
-            model_path=ns.model_path,
-            static_endpoint=endpoint,
-            static_workers=workers,
+        return from_flags(
+            cls, ns, plane=plane, grpc=None if ns.grpc_port < 0 else ServerConfig(host=ns.grpc_host, port=ns.grpc_port),
+            router_addresses=routers, routing=RoutingTuning.from_namespace(ns), static_endpoint=endpoint,
+            static_workers=workers, otlp_endpoint=ns.otlp_endpoint or None, coalesce=not ns.no_coalesce,
             tokenizer_cache_dir=Path(ns.tokenizer_cache_dir) if ns.tokenizer_cache_dir else None,
-            otlp_endpoint=ns.otlp_endpoint or None,
-            coalesce=not ns.no_coalesce,
-            workers=ns.workers,
-            stall_timeout_s=ns.stall_timeout,
-            stream_stall_timeout_s=ns.stream_stall_timeout,
-            health_interval_s=ns.worker_health_interval,
-            health_timeout_s=ns.worker_health_timeout,
-            api_keys=api_keys_from_namespace(ns),
-            open_metrics=ns.open_metrics,
-            header_timeout_s=ns.http_header_timeout,
-            body_timeout_s=ns.http_body_timeout,
-            security=MeshSecurity.from_namespace(ns),
+            api_keys=api_keys_from_namespace(ns), security=MeshSecurity.from_namespace(ns),
             api_client_certs=ns.api_client_certs == "required",
-            tool_call_parser=ns.tool_call_parser,
-            reasoning_parser=ns.reasoning_parser,
-            strict_params=ns.strict_params,
-        )
+        )  # fmt: skip
 
 
 def add_output_args(parser: EnvArgumentParser) -> None:

@@ -15,6 +15,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from meshllm.config import (
     ConfigError,
@@ -26,6 +27,7 @@ from meshllm.config import (
     add_stream_args,
     add_tracing_args,
     doc_default,
+    from_flags,
     parse_host_port,
     server_config,
 )
@@ -60,6 +62,14 @@ class RoutingTuning:
     """How a routing core weighs, samples, disaggregates and retries: the router's tuning flags
     (`add_tuning_args`), the same in a `meshllm router` process and in the core a frontend or `meshllm run`
     embeds. Validated when built (one-line errors)."""
+
+    FLAG_DESTS: ClassVar[Mapping[str, str]] = {
+        "temperature": "router_temperature",
+        "overlap_weight": "kv_overlap_weight",
+        "capacity_weight": "kv_capacity_weight",
+        "wait_weight": "kv_wait_weight",
+        "ttl_s": "router_ttl",
+    }
 
     temperature: float = 0.0
     overlap_weight: float = 1.0
@@ -96,17 +106,7 @@ class RoutingTuning:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> RoutingTuning:
         """Build from the flags of `add_tuning_args`."""
-        return cls(
-            temperature=ns.router_temperature,
-            overlap_weight=ns.kv_overlap_weight,
-            capacity_weight=ns.kv_capacity_weight,
-            wait_weight=ns.kv_wait_weight,
-            ttl_s=ns.router_ttl,
-            migration_limit=ns.migration_limit,
-            disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
-            disagg_max_local_hit=ns.disagg_max_local_hit,
-            kv_pull_gbps=ns.kv_pull_gbps,
-        )
+        return from_flags(cls, ns)
 
 
 # size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)
@@ -197,6 +197,11 @@ class StaticEndpoint:
 class RouterConfig:
     """Everything a router (process or embedded `RouterCore`) needs, validated when built."""
 
+    FLAG_DESTS: ClassVar[Mapping[str, str]] = {
+        "health_interval_s": "worker_health_interval",
+        "health_timeout_s": "worker_health_timeout",
+    }
+
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     mode: RouterMode = RouterMode.KV
@@ -252,25 +257,12 @@ class RouterConfig:
         plane = PlaneConfig.from_namespace(ns)
         if workers or ns.static_endpoint:
             plane = plane.static(namespace=endpoint.namespace if endpoint is not None else None, events_flag=ns.events)
-        return cls(
-            plane=plane,
-            server=server_config(ns),
-            mode=RouterMode(ns.router_mode),
-            tuning=RoutingTuning.from_namespace(ns),
-            static_endpoint=endpoint,
-            static_workers=workers,
-            model_name=ns.model_name,
-            metrics_port=ns.metrics_port,
-            otlp_endpoint=ns.otlp_endpoint or None,
-            coalesce=not ns.no_coalesce,
-            router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}",
-            component=ns.component,
-            stall_timeout_s=ns.stall_timeout,
-            stream_stall_timeout_s=ns.stream_stall_timeout,
-            health_interval_s=ns.worker_health_interval,
-            health_timeout_s=ns.worker_health_timeout,
-            security=MeshSecurity.from_namespace(ns),
-        )
+        return from_flags(
+            cls, ns, plane=plane, server=server_config(ns), mode=RouterMode(ns.router_mode),
+            tuning=RoutingTuning.from_namespace(ns), static_endpoint=endpoint, static_workers=workers,
+            otlp_endpoint=ns.otlp_endpoint or None, coalesce=not ns.no_coalesce,
+            router_id=ns.router_id or f"router-{uuid.uuid4().hex[:12]}", security=MeshSecurity.from_namespace(ns),
+        )  # fmt: skip
 
 
 def router_arg_parser(*, env: Mapping[str, str] | None = None) -> EnvArgumentParser:

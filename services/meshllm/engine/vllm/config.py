@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value
+from meshllm.config import ConfigError, EnvArgumentParser, doc_default, flag_value, from_flags
 from meshllm.engine.cpus import format_cpu_list, parse_cpu_list, usable_cpus
 from meshllm.engine.worker_config import DisaggregationMode
 
@@ -129,25 +129,12 @@ class VllmConfig:
                 raise ConfigError(f"--kv-transfer-config is not JSON: {exc}") from None
             if not isinstance(transfer, dict) or "kv_connector" not in transfer:
                 raise ConfigError('--kv-transfer-config must be a JSON object with "kv_connector" (e.g. NixlConnector)')
-        return cls(
-            model_path=Path(ns.model_path).expanduser() if ns.model_path else None,
-            model_name=ns.model_name or "",
-            max_model_len=ns.max_model_len,
-            block_size=ns.block_size,
-            max_num_seqs=ns.max_num_seqs,
-            max_num_batched_tokens=ns.max_num_batched_tokens,
-            dtype=ns.dtype,
-            enforce_eager=flag_value(ns.enforce_eager),
-            prefix_caching=flag_value(ns.enable_prefix_caching),
-            seed=ns.seed,
-            kv_cache_space_gib=ns.kv_cache_space,
-            gpu_memory_utilization=ns.gpu_memory_utilization,
-            tensor_parallel_size=ns.tensor_parallel_size,
-            cpu=cpu,
-            kv_transfer=transfer,
-            cpu_bind=ns.cpu_bind,
-            extra=extra,
-        )
+        return from_flags(
+            cls, ns, model_path=Path(ns.model_path).expanduser() if ns.model_path else None,
+            model_name=ns.model_name or "", enforce_eager=flag_value(ns.enforce_eager),
+            prefix_caching=flag_value(ns.enable_prefix_caching), kv_cache_space_gib=ns.kv_cache_space, cpu=cpu,
+            kv_transfer=transfer, extra=extra,
+        )  # fmt: skip
 
 
 def engine_kwargs(cfg: VllmConfig, model_dir: Path, served_name: str, kv_events_endpoint: str) -> dict[str, Any]:
