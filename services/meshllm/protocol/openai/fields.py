@@ -4,7 +4,7 @@ InvalidArgument whose `param` names the field (`meshllm.protocol.validate` holds
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -24,6 +24,8 @@ __all__ = [
     "token_ids",
     "type_name",
 ]
+
+T = TypeVar("T")
 
 
 def type_name(value: Any) -> str:
@@ -55,20 +57,19 @@ def float_field(body: Mapping[str, Any], key: str) -> float | None:
 
 
 def bool_field(body: Mapping[str, Any], key: str) -> bool | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise bad(key, f"expected a boolean, got {type_name(v)}")
-    return v
+    return _typed_field(body, key, bool, "a boolean")
 
 
 def object_field(body: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    return _typed_field(body, key, dict, "an object")
+
+
+def _typed_field(body: Mapping[str, Any], key: str, kind: type[T], what: str) -> T | None:
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, dict):
-        raise bad(key, f"expected an object, got {type_name(v)}")
+    if not isinstance(v, kind):
+        raise bad(key, f"expected {what}, got {type_name(v)}")
     return v
 
 
