@@ -1,4 +1,4 @@
-"""What a relay saves per chunk: a Generate session's streams read through generator layers, or handed to a sink.
+"""What a relay saves per chunk: a Generate session's streams read through generator layers, or handed to a relay.
 
     .venv/bin/python bench/session_relay.py                 # writes "## Session relay" in docs/benchmarks.md
     .venv/bin/python bench/session_relay.py --no-write --rounds 2
@@ -7,7 +7,7 @@ One process, a real grpc.aio server and client on loopback: a `SessionServer` wh
 `--tokens` chunks, one per ~1 ms step of the handler, and a `SessionClient` that reads `--streams` of them at
 once, either as the router did before it relayed (every chunk through the client's iterator and three more
 async generator layers: the router's leg, migration and server pump) or as the router relays now
-(`SessionClient.generate(sink=...)`: the session's reader hands each chunk to a sink; the iterator yields only
+(`SessionClient.generate(relay=...)`: the session's reader hands each chunk to a relay; the iterator yields only
 the terminal). The figure is the process's CPU time per stream-token, server included (it is the same on both
 sides, so the difference is the client's); the two ways alternate `--rounds` times, medians shown.
 """
@@ -37,7 +37,7 @@ from meshllm.v1 import session_pb2, worker_pb2_grpc
 
 HEADING = "## Session relay"
 METHOD = "/meshllm.v1.Worker/Generate"
-WAYS = ("iterator", "sink")
+WAYS = ("iterator", "relay")
 
 
 class StepWorker(worker_pb2_grpc.WorkerServicer):
@@ -68,8 +68,8 @@ async def _layer(it: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
 async def _stream(client: SessionClient, way: str, rid: str) -> int:
     req: TokenRequest = {"request_id": rid, "token_ids": [1]}
     got: list[TokenChunk] = []
-    if way == "sink":
-        async for chunk in client.generate(req, sink=got.append):
+    if way == "relay":
+        async for chunk in client.generate(req, relay=got.append):
             got.append(chunk)
     else:
         async for chunk in _layer(_layer(_layer(client.generate(req)))):
@@ -86,7 +86,7 @@ async def measure(streams: int, tokens: int, rounds: int) -> dict[str, list[floa
         client = channels.shared(
             srv.address, "bench", lambda ch: SessionClient(worker_pb2_grpc.WorkerStub(ch).GenerateSession, "bench", METHOD)
         )
-        await asyncio.gather(*(_stream(client, "sink", f"warm{k}") for k in range(streams)))
+        await asyncio.gather(*(_stream(client, "relay", f"warm{k}") for k in range(streams)))
         for r in range(rounds):
             for way in WAYS if r % 2 == 0 else WAYS[::-1]:
                 c0 = time.process_time()
@@ -98,7 +98,7 @@ async def measure(streams: int, tokens: int, rounds: int) -> dict[str, list[floa
 
 
 def report(res: dict[str, list[float]], *, streams: int, tokens: int, rounds: int) -> str:
-    it, sink = statistics.median(res["iterator"]), statistics.median(res["sink"])
+    it, relay = statistics.median(res["iterator"]), statistics.median(res["relay"])
     rng = {w: f"{min(v):.1f}–{max(v):.1f}" for w, v in res.items()}
     return (
         f"{HEADING}\n\n"
@@ -110,8 +110,8 @@ def report(res: dict[str, list[float]], *, streams: int, tokens: int, rounds: in
         f"| way the client takes a chunk | CPU µs per stream-token | × iterator |\n|---|---:|---:|\n"
         f"| iterator, through three more generator layers (the router before it relayed) | {it:.1f} ({rng['iterator']}) "
         f"| 1.00× |\n"
-        f"| sink, from the session's reader (the router's relay) | {sink:.1f} ({rng['sink']}) | {sink / it:.2f}× |\n\n"
-        f"The difference, {it - sink:.1f} µs per chunk, is what the router process saves per worker chunk it relays "
+        f"| relay, from the session's reader (as the router relays) | {relay:.1f} ({rng['relay']}) | {relay / it:.2f}× |\n\n"
+        f"The difference, {it - relay:.1f} µs per chunk, is what the router process saves per worker chunk it relays "
         f'(docs/architecture.md "The router relays").\n'
     )
 

@@ -81,17 +81,17 @@ def install(folder: str) -> int:
         async def inner(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             mark("engine.start")
             first = True
-            sink = getattr(context, "sink", None)
-            if sink is not None:  # a session stream's sink: the step loop hands it the chunks, not the iterator
+            relay = getattr(context, "relay", None)
+            if relay is not None:  # a session stream's relay: the step loop hands it the chunks, not the iterator
 
                 def marked(chunk: Any) -> None:
                     nonlocal first
                     if first and chunk.get("token_ids"):
                         first = False
                         mark("engine.first_token")
-                    sink(chunk)
+                    relay(chunk)
 
-                context.sink = marked
+                context.relay = marked
             async for chunk in fn(self, request, context):
                 if first and chunk.get("token_ids"):
                     first = False

@@ -1,14 +1,14 @@
-"""Relaying over Generate sessions: a stream's chunks handed to a sink instead of its iterator (real grpc.aio).
+"""Relaying over Generate sessions: a stream's chunks handed to a relay instead of its iterator (real grpc.aio).
 
 A relay (the router process) forwards a worker session's chunks into its
-caller's session. `SessionClient.generate(sink=...)` calls the sink from the
+caller's session. `SessionClient.generate(relay=...)` calls the relay from the
 session's reader with each non-terminal chunk, and the iterator yields only
-the terminal; `SessionServer(relays=True)` gives its handler's calls a sink
-(`CallInfo.relay`) whose chunks are sent as if yielded. Locks: the sink sees every token in order
-before the iterator's terminal; a sink that raises fails its own stream
+the terminal; `SessionServer(relays=True)` gives its handler's calls a relay
+(`CallInfo.relay`) whose chunks are sent as if yielded. Locks: the relay sees every token in order
+before the iterator's terminal; a relay that raises fails its own stream
 (Unknown, nothing of it passed on after) and no other, and the server stops
-that stream; nothing reaches a sink after its stream is dropped;
-a relay server's sink chunks and yielded chunks reach the client as one
+that stream; nothing reaches a relay after its stream is dropped;
+a relay server's relay chunks and yielded chunks reach the client as one
 stream in order. The router's relay (migration, disaggregation) is locked in
 test_router_core.py and test_router_disagg.py.
 """
@@ -52,12 +52,14 @@ async def test_a_sink_gets_every_non_terminal_chunk_in_order_and_the_iterator_on
     async with await serve(SessionWorker(counted_handler)) as srv, ChannelCache() as channels:
         client = session_client(channels, srv.address)
         sunk: dict[int, list[TokenChunk]] = {k: [] for k in range(8)}
-        yielded = await asyncio.gather(*(collect(client.generate(req(f"r{k}", k=str(k)), sink=sunk[k].append)) for k in range(8)))
+        yielded = await asyncio.gather(
+            *(collect(client.generate(req(f"r{k}", k=str(k)), relay=sunk[k].append)) for k in range(8))
+        )
         for k in range(8):
             assert tokens_of(sunk[k]) == [100 * k + i for i in range(5 + k)]
             assert not any("finish_reason" in c for c in sunk[k])
             assert len(yielded[k]) == 1 and yielded[k][0]["usage"]["completion_tokens"] == 5 + k
-        # the same client streams without a sink as before
+        # the same client streams without a relay as before
         plain = await collect(client.generate(req("plain", k="1")))
         assert tokens_of(plain) == [100 + i for i in range(6)]
         assert_one_terminal_last(plain)
@@ -85,8 +87,8 @@ async def test_a_sink_that_raises_fails_its_own_stream_with_unknown_and_the_othe
 
             good: list[TokenChunk] = []
             results = await asyncio.gather(
-                collect(client.generate(req(f"bad{attempt}", k="3"), sink=bad)),
-                collect(client.generate(req(f"good{attempt}", k="5"), sink=good.append)),
+                collect(client.generate(req(f"bad{attempt}", k="3"), relay=bad)),
+                collect(client.generate(req(f"good{attempt}", k="5"), relay=good.append)),
                 return_exceptions=True,
             )
             assert isinstance(results[0], errors.Unknown) and "KeyError: 'relay bug'" in results[0].message
@@ -115,7 +117,7 @@ async def test_a_failed_sink_cancels_its_stream_on_the_server() -> None:
     async with await serve(servicer) as srv, ChannelCache() as channels:
         client = session_client(channels, srv.address)
         with pytest.raises(errors.Unknown, match="RuntimeError: relay bug"):
-            await collect(client.generate(req("bad"), sink=bad))
+            await collect(client.generate(req("bad"), relay=bad))
         await asyncio.wait_for(cancelled.wait(), WAIT_S)
         await wait_until(lambda: servicer.sessions.open_streams == 0, timeout_s=WAIT_S, what="the stream to end")
 
@@ -135,22 +137,22 @@ async def test_nothing_reaches_a_sink_after_its_stream_is_dropped() -> None:
     async with await serve(servicer) as srv, ChannelCache() as channels:
         client = session_client(channels, srv.address)
         got: list[TokenChunk] = []
-        stream = client.generate(req("dropped"), sink=got.append)
+        stream = client.generate(req("dropped"), relay=got.append)
         waiting = asyncio.ensure_future(collect(stream))
-        await wait_until(lambda: len(got) == 1, timeout_s=WAIT_S, what="the first chunk at the sink")
+        await wait_until(lambda: len(got) == 1, timeout_s=WAIT_S, what="the first chunk at the relay")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         await close(stream)
         await wait_until(lambda: servicer.sessions.open_streams == 0, timeout_s=WAIT_S, what="the server to cancel it")
         release.set()
-        # the session still works, and the dropped stream's sink heard nothing more
+        # the session still works, and the dropped stream's relay heard nothing more
         assert tokens_of(await collect(client.generate(req("next")))) == [1, 2, 3, 4, 5]
         assert tokens_of(got) == [1]
 
 
 class RelayWorker(SessionWorker):
-    """A session servicer whose handler relays: odd streams push their tokens to the sink, even ones yield them."""
+    """A session servicer whose handler relays: odd streams push their tokens to the relay, even ones yield them."""
 
     def __init__(self) -> None:
         super().__init__(counted_handler)
@@ -158,15 +160,15 @@ class RelayWorker(SessionWorker):
 
     def relay(self, request: TokenRequest, call: CallInfo) -> AsyncIterator[TokenChunk]:
         k = int(request.get("annotations", {})["k"])
-        sink = call.relay
-        assert sink is not None
+        relay = call.relay
+        assert relay is not None
 
         async def run() -> AsyncIterator[TokenChunk]:
-            yield {"token_ids": [10_000 + k]}  # yielded before anything goes to the sink
+            yield {"token_ids": [10_000 + k]}  # yielded before anything goes to the relay
             for i in range(6):
                 await asyncio.sleep(0)
                 if k % 2:
-                    sink({"token_ids": [100 * k + i]})
+                    relay({"token_ids": [100 * k + i]})
                 else:
                     yield {"token_ids": [100 * k + i]}
             yield {"token_ids": [20_000 + k]}  # after the sunk ones

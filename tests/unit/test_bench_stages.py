@@ -110,9 +110,9 @@ def test_the_probe_does_nothing_without_its_variable() -> None:
     assert _probe(code, None).split() == ["0", "False"]
 
 
-def test_the_probe_marks_an_engines_first_token_handed_to_a_sink(tmp_path: Path) -> None:
-    """A worker session's stream gets its tokens through `Context.sink`, not the iterator (which yields only the
-    terminal): the probe marks the first token where the sink receives it, once."""
+def test_the_probe_marks_an_engines_first_token_handed_to_a_relay(tmp_path: Path) -> None:
+    """A worker session's stream gets its tokens through `Context.relay`, not the iterator (which yields only the
+    terminal): the probe marks the first token where the relay receives it, once."""
     code = (
         "import asyncio, sitecustomize, time\n"
         "from meshllm.engine.base import Context\n"
@@ -122,7 +122,7 @@ def test_the_probe_marks_an_engines_first_token_handed_to_a_sink(tmp_path: Path)
         "    await e.start('w')\n"
         "    got = []\n"
         "    ctx = Context('r')\n"
-        "    ctx.sink = lambda c: got.append(time.perf_counter())\n"
+        "    ctx.relay = lambda c: got.append(time.perf_counter())\n"
         "    req = {'request_id': 'r', 'token_ids': list(range(1, 70)), 'stop': {'max_tokens': 4, 'ignore_eos': True}}\n"
         "    out = [c async for c in e.generate(req, ctx)]\n"
         "    print(len(got), len(out), f'{got[0]:.7f}')\n"
@@ -130,7 +130,7 @@ def test_the_probe_marks_an_engines_first_token_handed_to_a_sink(tmp_path: Path)
         "asyncio.run(main())\n"
     )
     sunk, yielded, first_at = _probe(code, tmp_path).split()
-    assert int(sunk) >= 1 and int(yielded) == 1  # the tokens went through the sink; the iterator gave the terminal
+    assert int(sunk) >= 1 and int(yielded) == 1  # the tokens went through the relay; the iterator gave the terminal
     marks = [m.split() for m in (tmp_path / "stages.log").read_text().split("\n") if m]
     assert [m[2] for m in marks] == ["engine.start", "engine.first_token"]
-    assert float(marks[1][0]) <= float(first_at)  # marked as the sink took the first token, not at the terminal
+    assert float(marks[1][0]) <= float(first_at)  # marked as the relay took the first token, not at the terminal

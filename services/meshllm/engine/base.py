@@ -20,7 +20,7 @@ from typing import ClassVar, Protocol, Self, TypeVar
 
 from meshllm.engine.worker_config import DisaggregationMode, WorkerConfig, worker_arg_parser
 from meshllm.protocol.types import (
-    ChunkSink,
+    ChunkRelay,
     DisaggInfo,
     FinishReason,
     TokenChunk,
@@ -188,28 +188,28 @@ class NullSink:
 
 
 class Context:
-    """One request's handle: its id, its stop signal, its trace context, and maybe a sink for its chunks.
+    """One request's handle: its id, its stop signal, its trace context, and maybe a relay for its chunks.
 
     The worker calls `stop()` when the caller cancels (gRPC cancel, Abort) or
     the worker shuts down hard. Engines poll `is_stopped()` between yields, or
     await `stopped()` alongside their own work.
 
-    `sink`: when the worker sets it (its GenerateSession streams do, for an
-    engine whose `takes_sink()` is true), the engine may hand a non-terminal
-    chunk to `sink(chunk)` instead of yielding it, from wherever it makes the
-    chunk (its step loop), so that no task wakes per chunk. The sink's chunks
+    `relay`: when the worker sets it (its GenerateSession streams do, for an
+    engine whose `takes_relay()` is true), the engine may hand a non-terminal
+    chunk to `relay(chunk)` instead of yielding it, from wherever it makes the
+    chunk (its step loop), so that no task wakes per chunk. The relay's chunks
     and the yielded ones form one stream in the order they were given; the
-    terminal is always yielded. The sink never blocks; once the
+    terminal is always yielded. The relay never blocks; once the
     stream's iterator is closed the engine must not call it any more. An engine
     that ignores it is correct: everything then comes through the iterator.
     """
 
-    __slots__ = ("_event", "id", "sink", "traceparent")
+    __slots__ = ("_event", "id", "relay", "traceparent")
 
     def __init__(self, request_id: str, *, traceparent: str | None = None) -> None:
         self.id = request_id
         self.traceparent = traceparent
-        self.sink: ChunkSink | None = None
+        self.relay: ChunkRelay | None = None
         self._event = asyncio.Event()
 
     def is_stopped(self) -> bool:
@@ -371,9 +371,9 @@ class LLMEngine(abc.ABC):
     def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
         """Stream chunks for one request (see the class docstring for guarantees)."""
 
-    def takes_sink(self) -> bool:
-        """Whether `generate` hands non-terminal chunks to `Context.sink` when one is set (optional; default
-        no). The worker sets a sink only for an engine that says yes; a subclass that overrides `generate` to
+    def takes_relay(self) -> bool:
+        """Whether `generate` hands non-terminal chunks to `Context.relay` when one is set (optional; default
+        no). The worker sets a relay only for an engine that says yes; a subclass that overrides `generate` to
         look at or change its base's chunks must say no (the chunks would bypass it)."""
         return False
 

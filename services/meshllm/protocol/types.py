@@ -19,7 +19,7 @@ from typing import Literal, NotRequired, Required, TypedDict
 
 __all__ = [
     "FINISH_REASONS",
-    "ChunkSink",
+    "ChunkRelay",
     "DisaggInfo",
     "ErrorInfo",
     "FinishReason",
@@ -164,5 +164,5 @@ class TokenChunk(TypedDict, total=False):
 
 
 # Takes one stream's non-terminal chunks synchronously as they are made or arrive, instead of its iterator
-# (`Context.sink`, `SessionClient.generate`'s `sink`): it must not block or await, and it owns the chunk.
-ChunkSink = Callable[[TokenChunk], None]
+# (`Context.relay`, `SessionClient.generate`'s `relay`): it must not block or await, and it owns the chunk.
+ChunkRelay = Callable[[TokenChunk], None]

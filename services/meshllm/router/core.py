@@ -148,7 +148,7 @@ class RouterCore(AsyncCloseable):
         """Route and stream one request (migrated when a worker breaks).
 
         With a `call.relay`, the non-terminal chunks that arrive over a worker
-        session go to it as they arrive (`SessionClient.generate`'s sink),
+        session go to it as they arrive (`SessionClient.generate`'s relay),
         and the iterator yields the rest: the terminal, and every chunk the
         stream makes itself (a disaggregated request's first tokens, an
         in-process worker's chunks, an error terminal after migration).

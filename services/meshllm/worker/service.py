@@ -65,8 +65,8 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self._info = info
         self.validate_streams = validate_streams
-        # Chunks go to a session's sink from the engine's step loop only where nothing must see them on the way.
-        self._takes_sink = engine.takes_sink() and not validate_streams
+        # Chunks go to a session's relay from the engine's step loop only where nothing must see them on the way.
+        self._takes_relay = engine.takes_relay() and not validate_streams
         self.admission = Admission(on_change=metrics.inflight.inc)
         self.inflight: dict[str, Context] = {}
         self._owner: dict[str, str] = {}  # request id -> the caller scope that started it
@@ -117,22 +117,22 @@ class WorkerServicer(Admits, worker_pb2_grpc.WorkerServicer):
         Steps: admission (`_admit`), tracing and metrics (`_RequestTrace`), the
         engine's stream up to its terminal, cancellation (`_cancel`), release
         (`_release`). With a `call.relay` (a GenerateSession stream), the engine
-        may hand it non-terminal chunks from its step loop (`Context.sink`, for
-        an engine whose `takes_sink()` is true) after the same tracing, instead
+        may hand it non-terminal chunks from its step loop (`Context.relay`, for
+        an engine whose `takes_relay()` is true) after the same tracing, instead
         of yielding them; not while streams are validated (`validate_streams`),
         where every chunk is checked on its way.
         """
         call = call or CallInfo()
-        sink = call.relay
+        outbox = call.relay
         ctx = self._admit(req, call.traceparent, scope)
         trace = _RequestTrace(self.trace_service, req, ctx.id)
-        if sink is not None and self._takes_sink:
+        if outbox is not None and self._takes_relay:
 
             def relay(chunk: TokenChunk) -> None:
                 trace.chunk(chunk)
-                sink(chunk)
+                outbox(chunk)
 
-            ctx.sink = relay
+            ctx.relay = relay
         stream = self._engine_stream(req, ctx)
         finished = False
         try:

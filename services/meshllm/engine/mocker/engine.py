@@ -199,7 +199,7 @@ class MockerEngine(LLMEngine):
         return len(self.transfers.holds)
 
     # ------------------------------------------------------------ streams
-    def takes_sink(self) -> bool:
+    def takes_relay(self) -> bool:
         # A subclass that overrides generate (to look at or change the chunks) gets every chunk through it.
         return type(self).generate is MockerEngine.generate
 
@@ -218,7 +218,7 @@ class MockerEngine(LLMEngine):
                 return
         loop = asyncio.get_running_loop()
         self._by_ctx[context] = seq
-        seq.sink = context.sink  # the step loop hands it each step's tokens (Context.sink); the terminal is yielded
+        seq.relay = context.relay  # the step loop hands it each step's tokens (Context.relay); the terminal is yielded
         self.scheduler.add(seq)
         self._wake.set()
         watcher = asyncio.ensure_future(context.stopped())
@@ -231,9 +231,9 @@ class MockerEngine(LLMEngine):
                     delivered = True
                     yield terminal("cancelled", self._usage(seq))
                     return
-                if seq.sink_error is not None:
-                    err = seq.sink_error
-                    raise Unknown(f"the stream's chunk sink failed: {type(err).__name__}: {err}")
+                if seq.relay_error is not None:
+                    err = seq.relay_error
+                    raise Unknown(f"the stream's chunk relay failed: {type(err).__name__}: {err}")
                 # Without coalescing (--no-coalesce) a consumer that lags still gets one chunk per step (one token).
                 step = None if coalescing() else 1
                 reason = seq.finish_reason
@@ -254,7 +254,7 @@ class MockerEngine(LLMEngine):
                 waiter = seq.waiter = loop.create_future()
                 await waiter
         finally:
-            seq.sink = None  # nothing reaches the consumer after its iterator is closed
+            seq.relay = None  # nothing reaches the consumer after its iterator is closed
             watcher.cancel()
             self._by_ctx.pop(context, None)
             if not delivered or seq.status is not SequenceStatus.FINISHED:
@@ -336,7 +336,7 @@ class MockerEngine(LLMEngine):
                 await asyncio.sleep(0)
             sched.postprocess(plan)  # a finished prefill leg's hold starts when its stream ends
             if speedup > 0 and not behind:
-                # The step's tokens are in their streams' sinks and queues: let the writers send them before
+                # The step's tokens are in their streams' relays and queues: let the writers send them before
                 # this step's bookkeeping (load report, step hook) and the next step's scheduling delay them.
                 await asyncio.sleep(0)
                 yielded_at = loop.time()

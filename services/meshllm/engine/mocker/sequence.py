@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 import xxhash
 
 from meshllm.protocol.kv import chain_hash, stored_blocks, tokens_hash
-from meshllm.protocol.types import ChunkSink, FinishReason
+from meshllm.protocol.types import ChunkRelay, FinishReason
 
 __all__ = ["CONTEXT_WINDOW", "Sequence", "SequenceStatus"]
 
@@ -58,11 +58,11 @@ class Sequence:
         "num_registered",
         "prefilled",
         "ready_at",
+        "relay",
+        "relay_error",
         "remote_kv",
         "request_id",
         "sent",
-        "sink",
-        "sink_error",
         "status",
         "stop_ids",
         "tokens",
@@ -111,8 +111,8 @@ class Sequence:
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self.waiter: asyncio.Future[None] | None = None
         self.sent = self.delivered_from  # output tokens handed to the consumer (or streamed before this leg)
-        self.sink: ChunkSink | None = None  # the consumer's Context.sink while it runs
-        self.sink_error: Exception | None = None  # what the sink raised (the stream fails with it)
+        self.relay: ChunkRelay | None = None  # the consumer's Context.relay while it runs
+        self.relay_error: Exception | None = None  # what the relay raised (the stream fails with it)
         self.hold_id = 0  # the engine's hold on a finished prefill leg's KV (0: none)
 
     @property
@@ -155,17 +155,17 @@ class Sequence:
         self.notify()
 
     def notify(self) -> None:
-        """New output or a new state: a running sequence's new tokens go to its sink, if it has one; anything
-        else (no sink, finished, nothing new) wakes the consumer."""
-        sink = self.sink
-        if sink is not None and self.finish_reason is None and self.status is not SequenceStatus.FINISHED:
+        """New output or a new state: a running sequence's new tokens go to its relay, if it has one; anything
+        else (no relay, finished, nothing new) wakes the consumer."""
+        relay = self.relay
+        if relay is not None and self.finish_reason is None and self.status is not SequenceStatus.FINISHED:
             fresh = self.take_output()
             if fresh:
                 try:
-                    sink({"token_ids": fresh})
+                    relay({"token_ids": fresh})
                     return
                 except Exception as exc:  # the consumer's bug fails its stream, not the engine's step loop
-                    self.sink, self.sink_error = None, exc
+                    self.relay, self.relay_error = None, exc
         self.wake()
 
     def take_output(self, limit: int | None = None) -> list[int]:

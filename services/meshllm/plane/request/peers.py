@@ -34,7 +34,7 @@ def generate_to(
     A peer living in this very process (`channels.local`, meshllm run) is
     called directly (plane/request/local.py); any other goes over the process's one
     GenerateSession call to it. `call.relay` becomes `SessionClient.generate`'s
-    sink: a session stream hands it the non-terminal chunks; a local one has
+    relay: a session stream hands it the non-terminal chunks; a local one has
     none to save (no reader task stands between) and yields every chunk.
     """
     info = call or CallInfo()
@@ -59,4 +59,4 @@ def generate_to(
         return SessionClient(open_call, peer, method, liveness=channels.liveness)
 
     session = channels.shared(address, session_key(service), make)
-    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline, sink=info.relay)
+    return session.generate(request, traceparent=info.traceparent, deadline=info.deadline, relay=info.relay)

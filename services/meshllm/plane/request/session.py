@@ -21,9 +21,9 @@ bounded by tokens, not messages: coalescing by backpressure, with no clock.
 Tokens reach the client as soon as they exist when it keeps up: the writer
 wakes on the first push, and a stream's first chunk never waits. A server
 whose handler relays (`relays=True`: the router, a worker whose engine takes
-chunks from its step loop) also gives each stream's call a sink into the
+chunks from its step loop) also gives each stream's call a relay into the
 outbox (`CallInfo.relay`), so chunks made elsewhere (a router's peer sessions,
-`SessionClient.generate(sink=...)`) go out without waking the stream's task.
+`SessionClient.generate(relay=...)`) go out without waking the stream's task.
 
 Client side: `SessionClient` (plane/request/session_client.py, re-exported here).
 `plane/request/peers.py`'s `generate_to` chooses between a peer in this process and
@@ -107,7 +107,7 @@ class SessionServer:
         relays: bool = False,
     ) -> None:
         self.handler = handler
-        # True: each stream's CallInfo.relay is a sink into the outbox. What the handler passes there is sent as if
+        # True: each stream's CallInfo.relay is a relay into the outbox. What the handler passes there is sent as if
         # yielded, without the stream's task waking for it (the router forwards worker chunks so).
         self.relays = relays
         self.min_interval_s = min_interval_s

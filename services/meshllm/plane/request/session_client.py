@@ -45,7 +45,7 @@ from meshllm.errors import (
 )
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.request.liveness import SessionLiveness
-from meshllm.plane.request.transport import ChunkSink, mesh_error
+from meshllm.plane.request.transport import ChunkRelay, mesh_error
 from meshllm.protocol.chunks import merge_into, mergeable
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
 from meshllm.protocol.types import TokenChunk, TokenRequest
@@ -68,30 +68,30 @@ def wake(waiter: asyncio.Future[None] | None) -> None:
 
 
 class _Pipe:
-    """One stream's chunks on the client: merged while the consumer lags, or handed to its sink."""
+    """One stream's chunks on the client: merged while the consumer lags, or handed to its relay."""
 
-    __slots__ = ("error", "expired", "last_at", "queue", "sink", "sink_failed", "waiter")
+    __slots__ = ("error", "expired", "last_at", "queue", "relay", "relay_failed", "waiter")
 
-    def __init__(self, sink: ChunkSink | None = None) -> None:
+    def __init__(self, relay: ChunkRelay | None = None) -> None:
         self.queue: collections.deque[TokenChunk] = collections.deque()
         self.error: MeshError | None = None
         self.expired = False  # its deadline passed (set by a timer: no wait_for per wake-up)
         self.waiter: asyncio.Future[None] | None = None
         self.last_at = 0.0  # loop time its last chunk arrived; 0 = none yet (no progress deadline before the first)
-        self.sink = sink  # takes the non-terminal chunks as they arrive (SessionClient.generate)
-        self.sink_failed = False  # the sink raised: the server's stream goes on and must be cancelled
+        self.relay = relay  # takes the non-terminal chunks as they arrive (SessionClient.generate)
+        self.relay_failed = False  # the relay raised: the server's stream goes on and must be cancelled
 
     def put(self, chunk: TokenChunk) -> None:
         if self.error is not None:
-            return  # a failed stream takes nothing more (after its sink failed, not even its terminal)
-        sink = self.sink
-        if sink is not None and "finish_reason" not in chunk:
+            return  # a failed stream takes nothing more (after its relay failed, not even its terminal)
+        relay = self.relay
+        if relay is not None and "finish_reason" not in chunk:
             try:
-                sink(chunk)
-            except Exception as exc:  # the sink's bug fails its stream, never the session's reader
-                log_unexpected(log, "a stream's chunk sink failed", exc)
-                self.sink = None
-                self.sink_failed = True
+                relay(chunk)
+            except Exception as exc:  # the relay's bug fails its stream, never the session's reader
+                log_unexpected(log, "a stream's chunk relay failed", exc)
+                self.relay = None
+                self.relay_failed = True
                 self.fail(Unknown(f"{type(exc).__name__}: {exc}"))
             return
         q = self.queue
@@ -144,8 +144,8 @@ class _ClientSession:
         self._writer = asyncio.ensure_future(self._write())
         self._watchdog = asyncio.ensure_future(self._watch())
 
-    def open(self, sid: int, op: session_pb2.StreamOpen, sink: ChunkSink | None = None) -> _Pipe:
-        pipe = _Pipe(sink)
+    def open(self, sid: int, op: session_pb2.StreamOpen, relay: ChunkRelay | None = None) -> _Pipe:
+        pipe = _Pipe(relay)
         if not self.pipes:
             self.busy_since = self._loop.time()
             wake(self._busy_waiter)
@@ -326,19 +326,19 @@ class SessionClient(AsyncCloseable):
         *,
         traceparent: str | None = None,
         deadline: float | None = None,
-        sink: ChunkSink | None = None,
+        relay: ChunkRelay | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Chunks of one stream, then exactly one terminal; or the MeshError it ended with.
 
         `deadline` is a `time.monotonic()` instant: past it the stream fails
         with ResponseTimeout (the server enforces the same deadline).
 
-        With a `sink`, the session's reader calls `sink(chunk)` with each
+        With a `relay`, the session's reader calls `relay(chunk)` with each
         non-terminal chunk as its message arrives, in order, and the iterator
         yields only the terminal (or raises the error): a relay (the router)
         forwards tokens without waking the consuming task once per message.
-        A sink must not block or await; one that raises fails its stream with
-        Unknown. Nothing reaches the sink after the iterator is closed.
+        A relay must not block or await; one that raises fails its stream with
+        Unknown. Nothing reaches the relay after the iterator is closed.
         """
         timeout_s = 0.0
         if deadline is not None:
@@ -356,7 +356,7 @@ class SessionClient(AsyncCloseable):
         op = session_pb2.StreamOpen(
             stream_id=sid, request=request_to_proto(request), traceparent=traceparent or "", timeout_s=timeout_s
         )
-        pipe = session.open(sid, op, sink)
+        pipe = session.open(sid, op, relay)
         loop = asyncio.get_running_loop()
         timer = None if deadline is None else loop.call_later(deadline - time.monotonic(), pipe.expire)
         finished = False
@@ -371,7 +371,7 @@ class SessionClient(AsyncCloseable):
                         return
                     yield chunk
                 if pipe.error is not None:
-                    finished = not pipe.sink_failed  # the server ended it, unless it failed here
+                    finished = not pipe.relay_failed  # the server ended it, unless it failed here
                     raise pipe.error
                 if pipe.expired:
                     raise ResponseTimeout(f"no answer from {self.peer} before the deadline")

@@ -22,7 +22,7 @@ import grpc
 from meshllm.config import DEFAULT_STREAM_INTERVAL_MS
 from meshllm.errors import MeshError, ResponseTimeout, StreamIncomplete, error_from_status
 from meshllm.protocol.convert import chunk_from_proto, request_to_proto
-from meshllm.protocol.types import ChunkSink, TokenChunk, TokenRequest
+from meshllm.protocol.types import ChunkRelay, TokenChunk, TokenRequest
 from meshllm.tracing import otel_active
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "KEEPALIVE_TIME_MS",
     "TRACEPARENT",
     "CallInfo",
-    "ChunkSink",
+    "ChunkRelay",
     "GenerateHandler",
     "channel_options",
     "generate_stream",
@@ -166,9 +166,9 @@ class CallInfo:
 
     traceparent: str | None = None
     deadline: float | None = None
-    relay: ChunkSink | None = field(default=None, compare=False, repr=False)
+    relay: ChunkRelay | None = field(default=None, compare=False, repr=False)
 
-    def relaying(self, relay: ChunkSink | None) -> CallInfo:
+    def relaying(self, relay: ChunkRelay | None) -> CallInfo:
         """This call with another relay (None: every chunk is yielded); itself when the relay is the same."""
         return self if relay is self.relay else CallInfo(self.traceparent, self.deadline, relay)
 

@@ -13,12 +13,12 @@ request (EOS, stop, max_tokens reached, no params) is passed on as the
 stream's terminal.
 
 Relay: a stream of the router's GenerateSession service (RouterServicer) has
-a sink (`CallInfo.relay`). Its worker legs' non-terminal chunks then skip this generator chain:
-the worker session's reader hands each one to the leg's sink, which does the
+a relay (`CallInfo.relay`). Its worker legs' non-terminal chunks then skip this generator chain:
+the worker session's reader hands each one to the leg's relay, which does the
 leg's bookkeeping and the migration state's and pushes it into the caller's
 session, so a token wakes no task here. The chain still carries the
 terminal, a disaggregated request's first tokens (the prefill leg has no
-sink) and error terminals, after every chunk the sink was given.
+relay) and error terminals, after every chunk the relay was given.
 
 Cancellation: the caller closing the stream (or cancelling the task that
 iterates it) unwinds `stream_request` through whichever leg is running — prefill or
@@ -36,7 +36,7 @@ from itertools import count
 from typing import Protocol
 
 from meshllm.errors import MeshError
-from meshllm.plane.request.transport import CallInfo, ChunkSink
+from meshllm.plane.request.transport import CallInfo, ChunkRelay
 from meshllm.protocol.kv import prefix_handle
 from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
 from meshllm.router.config import RouterMode
@@ -83,12 +83,12 @@ def stream_request(core: RoutingCore, request: TokenRequest, call: CallInfo | No
     """
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
     outer = call or CallInfo()
-    sink = outer.relay
-    relay: ChunkSink | None = None
-    if sink is not None:
+    outbox = outer.relay
+    relay: ChunkRelay | None = None
+    if outbox is not None:
 
         def relay(chunk: TokenChunk) -> None:
-            sink(state.observe(chunk))
+            outbox(state.observe(chunk))
 
     def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
         if failed is not None:
@@ -246,12 +246,12 @@ async def _leg(
             else:
                 later_tokens += len(chunk["token_ids"])
 
-    relay: ChunkSink | None = None
-    if (sink := call.relay) is not None:
+    relay: ChunkRelay | None = None
+    if (outbox := call.relay) is not None:
 
         def relay(chunk: TokenChunk) -> None:
             seen(chunk)
-            sink(chunk)
+            outbox(chunk)
 
     try:
         async with aclosing(core.client(cand.address).generate(req, call=call.relaying(relay))) as stream:  # type: ignore[type-var]

@@ -1,10 +1,10 @@
-"""The mocker hands each step's tokens to `Context.sink` from its step loop (the worker's session relay).
+"""The mocker hands each step's tokens to `Context.relay` from its step loop (the worker's session relay).
 
-Locks: with a sink the same request gives the same tokens (sink chunks, then the terminal from the iterator,
-which yields nothing else); a decode leg's sink starts after the tokens another worker streamed; a stop during
-the stream ends it "cancelled" through the iterator; nothing reaches the sink after its iterator is closed; a
-sink that raises fails its own stream with Unknown and the engine serves the next request; a subclass that
-overrides `generate` is not given a sink (`takes_sink()` false), so its view of the chunks is not bypassed.
+Locks: with a relay the same request gives the same tokens (relay chunks, then the terminal from the iterator,
+which yields nothing else); a decode leg's relay starts after the tokens another worker streamed; a stop during
+the stream ends it "cancelled" through the iterator; nothing reaches the relay after its iterator is closed; a
+relay that raises fails its own stream with Unknown and the engine serves the next request; a subclass that
+overrides `generate` is not given a relay (`takes_relay()` false), so its view of the chunks is not bypassed.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ async def engine() -> AsyncIterator[MockerEngine]:
 
 
 async def sunk(engine: MockerEngine, request: TokenRequest) -> tuple[list[TokenChunk], list[TokenChunk]]:
-    """(chunks the sink got, chunks the iterator yielded)."""
+    """(chunks the relay got, chunks the iterator yielded)."""
     got: list[TokenChunk] = []
     ctx = Context(request["request_id"])
-    ctx.sink = got.append
+    ctx.relay = got.append
     yielded = [c async for c in engine.generate(request, ctx)]
     return got, yielded
 
 
-async def test_a_sink_gets_every_token_and_the_iterator_only_the_terminal(engine: MockerEngine) -> None:
-    assert engine.takes_sink()
+async def test_a_relay_gets_every_token_and_the_iterator_only_the_terminal(engine: MockerEngine) -> None:
+    assert engine.takes_relay()
     expected, terminal = await run(engine, req(PROMPT, "plain", max_tokens=40, ignore_eos=True))
     got, yielded = await sunk(engine, req(PROMPT, "sunk", max_tokens=40, ignore_eos=True))
     assert [t for c in got for t in c["token_ids"]] + yielded[-1]["token_ids"] == expected and len(expected) == 40
@@ -49,7 +49,7 @@ async def test_a_sink_gets_every_token_and_the_iterator_only_the_terminal(engine
     assert yielded[0]["usage"]["completion_tokens"] == 40 and all("finish_reason" not in c for c in got)
 
 
-async def test_a_decode_legs_sink_starts_after_the_tokens_already_streamed(engine: MockerEngine) -> None:
+async def test_a_decode_legs_relay_starts_after_the_tokens_already_streamed(engine: MockerEngine) -> None:
     expected, _ = await run(engine, req(PROMPT, "agg", max_tokens=12, ignore_eos=True))
     prefill, _, _ = await started()
     try:
@@ -64,7 +64,7 @@ async def test_a_decode_legs_sink_starts_after_the_tokens_already_streamed(engin
 
 
 class Filling:
-    """A sink that records chunks and tells a test when it holds `n` of them."""
+    """A relay that records chunks and tells a test when it holds `n` of them."""
 
     def __init__(self, n: int) -> None:
         self.got: list[TokenChunk] = []
@@ -80,14 +80,14 @@ class Filling:
 async def streaming(
     engine: MockerEngine, rid: str, n: int
 ) -> tuple[list[TokenChunk], Context, AsyncIterator[TokenChunk], asyncio.Future[TokenChunk]]:
-    """A long request with a sink, its iterator awaited in the background, once the sink holds `n` chunks."""
-    sink = Filling(n)
+    """A long request with a relay, its iterator awaited in the background, once the relay holds `n` chunks."""
+    relay = Filling(n)
     ctx = Context(rid)
-    ctx.sink = sink
+    ctx.relay = relay
     stream = engine.generate(req(PROMPT, rid, max_tokens=5000, ignore_eos=True), ctx)
     waiting = asyncio.ensure_future(anext(stream))
-    await asyncio.wait_for(sink.ready.wait(), 5)
-    return sink.got, ctx, stream, waiting
+    await asyncio.wait_for(relay.ready.wait(), 5)
+    return relay.got, ctx, stream, waiting
 
 
 async def test_a_stop_during_the_stream_ends_it_cancelled_through_the_iterator() -> None:
@@ -103,7 +103,7 @@ async def test_a_stop_during_the_stream_ends_it_cancelled_through_the_iterator()
         await engine.cleanup()
 
 
-async def test_nothing_reaches_the_sink_after_its_iterator_is_closed() -> None:
+async def test_nothing_reaches_the_relay_after_its_iterator_is_closed() -> None:
     engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
     try:
         got, _, stream, waiting = await streaming(engine, "d", 1)
@@ -117,20 +117,20 @@ async def test_nothing_reaches_the_sink_after_its_iterator_is_closed() -> None:
         await engine.cleanup()
 
 
-async def test_a_sink_that_raises_fails_its_stream_with_unknown_and_the_engine_goes_on(engine: MockerEngine) -> None:
+async def test_a_relay_that_raises_fails_its_stream_with_unknown_and_the_engine_goes_on(engine: MockerEngine) -> None:
     def bad(chunk: TokenChunk) -> None:
         raise KeyError("relay bug")
 
     ctx = Context("bad")
-    ctx.sink = bad
-    with pytest.raises(Unknown, match="chunk sink failed: KeyError"):
+    ctx.relay = bad
+    with pytest.raises(Unknown, match="chunk relay failed: KeyError"):
         _ = [c async for c in engine.generate(req(PROMPT, "bad", max_tokens=40, ignore_eos=True), ctx)]
     assert engine.blocks.num_used == 0
     tokens, terminal = await run(engine, req(PROMPT, "after", max_tokens=10, ignore_eos=True))
     assert len(tokens) == 10 and terminal["finish_reason"] == "length"
 
 
-async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
+async def test_a_subclass_that_overrides_generate_is_not_given_a_relay() -> None:
     class Wrapping(MockerEngine):
         async def generate(self, request: TokenRequest, context: Context) -> AsyncIterator[TokenChunk]:
             async for chunk in super().generate(request, context):
@@ -140,18 +140,18 @@ async def test_a_subclass_that_overrides_generate_is_not_given_a_sink() -> None:
         pass
 
     config: Any = MockerConfig(speedup_ratio=0.0)
-    assert not Wrapping(config).takes_sink() and Plain(config).takes_sink()
+    assert not Wrapping(config).takes_relay() and Plain(config).takes_relay()
 
 
 async def stream_to_writer(
     engine: MockerEngine, rid: str, max_tokens: int, seen: list[int], on_turn: Callable[[int], None]
 ) -> None:
-    """Run one request whose sink (extending `seen`) wakes a writer task, as a session's writer is woken;
+    """Run one request whose relay (extending `seen`) wakes a writer task, as a session's writer is woken;
     `on_turn(tokens seen)` runs at each of the writer's turns."""
     woken = asyncio.Event()
     ended = False
 
-    def sink(chunk: TokenChunk) -> None:
+    def relay(chunk: TokenChunk) -> None:
         seen.extend(chunk["token_ids"])
         woken.set()
 
@@ -166,7 +166,7 @@ async def stream_to_writer(
     task = asyncio.ensure_future(writer())
     try:
         ctx = Context(rid)
-        ctx.sink = sink
+        ctx.relay = relay
         [c async for c in engine.generate(req(PROMPT, rid, max_tokens=max_tokens, ignore_eos=True), ctx)]
         ended = True
         woken.set()
@@ -177,7 +177,7 @@ async def stream_to_writer(
 
 
 async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
-    """Locks: on a timed mocker, a task the sink wakes (a session's writer) runs before the step's own bookkeeping
+    """Locks: on a timed mocker, a task the relay wakes (a session's writer) runs before the step's own bookkeeping
     (the step hook, the load report), so that work does not delay the tokens' way out. (A step already over on
     the model's timeline when it ends, in a loop that ran late, is the exception: see the next test; the first
     step here is a prefill, milliseconds long at speedup 10.)"""
@@ -198,7 +198,7 @@ async def test_a_steps_consumers_run_before_its_bookkeeping() -> None:
 
 async def test_steps_that_fell_due_while_the_loop_was_busy_run_without_a_yield() -> None:
     """Locks the mocker's catch-up: after its process held the event loop for 4 ms (far longer than a step at
-    speedup 100), the steps already due on the model's timeline run back to back, so the sink's writer task
+    speedup 100), the steps already due on the model's timeline run back to back, so the relay's writer task
     takes several steps' tokens in one turn; a mocker that yielded after every step would hand it one each."""
     engine, _, _ = await started(MockerConfig(speedup_ratio=100.0))
     per_turn: list[int] = []  # new tokens the writer found at each of its turns
@@ -220,7 +220,7 @@ async def test_steps_that_fell_due_while_the_loop_was_busy_run_without_a_yield()
 async def test_a_lagging_consumer_gets_one_token_per_chunk_without_coalescing(
     engine: MockerEngine, monkeypatch: pytest.MonkeyPatch, coalesce: bool
 ) -> None:
-    """Locks: a consumer slower than the steps (no sink: the in-process plane) gets the tokens made meanwhile as
+    """Locks: a consumer slower than the steps (no relay: the in-process plane) gets the tokens made meanwhile as
     one chunk, or, with --no-coalesce, one chunk per step (one token each, the terminal holding at most one);
     the tokens are the same either way."""
     monkeypatch.setattr(chunks, "_coalescing", coalesce)
