@@ -36,7 +36,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,8 @@ from harness.cpu import CpuMeter
 from harness.doc import publish
 from harness.probes import until_models
 from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
-from harness.servers import free_port, ready_url, rotated, server_process, serving_address
+from harness.servers import free_port, ready_url, server_process, serving_address
+from harness.turns import take_turns
 
 from meshllm.bench.http import Endpoint
 from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
@@ -190,29 +190,27 @@ async def measure(
             warmup = gen.next()
             todo = [gen.next() for _ in range(requests * w.repeats)]
             records: dict[str, list[RequestRecord]] = {k: [] for k in kinds}
-            blocks: dict[str, list[float]] = {k: [] for k in kinds}  # block j: the same prompts on every system
-            cpu = {k: dict.fromkeys(systems[k].pids, 0.0) for k in kinds}
 
             for kind in kinds:  # unrecorded: connections open, the shared prefix cached
                 await replay([warmup], senders[kind], mode=ReplayMode.CLOSED)
-            step = w.concurrency
-            for j in range(0, len(todo), step):
-                for kind in rotated(kinds, j // step):
-                    before, t0 = meters[kind].sample(), time.perf_counter()
-                    result = await replay(todo[j : j + step], senders[kind], mode=ReplayMode.CLOSED, concurrency=w.concurrency)
-                    blocks[kind].append(time.perf_counter() - t0)
-                    for name, sec in CpuMeter.delta(before, meters[kind].sample()).items():
-                        cpu[kind][name] += sec
-                    records[kind].extend(result.records)
+
+            async def send(
+                kind: str, block: Sequence[Any], c: int = w.concurrency, into: dict[str, list[RequestRecord]] = records
+            ) -> None:
+                result = await replay(list(block), senders[kind], mode=ReplayMode.CLOSED, concurrency=c)
+                into[kind].extend(result.records)
+
+            turns = await take_turns(meters, todo, w.concurrency, send)  # block j: the same prompts on every system
             for kind in kinds:
-                row = summarize(w.concurrency, records[kind], sum(blocks[kind])).to_dict()
+                row = summarize(w.concurrency, records[kind], sum(turns.seconds[kind])).to_dict()
                 row = {k: math.nan if v is None else v for k, v in row.items()}
                 done = max(1, row.get("completed", 0))
-                row["cpu_ms"] = {name: 1000 * sec / done for name, sec in cpu[kind].items()}
+                cpu = {**dict.fromkeys(systems[kind].pids, 0.0), **turns.cpu_s[kind]}
+                row["cpu_ms"] = {name: 1000 * sec / done for name, sec in cpu.items()}
                 ok = [r for r in records[kind] if r.error is None]
                 prompt = sum(r.prompt_tokens for r in ok)
                 row["cached_ratio"] = sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan
-                row["blocks"] = blocks[kind]  # paired_lines() compares them block by block
+                row["blocks"] = turns.seconds[kind]  # paired_lines() compares them block by block
                 if w.concurrency == 1:  # request j of every system had the same prompt: paired_lines() compares them
                     row["ttfts"] = [r.ttft if r.error is None else None for r in records[kind]]
                     row["itls"] = [statistics.median(r.gaps) if r.error is None and r.gaps else None for r in records[kind]]

@@ -85,6 +85,7 @@ import grpc
 import orjson
 from harness.doc import publish
 from harness.runinfo import LoadMonitor, load_sentence, machine, today
+from harness.stats import pct
 
 from meshllm.bench.trace import TraceScale, hash_id_tokens
 from meshllm.config import DiscoveryKind, EventsKind, PlaneConfig
@@ -147,13 +148,7 @@ def renamed(ids: Iterable[int], copy: int, shared: set[int]) -> list[int]:
 
 def summary(values: Sequence[float]) -> dict[str, float]:
     """p50 / p90 / p99 of `values`."""
-    return {"p50": statistics.median(values), "p90": percentile(values, 90), "p99": percentile(values, 99)}
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The value below which `p` % of `values` fall (nearest rank, as the other bench scripts report)."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))] if s else 0.0
+    return {f"p{p}": pct(values, p) for p in (50, 90, 99)}
 
 
 class BlockChains:
@@ -642,7 +637,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 chosen.append(d.worker_id)
                 scored.append(len(d.candidates))
             other = [(await clients[1].route(MODEL, p)).worker_id for p in prompts]
-            out["route_rpc_ms"] = {"p50": statistics.median(lat), "p90": percentile(lat, 90), "p99": percentile(lat, 99)}
+            out["route_rpc_ms"] = summary(lat)
             out["router_matches_in_process"] = sum(a == b for a, b in zip(chosen, local_choice, strict=True)) / len(prompts)
             out["decisions"] = len(lat)
             out["candidates_scored_median"] = statistics.median(scored)

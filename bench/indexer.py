@@ -37,6 +37,7 @@ from pathlib import Path
 
 from harness.doc import write_section
 from harness.runinfo import LoadMonitor, best_phrase, load_sentence, machine, today, versions
+from harness.stats import pct
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
 from meshllm.router.kv.index import KvIndex
@@ -226,11 +227,6 @@ def measure_tier_lookup(
         index.tier_overlaps(hashes, keys, device)
         out.append((time.perf_counter() - t0) * 1000)
     return out
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:

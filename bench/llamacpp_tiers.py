@@ -58,6 +58,7 @@ from typing import Any
 
 from harness.doc import publish
 from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
+from harness.stats import pct, triple
 
 from meshllm.engine.base import Context, KvTier
 from meshllm.engine.llamacpp.engine import LlamaCppEngine
@@ -246,13 +247,6 @@ async def stream_completion(client: Any, model: str, prompt: list[int], max_toke
     return first, text, cached
 
 
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
 def summary(results: list[Result]) -> dict[str, Any]:
     back = [r for r in results if r.visit > 0]
     first = [r for r in results if r.visit == 0]
@@ -274,7 +268,7 @@ def summary(results: list[Result]) -> dict[str, Any]:
 
 
 def p3(ms: list[float]) -> str:
-    return f"{pct(ms, 50):.0f} / {pct(ms, 90):.0f} / {pct(ms, 99):.0f}"
+    return triple(ms, "{:.0f}")
 
 
 def render(args: argparse.Namespace, runs: dict[str, dict[str, Any]], loads: list[float]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from harness.stats import pct
 from routing_http import HttpDocs
 
 from meshllm.protocol.types import TokenRequest
@@ -46,8 +47,8 @@ class Result:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def p(self, values: list[float], q: float) -> float:
-        s = sorted(values)
-        return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+        """The `q` quantile (0..1) of `values` (the harness's percentile); 0.0 for none."""
+        return pct(values, q * 100) if values else 0.0
 
 
 def requests(w: Workload) -> list[tuple[float, int, TokenRequest]]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from harness.doc import write_section
 from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.stats import pct
 from routing import PLANE, TRACE, Arrival, Result
 
 from meshllm.bench.trace import TraceScale, load_trace, sample_sessions, token_arrivals, trace_stats
@@ -222,11 +223,6 @@ def returning(off: Run, on: Run, ids: frozenset[str]) -> tuple[list[float], list
     return [off.per_request[i][0] for i in both], [on.per_request[i][0] for i in both]
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
-
-
 def _p(q: float):  # type: ignore[no-untyped-def]
     return lambda r: r.result.p(r.result.ttft_ms, q)
 
@@ -282,8 +278,8 @@ def size_part(label: str, setup: Setup, rows: list[Row], trace: Trace) -> list[s
     pairs = [returning(a, b, ids) for a, b in zip(off.runs, on.runs, strict=True)]
     n_ret = statistics.median(len(a) for a, _ in pairs)
     ret = ", ".join(
-        f"p{round(q * 100)} {statistics.median(pct(b, q) for _, b in pairs):,.1f} vs"
-        f" {statistics.median(pct(a, q) for a, _ in pairs):,.1f} ms"
+        f"p{round(q * 100)} {statistics.median(pct(b, q * 100) for _, b in pairs):,.1f} vs"
+        f" {statistics.median(pct(a, q * 100) for a, _ in pairs):,.1f} ms"
         for q in (0.5, 0.9, 0.99)
     )
     lines = [

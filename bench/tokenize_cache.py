@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from harness.doc import publish
 from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.stats import triple
 
 from meshllm.engine.llamacpp.config import default_model_path
 from meshllm.frontend.text.chat_template import ChatTemplate, chat_template_for
@@ -93,18 +94,12 @@ def unique_prompts(template: ChatTemplate, n: int, seed: int) -> list[str]:
     return [template.render([{"role": "user", "content": words.text(rng.randint(130, 200))}]) for _ in range(n)]
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def row(label: str, m: dict[str, list[float]], idx: list[int]) -> str:
     plain = [m["plain"][i] for i in idx]
     cached = [m["cached"][i] for i in idx]
     tokens = statistics.mean(m["tokens"][i] for i in idx)
     ratio = statistics.median(cached) / statistics.median(plain)
-    p = lambda v: " / ".join(f"{pct(v, q):.3f}" for q in (0.5, 0.9, 0.99))  # noqa: E731
-    return f"| {label} | {len(idx)} | {tokens:,.0f} | {p(plain)} | {p(cached)} | {ratio:.2f}× |"
+    return f"| {label} | {len(idx)} | {tokens:,.0f} | {triple(plain, '{:.3f}')} | {triple(cached, '{:.3f}')} | {ratio:.2f}× |"
 
 
 def smollm2() -> tuple[HFTokenizer, ChatTemplate]:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from harness.doc import publish
 from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
-from tokenize_cache import pct, smollm2, unique_prompts
+from harness.stats import triple
+from tokenize_cache import smollm2, unique_prompts
 
 SECTION = "## Prompt tokenization after idle"
 SETTLE = 2  # a block's first encodes follow another kind's pause: not counted
@@ -86,10 +87,7 @@ def run(n: int, block: int, seed: int) -> tuple[dict[str, list[float]], float]:
 
 def render(times: dict[str, list[float]], tokens: float, n: int, block: int, loads: list[float]) -> str:
     base = statistics.median(times[PAUSES[0][0]])
-    rows = "\n".join(
-        f"| {label} | {' / '.join(f'{pct(v, q):.3f}' for q in (0.5, 0.9, 0.99))} | {statistics.median(v) / base:.2f}× |"
-        for label, v in times.items()
-    )
+    rows = "\n".join(f"| {label} | {triple(v, '{:.3f}')} | {statistics.median(v) / base:.2f}× |" for label, v in times.items())
     return f"""{SECTION}
 
 `.venv/bin/python bench/tokenize_idle.py --requests {n} --block {block}` on {today()} ({machine()}; {versions("tokenizers")}).

@@ -41,7 +41,8 @@ from typing import Any
 
 from harness.doc import publish
 from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
-from tokenize_cache import pct, smollm2, unique_prompts
+from harness.stats import triple
+from tokenize_cache import smollm2, unique_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "services"))
@@ -156,10 +157,7 @@ def run(n: int, block: int, seed: int) -> tuple[dict[str, dict[str, list[float]]
 
 
 def render(times: dict[str, dict[str, list[float]]], tokens: float, n: int, block: int, loads: list[float]) -> str:
-    def cell(v: list[float]) -> str:
-        return " / ".join(f"{pct(v, q):.3f}" for q in (0.5, 0.9, 0.99))
-
-    rows = "\n".join(f"| {label} | {' | '.join(cell(row[p]) for p in PARTS)} |" for label, row in times.items())
+    rows = "\n".join(f"| {label} | {' | '.join(triple(row[p], '{:.3f}') for p in PARTS)} |" for label, row in times.items())
     idle = times[KINDS[1][0]]["sum"]
     return f"""{SECTION}
 

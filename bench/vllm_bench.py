@@ -50,10 +50,11 @@ from harness.cpu import CpuMeter
 from harness.doc import publish
 from harness.probes import until_models
 from harness.runinfo import LoadMonitor, load_sentence, machine, today
-from harness.servers import free_port, ready_url, rotated, server_process, serving_address
+from harness.servers import free_port, ready_url, server_process, serving_address
+from harness.stats import pct, triple
+from harness.turns import take_turns
 from openai import AsyncOpenAI
 
-from meshllm.bench.report import percentile
 from meshllm.engine.cpus import cpu_shares, format_cpu_list, usable_cpus
 from meshllm.engine.vllm.model import default_model_dir
 from meshllm.testing.processes import MeshllmProcess
@@ -261,7 +262,6 @@ async def drive(runnings: dict[str, Running], prompts: list[list[dict[str, str]]
     names = list(runnings)
     res = {n: Result(requests=len(prompts)) for n in names}
     meters = {n: CpuMeter(r.pids) for n, r in runnings.items()}
-    cpu: dict[str, dict[str, float]] = {n: {} for n in names}
     async with contextlib.AsyncExitStack() as stack:
         clients = {
             n: await stack.enter_async_context(AsyncOpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=600))
@@ -269,16 +269,14 @@ async def drive(runnings: dict[str, Running], prompts: list[list[dict[str, str]]
         }
         for n in names:
             await one(clients[n], runnings[n].model, [{"role": "user", "content": "warm up"}], None)
-        for j in range(0, len(prompts), concurrency):
-            block = prompts[j : j + concurrency]
-            for n in rotated(names, j // concurrency):
-                before, t0 = meters[n].sample(), time.perf_counter()
-                await asyncio.gather(*(one(clients[n], runnings[n].model, m, res[n]) for m in block))
-                res[n].seconds += time.perf_counter() - t0
-                for k, sec in CpuMeter.delta(before, meters[n].sample()).items():
-                    cpu[n][k] = cpu[n].get(k, 0.0) + sec
+
+        async def send(n: str, block: Sequence[list[dict[str, str]]]) -> None:
+            await asyncio.gather(*(one(clients[n], runnings[n].model, m, res[n]) for m in block))
+
+        turns = await take_turns(meters, prompts, concurrency, send)
     for n in names:
-        res[n].cpu_ms = {k: 1000 * sec / len(prompts) for k, sec in cpu[n].items()}
+        res[n].seconds = sum(turns.seconds[n])
+        res[n].cpu_ms = {k: 1000 * sec / len(prompts) for k, sec in turns.cpu_s[n].items()}
     return res
 
 
@@ -299,16 +297,8 @@ async def measure(names: Sequence[str], seed: int) -> dict[str, dict[tuple[str, 
     return out
 
 
-def pct(values: Sequence[float], p: float) -> float:
-    return percentile(sorted(values), p) if values else math.nan
-
-
 def ratio_of(r: Result) -> float:
     return r.cached_tokens / r.prompt_tokens if r.prompt_tokens else math.nan
-
-
-def dist(values: Sequence[float], fmt: str = "{:.1f}") -> str:
-    return " / ".join(fmt.format(pct(values, p)) for p in (50, 90, 99))
 
 
 def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
@@ -337,7 +327,7 @@ def report(results: dict[str, dict[tuple[str, int], Result]], load: str) -> str:
         for (kind, c), r in rows.items():
             cpu = ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms.items())
             lines.append(
-                f"| {name} | {kind} | {c} | {dist(r.ttft_ms)} | {dist(r.itl_ms, '{:.2f}')} | {r.requests / r.seconds:.3f} "
+                f"| {name} | {kind} | {c} | {triple(r.ttft_ms)} | {triple(r.itl_ms, '{:.2f}')} | {r.requests / r.seconds:.3f} "
                 f"| {r.events / len(r.ttft_ms) if r.ttft_ms else math.nan:.1f} | {ratio_of(r):.2f} | {cpu} |"
             )
     lines += ["", "Targets (issue 37):", ""]

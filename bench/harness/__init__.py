@@ -3,8 +3,8 @@
 - systems: `systems` (the mocker meshes bench/mesh.py compares, and Dynamo beside them), `servers` (any OpenAI
   server by its command line, meshllm's ready lines), `probes` (readiness and metrics);
 - load: `meshllm.bench` (workloads, senders, replay, per-request records), shipped with meshllm itself so that
-  `meshllm bench` and these scenarios send the same requests;
-- CPU sampling: `cpu` (whole process trees from /proc);
+  `meshllm bench` and these scenarios send the same requests; `turns` (systems taking turns on the same requests);
+- CPU sampling: `cpu` (whole process trees from /proc); statistics: `stats` (one percentile for every report);
 - reports: `runinfo` (what a report says about its own run, measured) and `doc` (each scenario's section of
   docs/benchmarks.md).
 

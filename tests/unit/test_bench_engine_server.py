@@ -10,15 +10,6 @@ import pytest
 from bench_support import load_bench
 
 
-def test_every_system_goes_first_equally_often() -> None:
-    """Locks: rotation puts each system first (right after another's request) as often as any other."""
-    es = load_bench("engine_server")
-    kinds = ["server", "run", "split"]
-    firsts = [es.rotated(kinds, k)[0] for k in range(6)]
-    assert sorted(firsts) == sorted(kinds * 2)
-    assert all(sorted(es.rotated(kinds, k)) == sorted(kinds) for k in range(6))
-
-
 def _row(ttft: float, itl: float, rps: float) -> dict[str, Any]:
     keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
     vals = (ttft, ttft, ttft, itl, itl, itl)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from bench_support import load_bench as load
 
 from meshllm.protocol.kv import block_hashes
@@ -29,12 +30,10 @@ def test_renamed_ids_keep_shared_ones_and_separate_copies() -> None:
     assert not set(a[1:]) & set(b[1:])
 
 
-def test_percentile_is_nearest_rank() -> None:
+def test_summary_uses_the_harness_percentiles() -> None:
     fleet = load("fleet")
     values = [float(v) for v in range(1, 101)]
-    assert fleet.percentile(values, 50) == 51.0
-    assert fleet.percentile(values, 99) == 100.0
-    assert fleet.percentile([], 99) == 0.0
+    assert fleet.summary(values) == {"p50": 50.5, "p90": pytest.approx(90.1), "p99": pytest.approx(99.01)}
 
 
 def test_chains_are_the_block_hashes_of_the_prompt_a_route_request_sends() -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from bench_support import load_bench
+from bench_support import BENCH, load_bench
 
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import free_port
@@ -78,10 +80,10 @@ async def test_ready_match_skips_lines_until_the_pattern() -> None:
         await proc.stop()
 
 
-def test_rotated_gives_every_system_every_position() -> None:
+def test_rotated_puts_every_system_first_equally_often() -> None:
     servers = load_bench("harness.servers")
-    orders = [servers.rotated(["a", "b", "c"], k) for k in range(3)]
-    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    orders = [servers.rotated(["a", "b", "c"], k) for k in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and orders[3:] == orders[:3]
     assert servers.rotated(["a", "b"], 5) == ["b", "a"]
 
 
@@ -100,3 +102,32 @@ def test_the_harness_finds_the_repository_it_lives_in() -> None:
     systems = load_bench("harness.systems")
     assert systems.ROOT == root
     assert systems.DYNAMO_DIR == root.parent / "shared" / "anchors" / "dynamo"
+
+
+async def test_take_turns_gives_every_system_every_block_rotating_who_goes_first(tmp_path: Path) -> None:
+    cpu = load_bench("harness.cpu")
+    turns_mod = load_bench("harness.turns")
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_text("7 (py) S 1 1 1 0 -1 0 0 0 0 0 300 100 0 0 20 0 3 0 100 0 0\n")
+    meters = {name: cpu.CpuMeter({"server": 7}, proc=tmp_path) for name in ("a", "b", "c")}
+    sent: list[tuple[str, tuple[int, ...]]] = []
+
+    async def send(name: str, block: Sequence[int]) -> None:
+        sent.append((name, tuple(block)))
+
+    turns = await turns_mod.take_turns(meters, [1, 2, 3, 4, 5], 2, send)
+    assert [n for n, _ in sent] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {n: [b for m, b in sent if m == n] for n in "abc"} == {n: [(1, 2), (3, 4), (5,)] for n in "abc"}
+    assert all(len(turns.seconds[n]) == 3 and min(turns.seconds[n]) >= 0 for n in "abc")
+    assert turns.cpu_s == {n: {"server": 0.0} for n in "abc"}  # its /proc did not move
+
+
+def test_every_report_s_percentiles_interpolate_as_meshllm_bench_s() -> None:
+    """Locks: one percentile for every scenario (the scripts had three: nearest rank two ways, and interpolated)."""
+    stats = load_bench("harness.stats")
+    values = [float(v) for v in range(1, 11)]
+    assert stats.pct(values, 50) == 5.5 and stats.pct(values, 90) == pytest.approx(9.1)
+    assert stats.triple(values) == "5.5 / 9.1 / 9.9" and stats.triple(values, "{:.2f}") == "5.50 / 9.10 / 9.91"
+    assert stats.pct([], 99) != stats.pct([], 99)  # NaN: no values, no figure
+    scripts = sorted(p.name for p in BENCH.glob("*.py") if re.search(r"^def (pct|percentile)\(", p.read_text(), re.M))
+    assert not scripts, f"scripts with their own percentile: {scripts}"
