@@ -6,10 +6,13 @@ bit `slot` is set when that slot holds the block. Applying a stored block is
 one dict update; the overlap of a prompt is a walk over its chained block
 hashes that ANDs the masks and stops at the first block nobody (among the
 candidates) holds — chained hashes make "holds block i" imply "holds the
-prefix up to i". Each slot also keeps its hashes in an ordered dict, so
+prefix up to i". Each slot also keeps its hashes in a dict, so
 removing a worker or clearing its cache touches only its own blocks; the
-dict is the slot's *eviction order* (least recently used first, as the
-engines evict) with, per block, how often a routed prompt reused it.
+dict's insertion order is the slot's *eviction order* (least recently used
+first, as the engines evict; a block used again is popped and re-inserted)
+with, per block, how often a routed prompt reused it. A plain dict, not an
+OrderedDict: a third of the memory per (slot, block) pair and faster inserts
+(docs/benchmarks.md "Fleet routing").
 
 What a worker can hold: `KvIndex.set_total` records each slot's capacity
 (from its LoadSnapshots, or its model card before the first one);
@@ -29,7 +32,6 @@ event-fed `KvIndex` (meshllm.router.kv.index) and the approximate mode's
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice
@@ -56,7 +58,7 @@ class BlockMap:
     def __init__(self) -> None:
         self.masks: dict[int, int] = {}
         self.slot_of: dict[SlotKey, int] = {}
-        self.blocks: list[OrderedDict[int, int]] = []  # per slot: hash → reuses, least recently used first
+        self.blocks: list[dict[int, int]] = []  # per slot: hash → reuses, least recently used first (insertion order)
         self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
         self.sizes: list[int] = []  # per slot: len(blocks[slot]), kept for fleet decisions (one list to read)
         self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
@@ -73,7 +75,7 @@ class BlockMap:
             else:
                 s = len(self._keys)
                 self._keys.append(key)
-                self.blocks.append(OrderedDict())
+                self.blocks.append({})
                 self.hot.append(0)
                 self.sizes.append(0)
             self.slot_of[key] = s
@@ -95,15 +97,15 @@ class BlockMap:
     def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
         """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
         held = self.blocks[slot]
-        move = held.move_to_end
+        pop = held.pop
         for h in reversed(hashes):
-            n = held.get(h)
+            n = pop(h, None)
             if n is not None:
                 if reused:
-                    held[h] = n + 1
                     if not n:
                         self.hot[slot] += 1
-                move(h)
+                    n += 1
+                held[h] = n  # re-inserted: the most recently used end
 
     def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
         """Of the `k` least recently used blocks of `slot` not in `keep`, how many were reused since stored."""
@@ -156,7 +158,7 @@ class BlockMap:
                 masks[h] = m
             else:
                 del masks[h]
-        self.blocks[slot] = OrderedDict()
+        self.blocks[slot] = {}
         self.hot[slot] = 0
         self.sizes[slot] = 0
         return n

@@ -18,7 +18,6 @@ enum value is nearer).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, KeysView, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
@@ -29,7 +28,7 @@ class DeviceBlocks(Protocol):
     """What the tiers read of the device index (`kv_index.BlockMap`, which builds on this module)."""
 
     masks: dict[int, int]  # block hash -> bitmask of the slots holding it
-    blocks: list[OrderedDict[int, int]]  # per slot: its block hashes (-> reuses)
+    blocks: list[dict[int, int]]  # per slot: its block hashes (-> reuses)
 
 
 class TierOverlap(NamedTuple):
