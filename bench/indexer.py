@@ -311,8 +311,8 @@ system prefix), each hashed and walked over all {WORKERS} workers; percentiles o
 | lookup with lower tiers (hash + walk + tier walk) p50 / p90 / p99 | {us("tiers")} µs (p99 {ok_tiers} the {target_ms} target) |
 
 The index maps each block hash to a bitmask of (worker, dp rank) slots and keeps each slot's blocks in
-an ordered dict (its eviction order, with reuse counts); applying a stored block is one dict update plus
-one ordered-dict insert, and a lookup ANDs the masks along the prompt's chained hashes, stopping at the
+a dict (its eviction order by insertion, with reuse counts); applying a stored block is one dict update
+plus one dict insert, and a lookup ANDs the masks along the prompt's chained hashes, stopping at the
 first block no candidate holds. Hashing the prompt (XXH3 over 256 blocks) is most of a lookup. The last
 row adds what `kv` routing asks next, per worker: `KvIndex.capacity` with every cache full (the prompt's
 new blocks evict as many least recently used ones, each checked for reuse; half the documents were touched as
