@@ -236,3 +236,55 @@ def test_lower_tier_events_do_not_make_blocks_device_resident() -> None:
     assert index.last_event_id("w1") == 3
     assert index.overlaps([1, 2], [("w1", 0)]) == {("w1", 0): 2}
     assert index.overlaps([10, 11], [("w1", 0)]).get(("w1", 0), 0) == 0
+
+
+def _state(m: BlockMap) -> tuple[object, ...]:
+    return (dict(m.masks), [list(b.items()) for b in m.blocks], list(m.hot), list(m.sizes))
+
+
+def test_replace_leaves_the_state_clear_then_add_leaves_at_the_cost_of_the_difference() -> None:
+    """Locks: a snapshot applied as a difference (`BlockMap.replace`) ends exactly where clearing the slot and adding
+    the snapshot's blocks ends: the same masks, the same blocks in the same eviction order, no reuse counted."""
+    import copy
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        m = BlockMap()
+        for s in range(rng.randrange(1, 6)):
+            slot = m.slot((f"w{s}", 0))
+            m.add(slot, [rng.randrange(40) for _ in range(rng.randrange(30))])
+            held = list(m.blocks[slot])
+            m.touch(slot, rng.sample(held, min(len(held), 5)), reused=rng.random() < 0.5)
+        slot = rng.randrange(len(m.blocks))
+        snapshot = [rng.randrange(40) for _ in range(rng.randrange(30))]  # duplicates too
+        expected = copy.deepcopy(m)
+        expected.clear_slot(slot)
+        expected.add(slot, snapshot)
+        assert m.replace(slot, snapshot) == len(set(snapshot))
+        assert _state(m) == _state(expected)
+
+
+def test_a_snapshot_of_a_worker_whose_blocks_did_not_change_keeps_the_index_and_resets_reuse() -> None:
+    idx = synced_index("w")
+    hashes = list(range(100, 110))
+    idx.request_resync("w")
+    assert not idx.apply_snapshot(snapshot("w", 0, {0: hashes}))
+    idx.touch(("w", 0), hashes[:3], reused=True)
+    assert idx.map.hot[0] == 3
+    idx.request_resync("w")
+    assert not idx.apply_snapshot(snapshot("w", 0, {0: hashes}))
+    assert idx.overlaps(hashes, [("w", 0)]) == {("w", 0): 10}
+    assert list(idx.map.blocks[0].items()) == [(h, 0) for h in hashes] and idx.map.hot[0] == 0
+
+
+def test_a_snapshot_without_a_rank_clears_that_rank_and_a_rank_listed_twice_keeps_both_lists() -> None:
+    idx = synced_index("w")
+    idx.request_resync("w")
+    assert not idx.apply_snapshot(snapshot("w", 0, {0: [1, 2], 1: [3]}))
+    idx.request_resync("w")
+    snap = snapshot("w", 0, {0: [1]})
+    snap.ranks.add(dp_rank=0, blocks=[events_pb2.StoredBlock(block_hash=5)])
+    assert not idx.apply_snapshot(snap)
+    assert idx.overlaps([3], [("w", 1)]) == {} and idx.worker_blocks("w") == 2
+    assert list(idx.map.blocks[idx.map.slot_of[("w", 0)]]) == [1, 5]

@@ -163,6 +163,26 @@ class BlockMap:
         self.sizes[slot] = 0
         return n
 
+    def replace(self, slot: int, hashes: Iterable[int]) -> int:
+        """Make `hashes` the blocks of `slot`, in that order, with no reuse counted: the state `clear_slot` then
+        `add` leave (a snapshot), at the cost of the difference only. Returns how many blocks `slot` holds."""
+        old, new = self.blocks[slot], dict.fromkeys(hashes, 0)
+        masks, bit = self.masks, 1 << slot
+        keep = ~bit
+        for h in old.keys() - new.keys():
+            m = masks[h] & keep
+            if m:
+                masks[h] = m
+            else:
+                del masks[h]
+        get = masks.get
+        for h in new.keys() - old.keys():
+            masks[h] = get(h, 0) | bit
+        self.blocks[slot] = new
+        self.hot[slot] = 0
+        self.sizes[slot] = len(new)
+        return len(new)
+
     def drop(self, key: SlotKey) -> None:
         """Forget `key` and its blocks; its slot becomes free."""
         s = self.slot_of.pop(key, None)

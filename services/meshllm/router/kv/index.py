@@ -137,12 +137,17 @@ class KvIndex(SlotCapacities):
         st = self._workers.get(wid)
         if st is None:
             return False
-        for key in self.map.keys_of(wid):
-            self.map.clear_slot(self.map.slot_of[key])
-            self.lower.clear_slot(self.map.slot_of[key])
+        device: dict[int, list[int]] = {}  # dp rank -> its blocks (a rank listed twice: both lists)
         for rank in snapshot.ranks:
-            slot = self.map.slot((wid, rank.dp_rank))
-            self.map.add(slot, [b.block_hash for b in rank.blocks])
+            device.setdefault(rank.dp_rank, []).extend([b.block_hash for b in rank.blocks])
+        for key in self.map.keys_of(wid):
+            if key[1] not in device:
+                self.map.clear_slot(self.map.slot_of[key])
+            self.lower.clear_slot(self.map.slot_of[key])
+        for dp, hashes in device.items():
+            self.map.replace(self.map.slot((wid, dp)), hashes)
+        for rank in snapshot.ranks:
+            slot = self.map.slot_of[(wid, rank.dp_rank)]
             for tb in rank.lower_tiers:
                 if tb.tier:
                     self.lower.add(tb.tier, slot, [b.block_hash for b in tb.blocks])
