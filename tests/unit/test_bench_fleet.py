@@ -59,7 +59,7 @@ def test_a_filled_worker_holds_exactly_its_capacity_and_its_events_rebuild_it() 
     index.apply_snapshot(worker_pb2.KvSnapshot(worker_id="w1", last_event_id=0))
     for data, n in w.batches:
         batch = events_pb2.KvEventBatch.FromString(data)
-        assert 1 <= len(batch.events) <= fleet.EVENTS_PER_BATCH
+        assert 1 <= len(batch.events) <= load("fleet_sim").EVENTS_PER_BATCH
         assert n == sum(len(ev.stored.blocks) for ev in batch.events)
         assert not index.apply_batch(batch)  # ids contiguous: no gap
     assert index.last_event_id("w1") == w.event_id
