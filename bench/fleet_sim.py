@@ -139,9 +139,7 @@ class SimWorker:
     def build_snapshot(self) -> None:
         """`Worker.GetKvSnapshot`'s answer for the cache as it is now."""
         snap = worker_pb2.KvSnapshot(worker_id=self.id, last_event_id=self.event_id)
-        snap.ranks.add(dp_rank=0).blocks.extend(
-            events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in self.cache.items()
-        )
+        snap.ranks.add(dp_rank=0).block_hashes.extend(self.cache)  # as a worker's sink sends it
         self.snapshot = snap.SerializeToString()
 
 

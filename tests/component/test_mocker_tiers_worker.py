@@ -28,9 +28,9 @@ TIERED = MockerConfig(
 
 def snapshot_tiers(snap: object) -> dict[KvTier, set[int]]:
     rank = snap.ranks[0]  # type: ignore[attr-defined]
-    out = {KvTier.DEVICE: {b.block_hash for b in rank.blocks}, KvTier.HOST: set(), KvTier.DISK: set()}
+    out = {KvTier.DEVICE: set(rank.block_hashes), KvTier.HOST: set(), KvTier.DISK: set()}
     for t in rank.lower_tiers:
-        out[KvTier(t.tier)] = {b.block_hash for b in t.blocks}
+        out[KvTier(t.tier)] = set(t.block_hashes)
     return out
 
 

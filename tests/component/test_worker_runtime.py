@@ -236,7 +236,7 @@ async def test_kv_events_are_numbered_published_and_snapshotted(planes: tuple[Me
             assert ids == [1, 2, 3]
             snap = await client.get_kv_snapshot()
             assert snap.last_event_id == 3
-            assert sorted(b.block_hash for b in snap.ranks[0].blocks) == [12, 13]
+            assert sorted(snap.ranks[0].block_hashes) == [12, 13]
 
 
 async def test_draining_worker_refuses_new_requests_and_finishes_inflight(planes: tuple[MemoryStore, MemoryBroker]) -> None:

@@ -116,7 +116,7 @@ async def test_kv_routing_sends_a_repeated_document_to_the_worker_that_caches_it
             listed = {w.worker_id: w.indexed_blocks for w in (await router.list_workers()).workers}
             for w in mesh.workers:
                 snap = await WorkerClient(channels, w.address).get_kv_snapshot()
-                held = sum(len(rank.blocks) for rank in snap.ranks)
+                held = sum(len(rank.block_hashes) for rank in snap.ranks)
                 if listed.get(w.worker_id) != held or not held:
                     return False
             return True

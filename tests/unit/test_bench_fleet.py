@@ -73,7 +73,7 @@ def test_a_filled_worker_holds_exactly_its_capacity_and_its_events_rebuild_it() 
     assert not set(oldest) & set(w.cache) and len(w.cache) == 300
     w.build_snapshot()
     snap = worker_pb2.KvSnapshot.FromString(w.snapshot)
-    assert snap.last_event_id == w.event_id and [b.block_hash for b in snap.ranks[0].blocks] == list(w.cache)
+    assert snap.last_event_id == w.event_id and list(snap.ranks[0].block_hashes) == list(w.cache)
 
 
 def test_interleave_keeps_each_workers_order() -> None:

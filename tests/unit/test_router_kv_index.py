@@ -288,3 +288,15 @@ def test_a_snapshot_without_a_rank_clears_that_rank_and_a_rank_listed_twice_keep
     assert not idx.apply_snapshot(snap)
     assert idx.overlaps([3], [("w", 1)]) == {} and idx.worker_blocks("w") == 2
     assert list(idx.map.blocks[idx.map.slot_of[("w", 0)]]) == [1, 5]
+
+
+def test_a_snapshot_s_packed_hashes_and_stored_blocks_are_both_read() -> None:
+    """Locks: workers send `block_hashes` (packed); a worker older than that sends `blocks`; a router reads both."""
+    idx = synced_index("new", "old")
+    idx.request_resync("new")
+    packed = worker_pb2.KvSnapshot(worker_id="new", last_event_id=0)
+    packed.ranks.add(dp_rank=0, block_hashes=[7, 8, 9])
+    assert not idx.apply_snapshot(packed)
+    idx.request_resync("old")
+    assert not idx.apply_snapshot(snapshot("old", 0, {0: [7, 8]}))
+    assert idx.overlaps([7, 8, 9], [("new", 0), ("old", 0)]) == {("new", 0): 3, ("old", 0): 2}

@@ -80,8 +80,8 @@ async def test_lower_tier_events_carry_their_tier_and_the_snapshot_keeps_tiers_a
         ("removed", events_pb2.KV_TIER_DEVICE),
     ]
     (rank,) = snap.ranks
-    assert [b.block_hash for b in rank.blocks] == [1]
-    assert {t.tier: [b.block_hash for b in t.blocks] for t in rank.lower_tiers} == {
+    assert list(rank.block_hashes) == [1] and not rank.blocks  # packed, not StoredBlock messages
+    assert {t.tier: list(t.block_hashes) for t in rank.lower_tiers} == {
         events_pb2.KV_TIER_HOST: [1],
         events_pb2.KV_TIER_DISK: [3],
     }
@@ -89,7 +89,7 @@ async def test_lower_tier_events_carry_their_tier_and_the_snapshot_keeps_tiers_a
 
     sink.all_cleared()  # every tier
     snap = sink.snapshot()
-    assert not snap.ranks[0].blocks and not snap.ranks[0].lower_tiers
+    assert not snap.ranks[0].block_hashes and not snap.ranks[0].lower_tiers
 
     bus.published.clear()
     usage = TierUsage(KvTier.HOST, blocks=4, bytes_used=4096, bytes_capacity=8192, block_bytes=1024, restore_bytes_per_s=1e9)

@@ -29,15 +29,15 @@ from meshllm.v1 import generate_pb2 as meshllm_dot_v1_dot_generate__pb2
 from meshllm.v1 import session_pb2 as meshllm_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/worker.proto\x12\nmeshllm.v1\x1a\x1ameshllm/v1/discovery.proto\x1a\x17meshllm/v1/events.proto\x1a\x19meshllm/v1/generate.proto\x1a\x18meshllm/v1/session.proto\"\xb7\x01\n\x0c\x45ngineConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rkv_block_size\x18\x02 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xff\x01\n\nWorkerInfo\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.meshllm.v1.Instance\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12(\n\x06\x65ngine\x18\x03 \x01(\x0b\x32\x18.meshllm.v1.EngineConfig\x12)\n\nmodel_card\x18\x04 \x01(\x0b\x32\x15.meshllm.v1.ModelCard\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.meshllm.v1.WorkerState\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x13\n\x0b\x65ngine_name\x18\x07 \x01(\t\"\x16\n\x14GetKvSnapshotRequest\"y\n\x0eKvRankSnapshot\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\x12-\n\x0blower_tiers\x18\x03 \x03(\x0b\x32\x18.meshllm.v1.KvTierBlocks\"Y\n\x0cKvTierBlocks\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\"a\n\nKvSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rlast_event_id\x18\x02 \x01(\x04\x12)\n\x05ranks\x18\x03 \x03(\x0b\x32\x1a.meshllm.v1.KvRankSnapshot\"F\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\"^\n\x07KvChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x10\n\x08n_tokens\x18\x05 \x01(\r\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x16\n\x14\x43learKvBlocksRequest\"/\n\x15\x43learKvBlocksResponse\x12\x16\n\x0e\x63leared_blocks\x18\x01 \x01(\x04\"%\n\x14GetModelFilesRequest\x12\r\n\x05names\x18\x01 \x03(\t\"Q\n\x0eModelFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04*{\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_SERVING\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xfe\x04\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.meshllm.v1.GenerateRequest\x1a\x19.meshllm.v1.GenerateChunk0\x01\x12\x45\n\x0fGenerateSession\x12\x15.meshllm.v1.SessionUp\x1a\x17.meshllm.v1.SessionDown(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.meshllm.v1.AbortRequest\x1a\x19.meshllm.v1.AbortResponse\x12=\n\x07GetInfo\x12\x1a.meshllm.v1.GetInfoRequest\x1a\x16.meshllm.v1.WorkerInfo\x12I\n\rGetKvSnapshot\x12 .meshllm.v1.GetKvSnapshotRequest\x1a\x16.meshllm.v1.KvSnapshot\x12:\n\x06PullKv\x12\x19.meshllm.v1.PullKvRequest\x1a\x13.meshllm.v1.KvChunk0\x01\x12<\n\x05\x44rain\x12\x18.meshllm.v1.DrainRequest\x1a\x19.meshllm.v1.DrainResponse\x12T\n\rClearKvBlocks\x12 .meshllm.v1.ClearKvBlocksRequest\x1a!.meshllm.v1.ClearKvBlocksResponse\x12O\n\rGetModelFiles\x12 .meshllm.v1.GetModelFilesRequest\x1a\x1a.meshllm.v1.ModelFileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/worker.proto\x12\nmeshllm.v1\x1a\x1ameshllm/v1/discovery.proto\x1a\x17meshllm/v1/events.proto\x1a\x19meshllm/v1/generate.proto\x1a\x18meshllm/v1/session.proto\"\xb7\x01\n\x0c\x45ngineConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rkv_block_size\x18\x02 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xff\x01\n\nWorkerInfo\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.meshllm.v1.Instance\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.meshllm.v1.WorkerRole\x12(\n\x06\x65ngine\x18\x03 \x01(\x0b\x32\x18.meshllm.v1.EngineConfig\x12)\n\nmodel_card\x18\x04 \x01(\x0b\x32\x15.meshllm.v1.ModelCard\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.meshllm.v1.WorkerState\x12\x11\n\tin_flight\x18\x06 \x01(\r\x12\x13\n\x0b\x65ngine_name\x18\x07 \x01(\t\"\x16\n\x14GetKvSnapshotRequest\"\x8f\x01\n\x0eKvRankSnapshot\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\x12-\n\x0blower_tiers\x18\x03 \x03(\x0b\x32\x18.meshllm.v1.KvTierBlocks\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\"o\n\x0cKvTierBlocks\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\"a\n\nKvSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rlast_event_id\x18\x02 \x01(\x04\x12)\n\x05ranks\x18\x03 \x03(\x0b\x32\x1a.meshllm.v1.KvRankSnapshot\"F\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\"^\n\x07KvChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x10\n\x08n_tokens\x18\x05 \x01(\r\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x16\n\x14\x43learKvBlocksRequest\"/\n\x15\x43learKvBlocksResponse\x12\x16\n\x0e\x63leared_blocks\x18\x01 \x01(\x04\"%\n\x14GetModelFilesRequest\x12\r\n\x05names\x18\x01 \x03(\t\"Q\n\x0eModelFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04*{\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_SERVING\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xfe\x04\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.meshllm.v1.GenerateRequest\x1a\x19.meshllm.v1.GenerateChunk0\x01\x12\x45\n\x0fGenerateSession\x12\x15.meshllm.v1.SessionUp\x1a\x17.meshllm.v1.SessionDown(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.meshllm.v1.AbortRequest\x1a\x19.meshllm.v1.AbortResponse\x12=\n\x07GetInfo\x12\x1a.meshllm.v1.GetInfoRequest\x1a\x16.meshllm.v1.WorkerInfo\x12I\n\rGetKvSnapshot\x12 .meshllm.v1.GetKvSnapshotRequest\x1a\x16.meshllm.v1.KvSnapshot\x12:\n\x06PullKv\x12\x19.meshllm.v1.PullKvRequest\x1a\x13.meshllm.v1.KvChunk0\x01\x12<\n\x05\x44rain\x12\x18.meshllm.v1.DrainRequest\x1a\x19.meshllm.v1.DrainResponse\x12T\n\rClearKvBlocks\x12 .meshllm.v1.ClearKvBlocksRequest\x1a!.meshllm.v1.ClearKvBlocksResponse\x12O\n\rGetModelFiles\x12 .meshllm.v1.GetModelFilesRequest\x1a\x1a.meshllm.v1.ModelFileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshllm.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1427
-  _globals['_WORKERSTATE']._serialized_end=1550
+  _globals['_WORKERSTATE']._serialized_start=1472
+  _globals['_WORKERSTATE']._serialized_end=1595
   _globals['_ENGINECONFIG']._serialized_start=146
   _globals['_ENGINECONFIG']._serialized_end=329
   _globals['_ABORTREQUEST']._serialized_start=331
@@ -50,28 +50,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFO']._serialized_end=673
   _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=675
   _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=697
-  _globals['_KVRANKSNAPSHOT']._serialized_start=699
-  _globals['_KVRANKSNAPSHOT']._serialized_end=820
-  _globals['_KVTIERBLOCKS']._serialized_start=822
-  _globals['_KVTIERBLOCKS']._serialized_end=911
-  _globals['_KVSNAPSHOT']._serialized_start=913
-  _globals['_KVSNAPSHOT']._serialized_end=1010
-  _globals['_PULLKVREQUEST']._serialized_start=1012
-  _globals['_PULLKVREQUEST']._serialized_end=1082
-  _globals['_KVCHUNK']._serialized_start=1084
-  _globals['_KVCHUNK']._serialized_end=1178
-  _globals['_DRAINREQUEST']._serialized_start=1180
-  _globals['_DRAINREQUEST']._serialized_end=1194
-  _globals['_DRAINRESPONSE']._serialized_start=1196
-  _globals['_DRAINRESPONSE']._serialized_end=1230
-  _globals['_CLEARKVBLOCKSREQUEST']._serialized_start=1232
-  _globals['_CLEARKVBLOCKSREQUEST']._serialized_end=1254
-  _globals['_CLEARKVBLOCKSRESPONSE']._serialized_start=1256
-  _globals['_CLEARKVBLOCKSRESPONSE']._serialized_end=1303
-  _globals['_GETMODELFILESREQUEST']._serialized_start=1305
-  _globals['_GETMODELFILESREQUEST']._serialized_end=1342
-  _globals['_MODELFILECHUNK']._serialized_start=1344
-  _globals['_MODELFILECHUNK']._serialized_end=1425
-  _globals['_WORKER']._serialized_start=1553
-  _globals['_WORKER']._serialized_end=2191
+  _globals['_KVRANKSNAPSHOT']._serialized_start=700
+  _globals['_KVRANKSNAPSHOT']._serialized_end=843
+  _globals['_KVTIERBLOCKS']._serialized_start=845
+  _globals['_KVTIERBLOCKS']._serialized_end=956
+  _globals['_KVSNAPSHOT']._serialized_start=958
+  _globals['_KVSNAPSHOT']._serialized_end=1055
+  _globals['_PULLKVREQUEST']._serialized_start=1057
+  _globals['_PULLKVREQUEST']._serialized_end=1127
+  _globals['_KVCHUNK']._serialized_start=1129
+  _globals['_KVCHUNK']._serialized_end=1223
+  _globals['_DRAINREQUEST']._serialized_start=1225
+  _globals['_DRAINREQUEST']._serialized_end=1239
+  _globals['_DRAINRESPONSE']._serialized_start=1241
+  _globals['_DRAINRESPONSE']._serialized_end=1275
+  _globals['_CLEARKVBLOCKSREQUEST']._serialized_start=1277
+  _globals['_CLEARKVBLOCKSREQUEST']._serialized_end=1299
+  _globals['_CLEARKVBLOCKSRESPONSE']._serialized_start=1301
+  _globals['_CLEARKVBLOCKSRESPONSE']._serialized_end=1348
+  _globals['_GETMODELFILESREQUEST']._serialized_start=1350
+  _globals['_GETMODELFILESREQUEST']._serialized_end=1387
+  _globals['_MODELFILECHUNK']._serialized_start=1389
+  _globals['_MODELFILECHUNK']._serialized_end=1470
+  _globals['_WORKER']._serialized_start=1598
+  _globals['_WORKER']._serialized_end=2236
 # @@protoc_insertion_point(module_scope)

@@ -80,22 +80,26 @@ class GetKvSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvRankSnapshot(_message.Message):
-    __slots__ = ("dp_rank", "blocks", "lower_tiers")
+    __slots__ = ("dp_rank", "blocks", "lower_tiers", "block_hashes")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOWER_TIERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     blocks: _containers.RepeatedCompositeFieldContainer[_events_pb2.StoredBlock]
     lower_tiers: _containers.RepeatedCompositeFieldContainer[KvTierBlocks]
-    def __init__(self, dp_rank: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ..., lower_tiers: _Optional[_Iterable[_Union[KvTierBlocks, _Mapping]]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dp_rank: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ..., lower_tiers: _Optional[_Iterable[_Union[KvTierBlocks, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvTierBlocks(_message.Message):
-    __slots__ = ("tier", "blocks")
+    __slots__ = ("tier", "blocks", "block_hashes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     tier: _events_pb2.KvTier
     blocks: _containers.RepeatedCompositeFieldContainer[_events_pb2.StoredBlock]
-    def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tier: _Optional[_Union[_events_pb2.KvTier, str]] = ..., blocks: _Optional[_Iterable[_Union[_events_pb2.StoredBlock, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSnapshot(_message.Message):
     __slots__ = ("worker_id", "last_event_id", "ranks")

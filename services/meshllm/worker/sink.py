@@ -138,11 +138,10 @@ class WorkerSink:
             rank = ranks.get(dp)
             if rank is None:
                 rank = ranks[dp] = snap.ranks.add(dp_rank=dp)
-            stored = (events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks.items())
             if tier == KvTier.DEVICE:
-                rank.blocks.extend(stored)
+                rank.block_hashes.extend(blocks)
             elif blocks:
-                rank.lower_tiers.add(tier=_pb_tier(tier)).blocks.extend(stored)
+                rank.lower_tiers.add(tier=_pb_tier(tier)).block_hashes.extend(blocks)
         return snap
 
     @property

@@ -139,7 +139,9 @@ class KvIndex(SlotCapacities):
             return False
         device: dict[int, list[int]] = {}  # dp rank -> its blocks (a rank listed twice: both lists)
         for rank in snapshot.ranks:
-            device.setdefault(rank.dp_rank, []).extend([b.block_hash for b in rank.blocks])
+            hashes = device.setdefault(rank.dp_rank, [])
+            hashes += rank.block_hashes  # packed (workers since 2026-11-29), then StoredBlocks (older workers)
+            hashes += [b.block_hash for b in rank.blocks]
         for key in self.map.keys_of(wid):
             if key[1] not in device:
                 self.map.clear_slot(self.map.slot_of[key])
@@ -150,7 +152,7 @@ class KvIndex(SlotCapacities):
             slot = self.map.slot_of[(wid, rank.dp_rank)]
             for tb in rank.lower_tiers:
                 if tb.tier:
-                    self.lower.add(tb.tier, slot, [b.block_hash for b in tb.blocks])
+                    self.lower.add(tb.tier, slot, [*tb.block_hashes, *(b.block_hash for b in tb.blocks)])
         st.last_event_id = snapshot.last_event_id
         buffered, overflowed = st.buffer, st.overflowed
         st.buffer, st.overflowed, st.syncing = [], False, False
