@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from meshllm.router.core import RouterCore
+from meshllm.router.workers import AGGREGATED
 from meshllm.v1 import events_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -52,7 +53,7 @@ def test_256_workers_two_replicas_agree_with_each_other_and_with_the_exhaustive_
     by_worker = [b for w in reversed(workers) for b in w.batches]  # another cross-worker order, each worker's kept
     a, b = replica(fleet, workers, in_order), replica(fleet, workers, by_worker)
     # the fleet path, not the small-pool one
-    assert a.candidates.fleet and a.candidates.table(fleet.MODEL, fleet.AGGREGATED) is not None
+    assert a.candidates.fleet and a.candidates.table(fleet.MODEL, AGGREGATED) is not None
     now = time.time()
     for w in workers:
         snap = events_pb2.LoadSnapshot(worker_id=w.id, active_blocks=rng.randrange(BLOCKS), total_blocks=BLOCKS)
