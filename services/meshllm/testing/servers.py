@@ -77,6 +77,10 @@ def _binary(name: str) -> str:
     return path
 
 
+PORT_TAKEN = "address already in use"  # etcd's and nats-server's words when their port is bound already
+PORT_ATTEMPTS = 3
+
+
 class _Process(AsyncCloseable):
     name = "server"
 
@@ -116,21 +120,49 @@ class _Process(AsyncCloseable):
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _new_ports(self) -> bool:
+        """Choose other free ports for a first start whose port was taken; False when the server has none to change."""
+        return False
+
     async def start(self) -> None:
+        """Spawn the server and wait until it answers.
+
+        Ports are chosen free, then bound by the server, and another process may take one in between. A first
+        start that exits with "address already in use" tries again on new ports (`PORT_ATTEMPTS` in all); a
+        restart keeps its ports, as the tests that restart a server expect.
+        """
         if self.running:
             return
-        self._proc = self._spawn()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            offset = self._log.stat().st_size if self._log.exists() else 0
+            self._proc = self._spawn()
+            if await self._until_ready(offset, retry=not self._set_up and attempt < PORT_ATTEMPTS):
+                break
+        if not self._set_up:
+            self._set_up = True
+            await self._started()
+
+    async def _until_ready(self, offset: int, *, retry: bool) -> bool:
+        """True once the server answers; False when it lost its port and new ports were chosen (`retry`)."""
+        assert self._proc is not None
         deadline = time.monotonic() + self._ready_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if retry and PORT_TAKEN in self._log_since(offset).lower() and self._new_ports():
+                    return False
                 raise RuntimeError(f"{self.name} exited with {self._proc.returncode}: {self.log_tail()}")
             if await self._probe():
-                if not self._set_up:
-                    self._set_up = True
-                    await self._started()
-                return
+                return True
             await asyncio.sleep(0.05)  # polling a readiness probe, not synchronising on time
         raise RuntimeError(f"{self.name} not ready in {self._ready_timeout_s}s: {self.log_tail()}")
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self._log, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 2000) -> str:
         try:
@@ -231,6 +263,11 @@ class EtcdServer(_Process):
         self.prefix = prefix
         self.root_password = "root-" + os.urandom(6).hex()
 
+    def _new_ports(self) -> bool:
+        self.port, self.peer_port = free_port(), free_port()
+        shutil.rmtree(self._tmp / "data", ignore_errors=True)  # a member bootstrapped with the old peer URL
+        return True
+
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
@@ -327,6 +364,10 @@ class NatsServer(_Process):
         self.token = token
         self.users = dict(users or {})
         self.nkeys = list(nkeys)
+
+    def _new_ports(self) -> bool:
+        self.port = free_port()
+        return True
 
     @property
     def url(self) -> str:
