@@ -149,32 +149,29 @@ class BlockMap:
 
     def clear_slot(self, slot: int) -> int:
         """Drop every block of `slot`; returns how many."""
-        held = self.blocks[slot]
-        n = len(held)
-        masks, keep = self.masks, ~(1 << slot)
-        for h in held:
-            m = masks[h] & keep
-            if m:
-                masks[h] = m
-            else:
-                del masks[h]
+        n = len(self.blocks[slot])
+        self._unmark(slot, self.blocks[slot])
         self.blocks[slot] = {}
         self.hot[slot] = 0
         self.sizes[slot] = 0
         return n
 
-    def replace(self, slot: int, hashes: Iterable[int]) -> int:
-        """Make `hashes` the blocks of `slot`, in that order, with no reuse counted: the state `clear_slot` then
-        `add` leave (a snapshot), at the cost of the difference only. Returns how many blocks `slot` holds."""
-        old, new = self.blocks[slot], dict.fromkeys(hashes, 0)
-        masks, bit = self.masks, 1 << slot
-        keep = ~bit
-        for h in old.keys() - new.keys():
+    def _unmark(self, slot: int, hashes: Iterable[int]) -> None:
+        """Clear `slot`'s bit in the masks of `hashes`, all of which it holds (a mask left empty goes)."""
+        masks, keep = self.masks, ~(1 << slot)
+        for h in hashes:
             m = masks[h] & keep
             if m:
                 masks[h] = m
             else:
                 del masks[h]
+
+    def replace(self, slot: int, hashes: Iterable[int]) -> int:
+        """Make `hashes` the blocks of `slot`, in that order, with no reuse counted: the state `clear_slot` then
+        `add` leave (a snapshot), at the cost of the difference only. Returns how many blocks `slot` holds."""
+        old, new = self.blocks[slot], dict.fromkeys(hashes, 0)
+        self._unmark(slot, old.keys() - new.keys())
+        masks, bit = self.masks, 1 << slot
         get = masks.get
         for h in new.keys() - old.keys():
             masks[h] = get(h, 0) | bit
