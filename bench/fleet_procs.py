@@ -3,10 +3,8 @@ wait on them (readiness is observed, never slept for)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,7 @@ from meshllm.router.client import RouterClient
 from meshllm.testing.mesh import metric, scrape
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import EtcdServer, NatsServer, free_port
+from meshllm.testing.waiting import wait_until
 
 MODEL = "fleet"
 LAG_WINDOW = 500_000  # block-events a replica may lag before the publisher waits
@@ -72,13 +71,8 @@ async def start_router(etcd: EtcdServer, nats: NatsServer, rid: str) -> Replica:
 
 
 async def until(predicate: Any, timeout_s: float, what: str, poll_s: float = 0.02) -> float:
-    """Poll an async predicate until it holds; the seconds it took (a deadline, not a sleep)."""
-    t0 = time.perf_counter()
-    while not await predicate():
-        if time.perf_counter() - t0 > timeout_s:
-            raise RuntimeError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(poll_s)
-    return time.perf_counter() - t0
+    """Poll an async predicate until it holds (meshllm.testing's one polling loop); the seconds it took."""
+    return await wait_until(predicate, timeout_s=timeout_s, interval_s=poll_s, what=what)
 
 
 async def _workers_seen(client: RouterClient, n: int) -> bool:

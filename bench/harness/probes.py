@@ -1,19 +1,21 @@
 """Readiness and metrics probes of a started system: a one-shot HTTP GET, a Prometheus sum, a bounded poll.
 
-Readiness is observed, never slept for: a probe is polled until it holds or its deadline passes.
+Readiness is observed, never slept for: a probe is polled until it holds or its deadline passes
+(`meshllm.testing.waiting.wait_until`; its AssertionError names what was awaited).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 
 import orjson
 
 from meshllm.bench.http import Endpoint
+from meshllm.testing.mesh import metric
+from meshllm.testing.waiting import wait_until
 
 __all__ = ["READY_S", "healthy", "http_get", "metric_sum", "until", "until_models"]
 
@@ -43,21 +45,12 @@ async def http_get(port: int, path: str, timeout_s: float = 5.0, *, tls: bool = 
 
 def metric_sum(text: bytes, name: str) -> float:
     """Sum of every sample of metric `name` (any labels) in a Prometheus text exposition."""
-    total = 0.0
-    for line in text.decode(errors="replace").splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(text.decode(errors="replace"), name)
 
 
-async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = READY_S, poll_s: float = 0.05) -> None:
-    """Poll `check` until it holds; RuntimeError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(poll_s)  # polling a readiness probe, not synchronising on time
-    raise RuntimeError(f"not ready within {timeout_s:g}s: {what}")
+async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = READY_S, poll_s: float = 0.05) -> float:
+    """Poll `check` until it holds (meshllm.testing's one polling loop); the seconds it took."""
+    return await wait_until(check, timeout_s=timeout_s, interval_s=poll_s, what=what)
 
 
 async def healthy(url: str, timeout_s: float = READY_S) -> None:
