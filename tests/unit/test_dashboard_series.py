@@ -7,8 +7,9 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from meshllm.frontend.http.dashboard import point, quantile, read_counts
+from meshllm.frontend.http.dashboard import point
 from meshllm.frontend.metrics import FrontendMetrics
+from meshllm.served_counts import quantile, read_counts
 
 INF = math.inf
 

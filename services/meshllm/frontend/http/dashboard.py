@@ -39,11 +39,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +49,7 @@ from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.router.recent import RecentActivity
 from meshllm.router.workers import role_name
+from meshllm.served_counts import Counts, delta_buckets, quantile, read_counts
 
 if TYPE_CHECKING:
     from meshllm.frontend.openai.inference import InferenceCore
@@ -71,12 +70,6 @@ ASSETS: dict[str, tuple[str, bytes]] = {
     "/dashboard/app.js": ("dashboard.js", b"text/javascript; charset=utf-8"),
     "/dashboard/style.css": ("dashboard.css", b"text/css; charset=utf-8"),
 }
-_HISTOGRAMS = {
-    "meshllm_frontend_time_to_first_token_seconds": "ttft",
-    "meshllm_frontend_inter_token_latency_seconds": "itl",
-    "meshllm_frontend_request_duration_seconds": "e2e",
-}
-_INFERENCE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "grpc:ChatCompletion", "grpc:Completion"})
 _QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
 
@@ -95,69 +88,7 @@ def _static(name: str) -> bytes:
     return resources.files("meshllm.frontend.http").joinpath("static", name).read_bytes()
 
 
-@dataclass(slots=True)
-class _Counts:
-    """Cumulative counts read from the registry at one moment."""
-
-    at: float
-    requests: float = 0.0
-    failed: float = 0.0
-    output_tokens: float = 0.0
-    inflight: float = 0.0
-    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
-
-
-def read_counts(families: Iterable[Any], at: float) -> _Counts:
-    """The counters, gauge and histogram buckets the series are made of, summed over models (and processes)."""
-    c = _Counts(at, buckets={k: {} for k in _HISTOGRAMS.values()})
-    for family in families:
-        name = family.name
-        if name == "meshllm_frontend_requests":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.labels.get("route") in _INFERENCE_ROUTES:
-                    c.requests += s.value
-                    if _failed(s.labels.get("status", "")):
-                        c.failed += s.value
-        elif name == "meshllm_frontend_output_tokens":
-            c.output_tokens += sum(s.value for s in family.samples if s.name.endswith("_total"))
-        elif name == "meshllm_frontend_inflight_requests":
-            c.inflight += sum(s.value for s in family.samples)
-        elif name in _HISTOGRAMS:
-            into = c.buckets[_HISTOGRAMS[name]]
-            for s in family.samples:
-                if s.name.endswith("_bucket"):
-                    le = float(s.labels["le"])
-                    into[le] = into.get(le, 0.0) + s.value
-    return c
-
-
-def _failed(status: str) -> bool:
-    """HTTP 4xx/5xx but a client's own disconnect (499); gRPC calls that did not end ok."""
-    if status.isdigit():
-        return int(status) >= 400 and status != "499"
-    return status != "ok"
-
-
-def quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """PromQL's histogram_quantile over cumulative `le -> count` buckets; None when empty."""
-    bounds = sorted(buckets)
-    if not bounds or buckets[bounds[-1]] <= 0:
-        return None
-    rank = q * buckets[bounds[-1]]
-    lower, below = 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            if count == below:
-                return le
-            return lower + (le - lower) * (rank - below) / (count - below)
-        lower, below = le, count
-    return lower
-
-
-def point(new: _Counts, old: _Counts) -> dict[str, Any]:
+def point(new: Counts, old: Counts) -> dict[str, Any]:
     """One chart point: rates and percentiles between two readings."""
     dt = max(new.at - old.at, 1e-9)
     out: dict[str, Any] = {
@@ -167,9 +98,8 @@ def point(new: _Counts, old: _Counts) -> dict[str, Any]:
         "tokens_ps": round((new.output_tokens - old.output_tokens) / dt, 1),
         "inflight": new.inflight,
     }
-    for key, now in new.buckets.items():
-        before = old.buckets.get(key, {})
-        delta = {le: max(0.0, n - before.get(le, 0.0)) for le, n in now.items()}
+    for key in new.buckets:
+        delta = delta_buckets(new, old, key)
         for label, q in _QUANTILES:
             v = quantile(q, delta)
             out[f"{key}_{label}"] = None if v is None else round(v, 6)
@@ -192,7 +122,7 @@ class Dashboard(AsyncCloseable):
         self.routers = list(routers)
         self.interval_s = interval_s
         self.recent = RecentActivity()  # what this frontend saw itself: workers joining, leaving, health
-        self._counts: deque[_Counts] = deque(maxlen=WINDOW_S + 1)
+        self._counts: deque[Counts] = deque(maxlen=WINDOW_S + 1)
         self._points: deque[dict[str, Any]] = deque(maxlen=HISTORY_S)
         self._workers: list[dict[str, Any]] = []
         self._remote_note = ""
