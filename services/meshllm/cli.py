@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str | None, str]] = {
     "bench": ("meshllm.bench.main:main", "load generator for any OpenAI endpoint (latency percentiles, goodput, JSON, CSV)"),
     "router": ("meshllm.router.main:main", "KV-aware router: routes, disaggregates, migrates"),
     "worker": ("meshllm.worker.main:main", "one inference engine behind the Worker gRPC service"),
+    "planner": ("meshllm.planner.main:main", "SLA planner: scales prefill and decode workers to TTFT and ITL targets"),
     "health": ("meshllm.health:main", "probe a meshllm gRPC server's health (exit 0 when SERVING)"),
     "certs": ("meshllm.certs:main", "create a development CA and per-service TLS certificates"),
     "completion": ("meshllm.completion:main", "print a shell completion script: meshllm completion bash|zsh"),

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from meshllm.config import ConfigError, env_name
 
-__all__ = ["PortInUse", "bind_error", "check_free", "check_free_all"]
+__all__ = ["PortInUse", "bind_error", "check_free", "check_free_all", "free_port"]
 
 
 class PortInUse(ConfigError):
@@ -75,3 +75,10 @@ def check_free_all(ports: Iterable[tuple[str, int | None, str]]) -> None:
     for host, port, flag in ports:
         if port is not None:
             check_free(host, port, flag)
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (another process may take it before the caller binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

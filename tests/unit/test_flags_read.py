@@ -22,6 +22,8 @@ from meshllm.engine.vllm.config import VllmConfig, add_vllm_args
 from meshllm.engine.worker_config import WorkerConfig, worker_arg_parser
 from meshllm.flags import EnvArgumentParser, from_flags
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
+from meshllm.planner.config import PlannerConfig, planner_arg_parser
+from meshllm.planner.profiler import profile_arg_parser, profile_plan
 from meshllm.router.config import RouterConfig, router_arg_parser
 from meshllm.run import run_arg_parser, run_config
 
@@ -54,6 +56,8 @@ def _engine(add: Callable[[EnvArgumentParser], None], name: str) -> Callable[[],
 COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], Sequence[str], Callable[[Any], object]]] = {
     "frontend": (lambda: frontend_arg_parser(env={}), [], FrontendConfig.from_namespace),
     "router": (lambda: router_arg_parser(env={}), [], RouterConfig.from_namespace),
+    "planner": (lambda: planner_arg_parser(env={}), [], PlannerConfig.from_namespace),
+    "planner profile": (lambda: profile_arg_parser(env={}), [], profile_plan),
     "run": (lambda: run_arg_parser(env={}), [], run_config),
     "worker --engine mocker": (
         _engine(add_mocker_args, "mocker"),

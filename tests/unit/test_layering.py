@@ -36,6 +36,7 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "errors": (),
     "logs": (),
     "heap": (),
+    "served_counts": (),
     "tracing": ("logs",),
     "credentials": ("errors", "flags"),
     "flags": (),
@@ -49,7 +50,10 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "worker": (*FOUNDATION, "protocol", "plane", "engine"),
     "router": (*FOUNDATION, "protocol", "plane", "worker.client"),
     # A frontend may embed a routing core (router modes "kv"/"round-robin" in process).
-    "frontend": (*FOUNDATION, "protocol", "plane", "tokenizers", "router", "worker.client"),
+    "frontend": (*FOUNDATION, "protocol", "plane", "tokenizers", "router", "worker.client", "served_counts"),
+    # The planner reads frontends' /metrics (served_counts) and the router's workers; `meshllm planner profile`
+    # loads a worker with the load generator (bench).
+    "planner": (*FOUNDATION, "protocol", "plane", "router.client", "served_counts", "bench"),
     "cli": ("*",),
     "__main__": ("*",),
     "run": ("*",),

@@ -118,34 +118,41 @@ class Connection:
         self._used = False
 
     async def post(self, path: str, body: bytes) -> Response:
-        """Send a POST with a JSON body; returns once the status line and headers are in.
+        """Send a POST with a JSON body to the API base + `path`; returns once the status line and headers are in.
 
         A kept-alive connection the server closed while idle (nothing at all
         came back) is reopened once and the request sent again, as HTTP
         clients do; any other failure raises `HttpError`.
         """
+        return await self._request("POST", self.endpoint.base + path, body)
+
+    async def get(self, path: str) -> Response:
+        """Send a GET of `path` from the server's root (e.g. "/metrics"), as `post` does."""
+        return await self._request("GET", path, None)
+
+    async def _request(self, method: str, target: str, body: bytes | None) -> Response:
         try:
-            return await self._post(path, body)
+            return await self._send(method, target, body)
         except _Stale:
             await self.close()
-            return await self._post(path, body)
+            return await self._send(method, target, body)
 
-    async def _post(self, path: str, body: bytes) -> Response:
+    async def _send(self, method: str, target: str, body: bytes | None) -> Response:
         if self._writer is None or not self._reusable:
             await self.close()
             await self._connect()
         assert self._reader is not None and self._writer is not None
         reused = self._used
         ep = self.endpoint
-        head = (
-            f"POST {ep.base}{path} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream, application/json\r\nContent-Length: {len(body)}\r\n"
-        )
+        head = f"{method} {target} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\n"
+        if body is not None:
+            head += "Content-Type: application/json\r\nAccept: text/event-stream, application/json\r\n"
+            head += f"Content-Length: {len(body)}\r\n"
         if ep.api_key:
             head += f"Authorization: Bearer {ep.api_key}\r\n"
         self._reusable = False
         try:
-            self._writer.write(head.encode() + b"\r\n" + body)
+            self._writer.write(head.encode() + b"\r\n" + (body or b""))
             raw = await self._reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             idle_close = isinstance(exc, (ConnectionResetError, BrokenPipeError)) or (

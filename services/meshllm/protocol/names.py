@@ -11,6 +11,7 @@ __all__ = [
     "load_subject",
     "model_key",
     "models_prefix",
+    "planner_key",
     "router_subject",
 ]
 
@@ -40,6 +41,11 @@ def models_prefix(namespace: str, model: str | None = None) -> str:
 
 def model_key(namespace: str, model: str, instance_id: str) -> str:
     return f"{models_prefix(namespace, model)}{instance_id}"
+
+
+def planner_key(namespace: str, name: str) -> str:
+    """The planner's keys: "leader" (lease-bound, the elected planner) and "state" (its profile and decisions)."""
+    return f"{ROOT}/{namespace}/planner/{name}"
 
 
 def kv_subject(namespace: str, component: str) -> str:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,19 +18,13 @@ from pathlib import Path
 from typing import Self
 
 from meshllm.lifecycle import AsyncCloseable
+from meshllm.ports import free_port
 
 __all__ = ["PORT_ATTEMPTS", "PORT_TAKEN", "ServerBinaryMissing", "ServerProcess", "find_binary", "free_port"]
 
 
 class ServerBinaryMissing(RuntimeError):
     """The etcd or nats-server binary is not installed."""
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_binary(name: str) -> str:

@@ -149,6 +149,12 @@ class EtcdDiscovery(Discovery):
 
     # ------------------------------------------------------------ errors
 
+    async def call(self, what: str, call: Callable[[SecureClient], Awaitable[T]]) -> T:
+        """One etcd call of a caller's own (the planner's election and state), with this handle's failover,
+        re-login and error translation."""
+        self._check_open()
+        return await self._call(what, call)
+
     async def _call(self, what: str, call: Callable[[SecureClient], Awaitable[T]]) -> T:
         """`call(client)` on the current endpoint, errors translated.
 

@@ -1,0 +1,153 @@
+"""What the planner sees of the mesh each interval.
+
+- **Load and SLA** from the frontends' `/metrics`, scraped directly as
+  Prometheus text (no Prometheus server in between, so no scrape lag and no
+  extra dependency): requests finished, prompt and output tokens, and the
+  TTFT and ITL histograms. TTFT and ITL as clients see them exist only
+  there; the interval's p90 interpolates within buckets as PromQL's
+  `histogram_quantile` does (meshllm.served_counts), so the planner, the
+  dashboard and Grafana read the same figure.
+- **Workers per role** from discovery (etcd): the membership itself, what a
+  worker that registered, drained or died did, not what a connector asked for.
+- **Queue depth and KV usage**, when `--router-address` is given, from the
+  router's `ListWorkers` (waiting sequences, active/total blocks); the
+  frontend's metrics do not carry them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshllm.bench.http import Connection, Endpoint, HttpError
+from meshllm.errors import CannotConnect, MeshError
+from meshllm.lifecycle import AsyncCloseable
+from meshllm.plane.discovery.base import Discovery
+from meshllm.planner.model import Observation
+from meshllm.router.client import RouterClient
+from meshllm.served_counts import Counts, delta_buckets, quantile, read_counts
+from meshllm.v1 import discovery_pb2
+
+__all__ = ["MeshReader", "WorkerLoad", "observation"]
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0
+ROLE_NAMES = {
+    discovery_pb2.WORKER_ROLE_AGGREGATED: "agg",
+    discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
+    discovery_pb2.WORKER_ROLE_DECODE: "decode",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """The workers at one moment: how many of each role, and their queues and KV use (router's view)."""
+
+    workers: dict[str, int]
+    waiting: int = 0
+    kv_usage: float | None = None
+
+
+def observation(new: Counts, old: Counts, load: WorkerLoad) -> Observation:
+    """One interval between two readings of the frontends' counters.
+
+    Load is read from the latency histograms, which count as tokens stream, not from the counters a request
+    adds to when it ends: a request is counted when its first token is sent (a TTFT observation), an output
+    token when it is sent (an ITL observation per token after the first; further tokens of a first chunk are
+    not counted). Counted at the end, a few long streams would read as bursts and silences. ISL and OSL are
+    means over the requests that ended: lengths, not rates.
+    """
+    ttft = delta_buckets(new, old, "ttft")
+    itl = delta_buckets(new, old, "itl")
+    started = _count(ttft)
+    ended = max(0.0, new.requests - old.requests)
+    isl = max(0.0, new.input_tokens - old.input_tokens) / ended if ended > 0 else None
+    osl = max(0.0, new.output_tokens - old.output_tokens) / ended if ended > 0 else None
+    return Observation(
+        at=new.at,
+        interval_s=max(new.at - old.at, 1e-9),
+        requests=started,
+        isl=isl,
+        osl=osl,
+        ttft_p90_s=quantile(0.9, ttft),
+        itl_p90_s=quantile(0.9, itl),
+        waiting=load.waiting,
+        kv_usage=load.kv_usage,
+        workers=dict(load.workers),
+        output_tokens=started + _count(itl),
+    )
+
+
+def _count(buckets: dict[float, float]) -> float:
+    """Observations in a histogram's interval (its +Inf bucket)."""
+    return buckets.get(math.inf, max(buckets.values(), default=0.0))
+
+
+class MeshReader(AsyncCloseable):
+    """Reads the frontends' counters (summed over them) and the workers, once per call."""
+
+    def __init__(
+        self,
+        frontend_urls: Sequence[str],
+        discovery: Discovery,
+        *,
+        api_key: str | None = None,
+        router: RouterClient | None = None,
+    ) -> None:
+        if not frontend_urls:
+            raise ValueError("the planner needs at least one frontend URL (--frontend-url) to read load and latency")
+        self._connections = [Connection(Endpoint.parse(url, api_key)) for url in frontend_urls]
+        self._discovery = discovery
+        self._router = router
+
+    async def counts(self, at: float) -> Counts:
+        """The frontends' counters now. A frontend that does not answer fails the reading (CannotConnect):
+        a partial sum would read as a drop in load."""
+        texts = await asyncio.gather(*(self._scrape(c) for c in self._connections))
+        families = [f for text in texts for f in text_string_to_metric_families(text)]
+        return read_counts(families, at)
+
+    async def _scrape(self, conn: Connection) -> str:
+        where = f"{conn.endpoint.scheme}://{conn.endpoint.host}:{conn.endpoint.port}/metrics"
+        try:
+            async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                resp = await conn.get("/metrics")
+                body = await resp.read()
+        except (HttpError, TimeoutError) as exc:
+            await conn.close()
+            raise CannotConnect(f"cannot read {where}: {exc or 'timed out'}") from None
+        if resp.status != 200:
+            hint = " (set --frontend-api-key, or run the frontend with --open-metrics)" if resp.status == 401 else ""
+            raise CannotConnect(f"{where} answered HTTP {resp.status}{hint}")
+        return body.decode("utf-8", errors="replace")
+
+    async def workers(self) -> WorkerLoad:
+        """Workers per role from discovery; queues and KV use from the router when one is configured."""
+        instances = await self._discovery.list_instances()
+        counts: dict[str, int] = {}
+        for inst in instances.values():
+            name = ROLE_NAMES.get(inst.role)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        if self._router is None:
+            return WorkerLoad(counts)
+        try:
+            async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                resp = await self._router.list_workers()
+        except (MeshError, TimeoutError) as exc:
+            log.warning("router %s did not answer ListWorkers (%s); no queue or KV figures this interval",
+                        self._router.address, exc or "timed out")  # fmt: skip
+            return WorkerLoad(counts)
+        total = sum(w.total_blocks for w in resp.workers)
+        active = sum(w.active_blocks for w in resp.workers)
+        waiting = sum(w.waiting for w in resp.workers)
+        return WorkerLoad(counts, waiting, active / total if total else None)
+
+    async def _aclose(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._connections))

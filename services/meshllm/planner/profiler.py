@@ -1,0 +1,228 @@
+"""`meshllm planner profile`: measure one worker of an engine, through the mesh, and write its profile.
+
+    meshllm planner profile --engine mocker --out profile.json [-- ENGINE FLAGS...]
+    meshllm planner profile --url http://host:8000 --engine llamacpp --out profile.json   # a mesh already running
+
+Without `--url` it starts `meshllm run --workers 1 --engine ENGINE -- ENGINE FLAGS` on a free port and stops it
+afterwards; with `--url` the endpoint must serve exactly one worker, as the figures are per worker. Latency is
+measured where the planner reads it, at the frontend, so the mesh's own cost is in the profile:
+
+- prefill: for each `--isl`, requests one at a time with one output token: the median TTFT is the service time
+  of one prompt (the planner adds queueing at the planned utilisation), and isl / TTFT its rate;
+- decode: for each `--context` and `--concurrency`, that many streams at once, `--osl` tokens each: the p90 of the
+  gaps between tokens is the ITL, and concurrency / mean gap the worker's output tokens/s.
+
+Prompts are random words (no shared prefix: a cached prefix would flatter prefill); the ISL and context
+recorded are the prompt tokens the server counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import orjson
+
+from meshllm.bench.http import Connection, Endpoint, HttpError
+from meshllm.bench.load import Level, run_level
+from meshllm.bench.record import RequestRecord
+from meshllm.bench.workload import Workload, WorkloadSpec
+from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.planner.profile import DecodePoint, PrefillPoint, Profile
+from meshllm.ports import free_port
+
+__all__ = ["ProfilePlan", "ProfileRun", "main", "measure", "profile_arg_parser", "profile_plan"]
+
+READY_S = 180.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePlan:
+    isls: tuple[int, ...]
+    contexts: tuple[int, ...]
+    concurrencies: tuple[int, ...]
+    osl: int
+    requests: int  # per prefill point; per decode point, `requests` per stream
+
+    def __post_init__(self) -> None:
+        if not (self.isls and self.contexts and self.concurrencies):
+            raise ConfigError("--isl, --context and --concurrency each need at least one value")
+        if min(self.isls + self.contexts + self.concurrencies) < 1 or self.osl < 2 or self.requests < 1:
+            raise ConfigError("--isl, --context and --concurrency must be ≥ 1, --osl ≥ 2, --requests ≥ 1")
+
+
+async def _records(endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, concurrency: int) -> list[RequestRecord]:
+    workload = Workload(spec)
+    requests = [workload.next() for _ in range(n)]
+    warmup = [workload.next() for _ in range(concurrency)]
+    run = await run_level(endpoint, model, requests, Level(concurrency=concurrency), warmup=warmup, progress=False)
+    records = [r for r in run.replay.records if r.error is None]
+    if len(records) < n:
+        errors = sorted({r.error or "" for r in run.replay.records if r.error is not None})
+        raise ConfigError(f"profile: {n - len(records)} of {n} requests failed: {'; '.join(errors)[:300]}")
+    return records
+
+
+async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: bool = True) -> tuple[list, list]:
+    """The prefill and decode rows of one worker behind `endpoint`."""
+    prefill: list[PrefillPoint] = []
+    for isl in plan.isls:
+        spec = WorkloadSpec(model=model, api="completions", isl=isl, osl=1, seed=isl)
+        recs = await _records(endpoint, model, spec, plan.requests, 1)
+        ttft = statistics.median(r.ttft for r in recs if r.ttft is not None)
+        counted = round(statistics.mean(r.prompt_tokens for r in recs)) or isl
+        prefill.append(PrefillPoint(counted, ttft, counted / ttft))
+        if say:
+            print(f"  prefill isl {counted}: ttft {ttft * 1e3:.1f} ms, {counted / ttft:,.0f} tok/s", flush=True)
+    decode: list[DecodePoint] = []
+    for context in plan.contexts:
+        for c in plan.concurrencies:
+            spec = WorkloadSpec(model=model, api="completions", isl=context, osl=plan.osl, seed=context * 1000 + c)
+            recs = await _records(endpoint, model, spec, plan.requests * c, c)
+            gaps = sorted(g for r in recs for g in r.gaps)
+            itl = gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
+            rate = c / statistics.mean(gaps)
+            counted = round(statistics.mean(r.prompt_tokens for r in recs)) or context
+            decode.append(DecodePoint(counted, c, itl, rate))
+            if say:
+                print(f"  decode context {counted} c={c}: itl p90 {itl * 1e3:.2f} ms, {rate:,.0f} tok/s", flush=True)
+    return prefill, decode
+
+
+@contextlib.asynccontextmanager
+async def _embedded(engine: str, engine_args: Sequence[str]) -> AsyncIterator[str]:
+    """`meshllm run --workers 1` on a free port; its URL once it lists a model."""
+    port = free_port()
+    argv = ["-m", "meshllm", "run", "--workers", "1", "--engine", engine, "--http-port", str(port),
+            "--max-inflight", "0", "--", *engine_args]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = await asyncio.create_subprocess_exec(sys.executable, *argv, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.DEVNULL, stderr=log)  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await _until_serving(url, proc, log)
+            yield url
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 30)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+
+
+async def _until_serving(url: str, proc: asyncio.subprocess.Process, log: IO[bytes]) -> None:
+    conn = Connection(Endpoint.parse(url))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_S
+    try:
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                log.seek(0)
+                tail = log.read()[-600:].decode(errors="replace").strip()
+                raise ConfigError(f"profile: `meshllm run` exited ({proc.returncode}): {tail}")
+            with contextlib.suppress(HttpError):
+                resp = await conn.get("/v1/models")
+                if resp.status == 200 and b'"id"' in await resp.read():
+                    return
+            await asyncio.sleep(0.2)  # the server's port opens at no signal we can await
+    finally:
+        await conn.close()
+    raise ConfigError(f"profile: the mesh at {url} did not serve within {READY_S:g} s")
+
+
+async def _model(url: str) -> str:
+    conn = Connection(Endpoint.parse(url))
+    try:
+        resp = await conn.get("/v1/models")
+        body = await resp.read()
+    finally:
+        await conn.close()
+    data = orjson.loads(body).get("data") or []
+    if not data:
+        raise ConfigError(f"profile: {url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+def _ints(value: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: comma-separated whole numbers expected") from None
+
+
+def profile_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog="meshllm planner profile", env=os.environ if env is None else env,
+        description="measure one worker of an engine through the mesh and write the planner's profile",
+    )  # fmt: skip
+    g = parser.add_argument_group("profile")
+    g.add_argument("--engine", default="mocker", help="the engine to profile (and to start without --url)")
+    g.add_argument("--url", default="", help="profile this running mesh (one worker) instead of starting one")
+    g.add_argument("--out", default="planner-profile.json", help="where the profile goes")
+    g.add_argument("--isl", default="128,512,2048", help="prompt lengths of the prefill rows")
+    g.add_argument("--context", default="256,1024", help="context lengths of the decode rows")
+    g.add_argument("--concurrency", default="1,2,4,8,16", help="streams at once of the decode rows")
+    g.add_argument("--osl", type=int, default=64, help="output tokens of each decode request")
+    g.add_argument("--requests", type=int, default=8, help="requests per prefill row; per stream per decode row")
+    return parser
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRun:
+    """`meshllm planner profile`'s configuration."""
+
+    engine: str
+    url: str  # "" = start a mesh of one worker
+    out: str
+    plan: ProfilePlan
+    engine_args: tuple[str, ...] = ()
+
+
+def profile_plan(ns: argparse.Namespace, engine_args: Sequence[str] = ()) -> ProfileRun:
+    plan = ProfilePlan(_ints(ns.isl, "--isl"), _ints(ns.context, "--context"), _ints(ns.concurrency, "--concurrency"),
+                       ns.osl, ns.requests)  # fmt: skip
+    return ProfileRun(ns.engine, ns.url, ns.out, plan, tuple(engine_args))
+
+
+async def profile(run: ProfileRun) -> Profile:
+    async with contextlib.AsyncExitStack() as stack:
+        url = run.url or await stack.enter_async_context(_embedded(run.engine, run.engine_args))
+        model = await _model(url)
+        print(f"profiling {run.engine} ({model}) at {url}", flush=True)
+        prefill, decode = await measure(Endpoint.parse(url), model, run.plan)
+    host = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    return Profile(run.engine, tuple(prefill), tuple(decode), engine_args=run.engine_args, host=host)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    engine_args: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, engine_args = args[:cut], args[cut + 1 :]
+    ns = profile_arg_parser().parse_args(args)
+    from meshllm.lifecycle import run_loop
+
+    try:
+        run = profile_plan(ns, engine_args)
+        result = run_loop(profile(run))
+        result.save(run.out)
+    except ConfigError as exc:
+        print(f"meshllm planner profile: error: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"meshllm planner profile: error: cannot write {run.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"profile written to {run.out}")
+    return 0
