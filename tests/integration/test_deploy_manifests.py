@@ -5,6 +5,7 @@ the compose header's port table is complete. No services are started (only `mesh
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -112,6 +113,73 @@ def test_k8s_manifests_use_real_flags_and_the_configmap_only_names_flags() -> No
         unused = set(configmaps[cm]) - used
         problems += [f"k8s ConfigMap {cm}: {v} names no flag of any role that loads it" for v in sorted(unused)]
     assert not problems, "\n".join(problems)
+
+
+def containers(docs: list[dict[str, Any]], subcommand: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(Deployment, container) for every container running `meshllm SUBCOMMAND`."""
+    return [
+        (d, c)
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if [str(a) for a in c.get("command", [])[:2]] == ["meshllm", subcommand]
+    ]
+
+
+def flag_in(command: list[Any], flag: str) -> str | None:
+    args = [str(a) for a in command]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_k8s_planner_may_read_and_scale_only_the_worker_deployments_it_names() -> None:
+    """planner.yaml's Role: get the Deployments, get and patch their scale, by name, and nothing else."""
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "planner.yaml").read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    [(planner, container)] = containers(docs, "planner")
+    account = by_kind["ServiceAccount"]["metadata"]["name"]
+    assert planner["spec"]["template"]["spec"]["serviceAccountName"] == account
+    binding, role = by_kind["RoleBinding"], by_kind["Role"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert flag_in(container["command"], "--connector") == "kubernetes"
+    workers = {d["metadata"]["name"]: flag_in(c["command"], "--role") for d, c in containers(k8s_documents(), "worker")}
+    named = {role: flag_in(container["command"], f"--kube-deployment-{role}") for role in ("prefill", "decode")}
+    assert named == {"prefill": "meshllm-prefill", "decode": "meshllm-decode"}
+    assert all(workers.get(name) == r for r, name in named.items()), f"{named} against the worker Deployments {workers}"
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"])), tuple(sorted(r["resourceNames"])))
+             for r in role["rules"]}  # fmt: skip
+    names = tuple(sorted(named.values()))
+    assert rules == {(("apps",), ("deployments",), ("get",), names), (("apps",), ("deployments/scale",), ("get", "patch"), names)}
+
+
+# The worker's shutdown steps around the drain (meshllm.worker.runtime: unregister's and stop_all's bounds).
+UNREGISTER_S, STOP_REST_S = 5, 5
+
+
+def test_k8s_workers_finish_their_drain_before_sigkill() -> None:
+    """A scale-down is a drain: terminationGracePeriodSeconds outlasts unregister, grace period and drain timeout."""
+    from meshllm.engine.worker_config import WorkerConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    for d, c in containers(k8s_documents(), "worker"):
+        grace = float(flag_in(c["command"], "--grace-period") or defaults["grace_period_s"])
+        drain = float(flag_in(c["command"], "--drain-timeout") or defaults["drain_timeout_s"])
+        allowed = d["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        needed = UNREGISTER_S + grace + drain + STOP_REST_S
+        assert allowed > needed, f"{d['metadata']['name']}: {allowed} s before SIGKILL, the drain takes up to {needed:g} s"
+
+
+def test_k8s_planner_reaches_what_it_reads_and_prometheus_reaches_it() -> None:
+    docs = k8s_documents()
+    [(planner, container)] = containers(docs, "planner")
+    port = int(flag_in(container["command"], "--metrics-port") or 0)
+    assert planner["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert port in {p["port"] for rule in policies["meshllm-metrics"]["ingress"] for p in rule["ports"]}
+    [egress] = [p for p in policies.values() if p["podSelector"] == {"matchLabels": {"app": "meshllm-planner"}}]
+    reached = {(next(iter(t.get("podSelector", {}).get("matchLabels", {}).values()), "any"), p["port"])
+               for rule in egress["egress"] for t in rule.get("to", [{}]) for p in rule["ports"]}  # fmt: skip
+    assert {("etcd", 2379), ("meshllm-router", 9000), ("meshllm-frontend", 8000), ("kube-dns", 53), ("any", 443)} <= reached
 
 
 def test_only_the_frontend_is_published_and_profile_extras_only_on_loopback() -> None:
