@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from meshllm.errors import InvalidArgument, MeshError, NotFound, Unavailable
@@ -94,28 +94,21 @@ def _source_key(card: discovery_pb2.ModelCard, source: str) -> tuple[str, str, s
     return source, card.checksum, card.chat_template
 
 
+@dataclass(eq=False)
 class ModelRegistry(AsyncCloseable):
     """ModelCards from discovery → served models with tokenizers (see the module docstring)."""
 
-    def __init__(
-        self,
-        discovery: Discovery,
-        channels: ChannelCache,
-        *,
-        model_path: str | None = None,
-        model_name: str | None = None,
-        cache_dir: Path | None = None,
-    ) -> None:
-        self._discovery = discovery
-        self._channels = channels
-        self._model_path = model_path
-        self._model_name = model_name
-        self._cache_dir = cache_dir
-        self._models: dict[str, ServedModel] = {}
-        self._loads: dict[tuple[str, str, str], asyncio.Task[Tokenization]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._first = asyncio.Event()
-        self._changed = asyncio.Condition()
+    discovery: Discovery
+    channels: ChannelCache
+    _: KW_ONLY
+    model_path: str | None = None
+    model_name: str | None = None
+    cache_dir: Path | None = None
+    _models: dict[str, ServedModel] = field(init=False, default_factory=dict)
+    _loads: dict[tuple[str, str, str], asyncio.Task[Tokenization]] = field(init=False, default_factory=dict)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _first: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _changed: asyncio.Condition = field(init=False, default_factory=asyncio.Condition)
 
     async def start(self) -> ModelRegistry:
         self._task = asyncio.create_task(self._watch(), name="model-registry-watch")
@@ -144,7 +137,7 @@ class ModelRegistry(AsyncCloseable):
 
     async def engines(self, name: str) -> set[str]:
         """The engine names live instances serving `name` publish ("" where they name none, as in static mode)."""
-        return {i.metadata.get("engine", "") for i in (await self._discovery.list_instances()).values() if i.model == name}
+        return {i.metadata.get("engine", "") for i in (await self.discovery.list_instances()).values() if i.model == name}
 
     async def wait_for(self, name: str, *, timeout_s: float) -> ServedModel:
         """Wait until `name` is served (tests, `meshllm run` startup)."""
@@ -155,7 +148,7 @@ class ModelRegistry(AsyncCloseable):
     # ------------------------------------------------------------ watching
     async def _watch(self) -> None:
         try:
-            async for snapshot in self._discovery.watch_models():
+            async for snapshot in self.discovery.watch_models():
                 await self._apply(snapshot)
                 self._first.set()
         except Exception:
@@ -193,8 +186,8 @@ class ModelRegistry(AsyncCloseable):
             self._changed.notify_all()
 
     def _source_for(self, card: discovery_pb2.ModelCard) -> str:
-        if self._model_path and (self._model_name is None or self._model_name == card.name):
-            return self._model_path
+        if self.model_path and (self.model_name is None or self.model_name == card.name):
+            return self.model_path
         return card.tokenizer_source
 
     def _load_into(self, model: ServedModel) -> None:
@@ -228,9 +221,9 @@ class ModelRegistry(AsyncCloseable):
                 raise InvalidArgument(f"model {card.name!r} names no tokenizer source and no --model-path was given")
             if source.startswith("worker:"):
                 directory = await self._fetch(card, source.removeprefix("worker:"))
-                tok = await asyncio.to_thread(load_tokenizer, str(directory), cache_dir=self._cache_dir)
+                tok = await asyncio.to_thread(load_tokenizer, str(directory), cache_dir=self.cache_dir)
             else:
-                tok = await asyncio.to_thread(load_tokenizer, source, cache_dir=self._cache_dir)
+                tok = await asyncio.to_thread(load_tokenizer, source, cache_dir=self.cache_dir)
             pieces = getattr(tok, "byte_pieces", None)
             if pieces is not None:  # the streaming detokenizer's table, built here rather than on the first request
                 await asyncio.to_thread(pieces, skip_special_tokens=True)
@@ -248,11 +241,11 @@ class ModelRegistry(AsyncCloseable):
 
     async def _card_from_workers(self, card: discovery_pb2.ModelCard) -> tuple[discovery_pb2.ModelCard, str]:
         """The card a live worker of the model publishes in GetInfo (its tokenizer source), or ("", card)."""
-        for inst in (await self._discovery.list_instances()).values():
+        for inst in (await self.discovery.list_instances()).values():
             if inst.model != card.name:
                 continue
             try:
-                info = await WorkerClient(self._channels, inst.address).get_info(timeout_s=5.0)
+                info = await WorkerClient(self.channels, inst.address).get_info(timeout_s=5.0)
             except MeshError:
                 continue
             found = discovery_pb2.ModelCard()
@@ -266,7 +259,7 @@ class ModelRegistry(AsyncCloseable):
     def _files_dir(self, checksum: str) -> Path:
         from meshllm.frontend.text.tokenizer import default_cache_dir
 
-        base = self._cache_dir if self._cache_dir is not None else default_cache_dir()
+        base = self.cache_dir if self.cache_dir is not None else default_cache_dir()
         return base / "worker-files" / checksum
 
     async def _fetch(self, card: discovery_pb2.ModelCard, instance_id: str) -> Path:
@@ -276,13 +269,13 @@ class ModelRegistry(AsyncCloseable):
         directory = self._files_dir(card.checksum)
         if await asyncio.to_thread((directory / ".verified").exists):
             return directory
-        instances = await self._discovery.list_instances()
+        instances = await self.discovery.list_instances()
         inst = instances.get(instance_id)
         if inst is None:
             inst = next((i for i in instances.values() if i.model == card.name), None)
         if inst is None:
             raise Unavailable(f"worker {instance_id!r} that serves the files of {card.name!r} is not in discovery")
-        files = await WorkerClient(self._channels, inst.address).get_model_files()
+        files = await WorkerClient(self.channels, inst.address).get_model_files()
         got = await asyncio.to_thread(files_checksum, files)
         if got != card.checksum:
             raise InvalidArgument(

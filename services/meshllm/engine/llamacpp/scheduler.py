@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, Protocol
 
 from meshllm.engine.base import LoadMetrics
@@ -66,28 +66,20 @@ class Backend(Protocol):
     def embed(self, tokens: Seq[int]) -> list[float]: ...
 
 
+@dataclass(eq=False, slots=True)
 class Scheduler:
     """Waiting and running sequences over a `SlotTable` (see the module docstring)."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        slots: SlotTable,
-        *,
-        n_batch: int,
-        n_ctx: int,
-        min_copy_gain: int = 16,
-        tiers: TierStore | None = None,
-    ) -> None:
-        self.backend = backend
-        self.slots = slots
-        self.tiers = tiers
-        self.n_batch = n_batch
-        self.n_ctx = n_ctx
-        self.min_copy_gain = min_copy_gain
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.steps = 0
+    backend: Backend
+    slots: SlotTable
+    _: KW_ONLY
+    n_batch: int
+    n_ctx: int
+    min_copy_gain: int = 16
+    tiers: TierStore | None = None
+    waiting: deque[Sequence] = field(init=False, default_factory=deque)
+    running: list[Sequence] = field(init=False, default_factory=list)
+    steps: int = field(init=False, default=0)
 
     def has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and bool(self.slots.free()))

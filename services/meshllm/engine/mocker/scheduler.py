@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from meshllm.engine.mocker.block_manager import BlockManager, PrefixHit
 from meshllm.engine.mocker.sequence import Sequence, SequenceStatus
@@ -69,27 +69,20 @@ class CacheStats:
         return self.device_hit_tokens + self.host_hit_tokens + self.disk_hit_tokens
 
 
+@dataclass(eq=False)
 class Scheduler:
     """Waiting and running queues over one `BlockManager`."""
 
-    def __init__(
-        self,
-        blocks: BlockManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        transfer_time: Callable[[int], float] = lambda tokens: 0.0,
-        restore_ms: Callable[[PrefixHit], float] = lambda hit: 0.0,
-    ) -> None:
-        self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self._transfer_time = transfer_time
-        self._restore_ms = restore_ms
-        self.stats = CacheStats()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
+    blocks: BlockManager
+    _: KW_ONLY
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    transfer_time: Callable[[int], float] = lambda tokens: 0.0  # seconds a decode leg's KV of n tokens takes to arrive
+    restore_ms: Callable[[PrefixHit], float] = lambda hit: 0.0  # model ms to restore a hit's lower-tier blocks
+    stats: CacheStats = field(init=False, default_factory=CacheStats)
+    waiting: deque[Sequence] = field(init=False, default_factory=deque)
+    running: list[Sequence] = field(init=False, default_factory=list)
+    num_preemptions: int = field(init=False, default=0)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
@@ -235,10 +228,10 @@ class Scheduler:
                     st.disk_hit_tokens += hit.disk * bs
             running.append(seq)
             if hit.restored:
-                plan.restore_ms += self._restore_ms(hit)
+                plan.restore_ms += self.restore_ms(hit)
             if remote:
                 seq.remote_kv = False
-                seq.ready_at = now + self._transfer_time(n)
+                seq.ready_at = now + self.transfer_time(n)
                 if seq.ready_at > now or budget <= 0:
                     continue
                 self._land_transfer(seq)

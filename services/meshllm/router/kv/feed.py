@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from meshllm.errors import MeshError
@@ -39,37 +40,25 @@ BEHIND_GRACE_S = 1.0  # how long the index may trail a load snapshot's last_even
 MAX_BACKOFF_S = 5.0
 
 
+@dataclass(eq=False)
 class EventFeed(AsyncCloseable):
     """Applies KvEventBatch to the index and LoadSnapshot to the load tracker; runs resyncs."""
 
-    def __init__(
-        self,
-        bus: EventBus,
-        namespace: str,
-        *,
-        index: KvIndex,
-        load: LoadTracker,
-        pool: WorkerPool,
-        channels: ChannelCache,
-        metrics: RouterMetrics,
-        use_kv: bool = True,
-        snapshot_timeout_s: float = 10.0,
-        backoff_s: float = 0.2,
-    ) -> None:
-        self.bus = bus
-        self.namespace = namespace
-        self.index = index
-        self.load = load
-        self.pool = pool
-        self.channels = channels
-        self.metrics = metrics
-        self.use_kv = use_kv
-        self.snapshot_timeout_s = snapshot_timeout_s
-        self.backoff_s = backoff_s
-        self._subs: list[Subscription[Any]] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._resyncs: dict[str, asyncio.Task[None]] = {}
-        self._behind: dict[str, tuple[int, float]] = {}  # worker -> (event id seen in load, when)
+    bus: EventBus
+    namespace: str
+    _: KW_ONLY
+    index: KvIndex
+    load: LoadTracker
+    pool: WorkerPool
+    channels: ChannelCache
+    metrics: RouterMetrics
+    use_kv: bool = True
+    snapshot_timeout_s: float = 10.0
+    backoff_s: float = 0.2
+    _subs: list[Subscription[Any]] = field(init=False, default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(init=False, default_factory=list)
+    _resyncs: dict[str, asyncio.Task[None]] = field(init=False, default_factory=dict)
+    _behind: dict[str, tuple[int, float]] = field(init=False, default_factory=dict)  # worker -> (event id seen in load, when)
 
     @property
     def pending(self) -> int:
