@@ -16,18 +16,12 @@ reads a chat template: off unless it mentions `<think>`.
 
 from __future__ import annotations
 
+from meshllm.frontend.text.stop_strings import partial_tail
+
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "detect_reasoning_parser"]
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
-
-
-def _partial(buf: str, tag: str) -> int:
-    """Length of the longest tail of `buf` that is a proper prefix of `tag`."""
-    for size in range(min(len(buf), len(tag) - 1), 0, -1):
-        if tag.startswith(buf[len(buf) - size :]):
-            return size
-    return 0
 
 
 class ReasoningParser:
@@ -60,7 +54,7 @@ class ReasoningParser:
                     reasoning += buf[:i]
                     self._state, buf = "after", buf[i + len(END) :]
                     continue
-                keep = _partial(buf, END)
+                keep = partial_tail(buf, (END,))
                 reasoning += buf[: len(buf) - keep]
                 self._buf = buf[len(buf) - keep :]
                 return reasoning, content

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StopStringMatcher"]
+__all__ = ["StopStringMatcher", "partial_tail"]
 
 
 class StopStringMatcher:
@@ -31,7 +31,6 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
         self._held = ""
-        self._longest = max((len(s) for s in self.stops), default=0)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit now, whether a stop string has matched)."""
@@ -45,7 +44,7 @@ class StopStringMatcher:
             start, stop = match
             self.stopped, self.matched, self._held = True, stop, ""
             return buffer[: start + len(stop)] if self.include_stop else buffer[:start], True
-        keep = self._partial_tail(buffer)
+        keep = partial_tail(buffer, self.stops)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False
 
@@ -67,11 +66,13 @@ class StopStringMatcher:
         end, _, stop = best
         return end - len(stop), stop
 
-    def _partial_tail(self, buffer: str) -> int:
-        """Length of the longest tail of `buffer` that is a proper prefix of some stop string."""
-        limit = min(len(buffer), self._longest - 1)
-        for size in range(limit, 0, -1):
-            tail = buffer[len(buffer) - size :]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return size
-        return 0
+
+def partial_tail(text: str, candidates: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `candidates` (to hold back: it may
+    still grow into one)."""
+    longest = max(map(len, candidates), default=0)
+    for size in range(min(len(text), longest - 1), 0, -1):
+        tail = text[len(text) - size :]
+        if any(c.startswith(tail) for c in candidates):
+            return size
+    return 0

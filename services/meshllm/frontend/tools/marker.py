@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshllm.frontend.text.stop_strings import partial_tail
 from meshllm.frontend.tools.base import CallDelta, ToolParser
 from meshllm.frontend.tools.json_calls import CallObject
 
@@ -30,7 +31,6 @@ class MarkerParser(ToolParser):
         self._array = 0  # nesting of "[" in the current block
         self._obj: CallObject | None = None
         self._count = 0
-        self._longest = max((len(m) for m in (*self.markers, self.end_marker)), default=0)
 
     # ------------------------------------------------------------ text mode
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
@@ -69,7 +69,7 @@ class MarkerParser(ToolParser):
             self._emit(buf[:i].rstrip(), content)
             self._start_block()
             return buf[i + len(m) :]
-        keep = self._partial_tail(buf)
+        keep = partial_tail(buf, self.markers)
         cut = len(buf) - keep
         while cut > 0 and buf[cut - 1].isspace():
             cut -= 1
@@ -81,14 +81,6 @@ class MarkerParser(ToolParser):
         if text:
             content.append(text)
             self._at_start = self._after_call = False
-
-    def _partial_tail(self, buf: str) -> int:
-        limit = min(len(buf), self._longest - 1)
-        for size in range(limit, 0, -1):
-            tail = buf[len(buf) - size :]
-            if any(m.startswith(tail) for m in self.markers):
-                return size
-        return 0
 
     def _start_block(self) -> None:
         self._in_block = True
