@@ -14,15 +14,14 @@ waits for the latter only.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from meshllm.plane.request.channels import ChannelCache
-from meshllm.plane.request.peers import generate_to, session_key
-from meshllm.plane.request.transport import CallInfo, translate_errors, unary_generate
+from meshllm.plane.request.peers import PeerClient, session_key
+from meshllm.plane.request.transport import translate_errors
 from meshllm.protocol.convert import hints_into_proto, wire_range
-from meshllm.protocol.types import RouteHints, TokenChunk, TokenRequest
+from meshllm.protocol.types import RouteHints
 from meshllm.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["RouterClient"]
@@ -30,13 +29,11 @@ __all__ = ["RouterClient"]
 SESSION = session_key("Router")
 
 
-class RouterClient:
+class RouterClient(PeerClient):
     """Client of one router address over a shared ChannelCache."""
 
-    def __init__(self, channels: ChannelCache, address: str) -> None:
-        self.address = address
-        self._channels = channels
-        self._stub = router_pb2_grpc.RouterStub(channels.get(address))
+    service = "Router"
+    stub_class = router_pb2_grpc.RouterStub
 
     def reachable(self) -> bool:
         """Whether a connection to this router is up now (always true for a router in this process)."""
@@ -49,14 +46,6 @@ class RouterClient:
         if self.reachable():
             return
         await self._channels.get(self.address).channel_ready()
-
-    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
-        """Stream chunks, then one terminal, over the process's session to this router (`generate_to`)."""
-        return generate_to(self._channels, self.address, "Router", request, call)
-
-    def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
-        """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
-        return unary_generate(self._stub.Generate, request, call, f"router {self.address}")
 
     async def route(
         self, model: str, token_ids: Sequence[int], hints: RouteHints | None = None, role: int | None = None

@@ -11,10 +11,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from meshllm.plane.request.channels import ChannelCache
-from meshllm.plane.request.peers import generate_to, session_key
-from meshllm.plane.request.transport import CallInfo, mesh_error, translate_errors, unary_generate
-from meshllm.protocol.types import TokenChunk, TokenRequest
+from meshllm.plane.request.peers import PeerClient, session_key
+from meshllm.plane.request.transport import mesh_error, translate_errors
 from meshllm.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerClient"]
@@ -22,22 +20,11 @@ __all__ = ["WorkerClient"]
 SESSION = session_key("Worker")
 
 
-class WorkerClient:
+class WorkerClient(PeerClient):
     """Client of one worker address over a shared ChannelCache."""
 
-    def __init__(self, channels: ChannelCache, address: str) -> None:
-        self.address = address
-        self._channels = channels
-        self._stub = worker_pb2_grpc.WorkerStub(channels.get(address))
-
-    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
-        """Stream chunks, then one terminal: in process or over the process's session to this worker (`generate_to`;
-        a session stream may hand its non-terminal chunks to `call.relay`)."""
-        return generate_to(self._channels, self.address, "Worker", request, call)
-
-    def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
-        """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
-        return unary_generate(self._stub.Generate, request, call, f"worker {self.address}")
+    service = "Worker"
+    stub_class = worker_pb2_grpc.WorkerStub
 
     async def abort(self, request_id: str) -> bool:
         resp = await translate_errors(self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id)))

@@ -1,20 +1,21 @@
-"""Which way a Generate stream goes to a peer: straight to it in this process, or over the process's session to it."""
+"""Which way a Generate stream goes to a peer: straight to it in this process, or over the process's session to it;
+and `PeerClient`, the Generate calls the router and worker clients share."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
 from meshllm.plane.request.channels import ChannelCache
 from meshllm.plane.request.local import LocalPeers
 from meshllm.plane.request.session_client import SessionClient
-from meshllm.plane.request.transport import CallInfo
+from meshllm.plane.request.transport import CallInfo, unary_generate
 from meshllm.protocol.types import TokenChunk, TokenRequest
 from meshllm.v1 import session_pb2
 
-__all__ = ["generate_to", "session_key"]
+__all__ = ["PeerClient", "generate_to", "session_key"]
 
 
 def session_key(service: str) -> str:
@@ -60,3 +61,25 @@ def generate_to(
 
     session = channels.shared(address, session_key(service), make)
     return session.generate(request, traceparent=info.traceparent, deadline=info.deadline, relay=info.relay)
+
+
+class PeerClient:
+    """Client of one address serving `service` ("Router", "Worker") over a shared ChannelCache: its Generate streams;
+    a subclass adds the service's other calls on `_stub` (a `stub_class` on the address's channel)."""
+
+    service: ClassVar[str]
+    stub_class: ClassVar[type[Any]]  # the generated `<Service>Stub`
+
+    def __init__(self, channels: ChannelCache, address: str) -> None:
+        self.address = address
+        self._channels = channels
+        self._stub = self.stub_class(channels.get(address))
+
+    def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
+        """Stream chunks, then one terminal: in process or over the process's session to this peer (`generate_to`;
+        a session stream may hand its non-terminal chunks to `call.relay`)."""
+        return generate_to(self._channels, self.address, self.service, request, call)
+
+    def generate_call(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
+        """The same stream as one unary Generate call of its own (what non-meshllm clients use)."""
+        return unary_generate(self._stub.Generate, request, call, f"{self.service.lower()} {self.address}")
