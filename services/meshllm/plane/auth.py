@@ -201,26 +201,26 @@ class _Metadata:
     def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
         self._extra = extra
 
+    async def _intercept(self, continuation: Any, details: Any, request_or_iterator: Any) -> Any:
+        return await continuation(_with_metadata(details, self._extra), request_or_iterator)
 
-# grpc.aio files an interceptor under the first of the four kinds it is an instance of: one class per kind.
+
+# grpc.aio files an interceptor under the first of the four kinds it is an instance of: one class per kind, each
+# with the same method under its kind's name (grpc passes its arguments by position).
 class _UnaryUnary(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_metadata(details, self._extra), request)
+    intercept_unary_unary = _Metadata._intercept
 
 
 class _UnaryStream(_Metadata, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_metadata(details, self._extra), request)
+    intercept_unary_stream = _Metadata._intercept
 
 
 class _StreamUnary(_Metadata, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(_with_metadata(details, self._extra), request_iterator)
+    intercept_stream_unary = _Metadata._intercept
 
 
 class _StreamStream(_Metadata, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(_with_metadata(details, self._extra), request_iterator)
+    intercept_stream_stream = _Metadata._intercept
 
 
 def client_interceptors(security: MeshSecurity | None, caller_id: str | None = None) -> list[Any]:
