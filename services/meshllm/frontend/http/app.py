@@ -286,16 +286,16 @@ class OpenAIApp:
 
     async def _response_get(self, scope: Scope, receive: Receive, send: Send) -> int:
         """GET /v1/responses/{id}: a stored response of this tenant (else the 404 of an unknown id)."""
-        try:
-            body = self.responses.retrieve(path_id(scope, "/v1/responses/"), tenant_of(scope))
-        except MeshError as exc:
-            return await error_response(send, exc)
-        return await json_response(send, 200, body)
+        return await self._stored_response(scope, send, self.responses.retrieve)
 
     async def _response_delete(self, scope: Scope, receive: Receive, send: Send) -> int:
         """DELETE /v1/responses/{id}: forget a stored response of this tenant (else the 404 of an unknown id)."""
+        return await self._stored_response(scope, send, self.responses.delete)
+
+    async def _stored_response(self, scope: Scope, send: Send, action: Callable[[str, str], dict[str, Any]]) -> int:
+        """`action(id, tenant)` on the stored response the path names: its body, or its MeshError, as the reply."""
         try:
-            body = self.responses.delete(path_id(scope, "/v1/responses/"), tenant_of(scope))
+            body = action(path_id(scope, "/v1/responses/"), tenant_of(scope))
         except MeshError as exc:
             return await error_response(send, exc)
         return await json_response(send, 200, body)
