@@ -72,19 +72,13 @@ _RTYPE_FROM_PB = {v: cast(RequestType, k) for k, v in _RTYPE_TO_PB.items()}
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _GUIDED = ("json_schema", "regex", "grammar", "json_object")
 _HINTS_OPT = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "dp_rank")
+# DisaggParams' plain proto3 scalars: a zero value is an absent key.
+_DISAGG = ("kv_handle", "prefill_worker_id", "prefill_address", "ctx_request_id", "opaque_state", "cached_tokens", "kv_bytes")
 
 
 def disagg_to_proto(d: DisaggInfo) -> pb.DisaggParams:
-    m = pb.DisaggParams(
-        kv_handle=d.get("kv_handle", b""),
-        prefill_worker_id=d.get("prefill_worker_id", ""),
-        prefill_address=d.get("prefill_address", ""),
-        first_token_ids=d.get("first_token_ids", ()),
-        ctx_request_id=d.get("ctx_request_id", ""),
-        opaque_state=d.get("opaque_state", b""),
-        cached_tokens=d.get("cached_tokens", 0),
-        kv_bytes=d.get("kv_bytes", 0),
-    )
+    m = pb.DisaggParams(first_token_ids=d.get("first_token_ids", ()))
+    _set_present(m, d, _DISAGG)
     if "request_type" in d:
         m.request_type = _RTYPE_TO_PB[d["request_type"]]  # type: ignore[assignment]
     src = d.get("kv_source")
@@ -99,28 +93,14 @@ def disagg_to_proto(d: DisaggInfo) -> pb.DisaggParams:
 
 
 def disagg_from_proto(m: pb.DisaggParams) -> DisaggInfo:
-    d: DisaggInfo = {}
+    d = cast(DisaggInfo, {k: v for k in _DISAGG if (v := getattr(m, k))})
     if m.request_type:
         rtype = _RTYPE_FROM_PB.get(m.request_type)
         if rtype is None:  # proto3 enums are open: any int32 arrives
             raise InvalidArgument(f"'disagg.request_type': unknown value {m.request_type}", param="disagg.request_type")
         d["request_type"] = rtype
-    if m.kv_handle:
-        d["kv_handle"] = m.kv_handle
-    if m.prefill_worker_id:
-        d["prefill_worker_id"] = m.prefill_worker_id
-    if m.prefill_address:
-        d["prefill_address"] = m.prefill_address
     if m.first_token_ids:
         d["first_token_ids"] = list(m.first_token_ids)
-    if m.ctx_request_id:
-        d["ctx_request_id"] = m.ctx_request_id
-    if m.opaque_state:
-        d["opaque_state"] = m.opaque_state
-    if m.cached_tokens:
-        d["cached_tokens"] = m.cached_tokens
-    if m.kv_bytes:
-        d["kv_bytes"] = m.kv_bytes
     if m.HasField("kv_source"):
         s = m.kv_source
         d["kv_source"] = {
