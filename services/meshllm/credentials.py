@@ -215,31 +215,39 @@ _SECRET_HELP = "prefer the variable or the -file flag: a flag's value shows in p
 
 def add_etcd_args(group: Any) -> None:
     """etcd TLS and auth flags (an argparse group of `add_plane_args`)."""
-    group.add_argument("--etcd-ca", default="", help="CA certificate (PEM) that signed etcd's certificate; turns TLS on")
-    group.add_argument(
-        "--etcd-cert", default="", help="client certificate and key (PEM) for etcd's `--client-cert-auth`; turn TLS on"
+    _add_text_flags(
+        group,
+        {
+            "--etcd-ca": "CA certificate (PEM) that signed etcd's certificate; turns TLS on",
+            "--etcd-cert": "client certificate and key (PEM) for etcd's `--client-cert-auth`; turn TLS on",
+            "--etcd-key": "private key (PEM) of --etcd-cert",
+            "--etcd-user": "etcd user (etcd auth enabled); needs a password",
+            "--etcd-password": "its password",
+            "--etcd-password-file": "file whose first line is the password",
+        },
     )
-    group.add_argument("--etcd-key", default="", help="private key (PEM) of --etcd-cert")
-    group.add_argument("--etcd-user", default="", help="etcd user (etcd auth enabled); needs a password")
-    group.add_argument("--etcd-password", default="", help="its password")
-    group.add_argument("--etcd-password-file", default="", help="file whose first line is the password")
 
 
 def add_nats_args(group: Any) -> None:
     """NATS TLS and auth flags (an argparse group of `add_plane_args`)."""
-    group.add_argument(
-        "--nats-ca",
-        default="",
-        help="CA certificate (PEM) that signed nats-server's; turns TLS on (never falls back to plaintext)",
+    _add_text_flags(
+        group,
+        {
+            "--nats-ca": "CA certificate (PEM) that signed nats-server's; turns TLS on (never falls back to plaintext)",
+            "--nats-cert": "client certificate and key (PEM) for nats-server `--tlsverify`; turn TLS on",
+            "--nats-key": "private key (PEM) of --nats-cert",
+            "--nats-token": "NATS token (one of token, user, creds, nkey)",
+            "--nats-token-file": "file whose first line is the token",
+            "--nats-user": "NATS user; needs a password",
+            "--nats-password": "its password",
+            "--nats-password-file": "file whose first line is the password",
+            "--nats-creds": "NATS credentials file (user JWT + NKey seed; decentralised auth)",
+            "--nats-nkey": "file holding a user NKey seed (`SU...`)",
+        },
     )
-    group.add_argument(
-        "--nats-cert", default="", help="client certificate and key (PEM) for nats-server `--tlsverify`; turn TLS on"
-    )
-    group.add_argument("--nats-key", default="", help="private key (PEM) of --nats-cert")
-    group.add_argument("--nats-token", default="", help="NATS token (one of token, user, creds, nkey)")
-    group.add_argument("--nats-token-file", default="", help="file whose first line is the token")
-    group.add_argument("--nats-user", default="", help="NATS user; needs a password")
-    group.add_argument("--nats-password", default="", help="its password")
-    group.add_argument("--nats-password-file", default="", help="file whose first line is the password")
-    group.add_argument("--nats-creds", default="", help="NATS credentials file (user JWT + NKey seed; decentralised auth)")
-    group.add_argument("--nats-nkey", default="", help="file holding a user NKey seed (`SU...`)")
+
+
+def _add_text_flags(group: Any, helps: dict[str, str]) -> None:
+    """Text flags that are unset when empty (their default), each with its help."""
+    for flag, help_text in helps.items():
+        group.add_argument(flag, default="", help=help_text)
