@@ -9,21 +9,9 @@ chat_body_of / response_object / output items: the Responses API      (responses
 
 from __future__ import annotations
 
+from meshllm.protocol.openai import objects
 from meshllm.protocol.openai.extensions import parse_json_body
-from meshllm.protocol.openai.objects import (
-    ChoiceResult,
-    LogprobEntry,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
-    finish_reason_openai,
-    model_list,
-    model_object,
-    prompt_logprobs_body,
-    usage_body,
-    usage_chunk,
-)
+from meshllm.protocol.openai.objects import *  # noqa: F403 - every response shaper, as objects.__all__ lists them
 from meshllm.protocol.openai.request import (
     MAX_N,
     MAX_STOP_STRINGS,
@@ -38,21 +26,10 @@ __all__ = [
     "MAX_N",
     "MAX_STOP_STRINGS",
     "MAX_TOP_LOGPROBS",
-    "ChoiceResult",
-    "LogprobEntry",
     "RequestKind",
     "TextRequest",
-    "chat_chunk",
-    "chat_response",
-    "completion_chunk",
-    "completion_response",
-    "finish_reason_openai",
-    "model_list",
-    "model_object",
     "parse_chat",
     "parse_completion",
     "parse_json_body",
-    "prompt_logprobs_body",
-    "usage_body",
-    "usage_chunk",
 ]
+__all__ += objects.__all__

@@ -31,44 +31,11 @@ in the plugin), which counts as passed. See `tier_checks` for what an engine
 with tiers needs (a device cache small enough for the kit to fill).
 """
 
+from meshllm.testing.conformance import kit, runner
 from meshllm.testing.conformance.checks import CHECKS
-from meshllm.testing.conformance.kit import (
-    SHAREABLE_CLAUSES,
-    TIER_CLAUSES,
-    Clause,
-    ConformanceError,
-    ConformanceOptions,
-    EngineFactory,
-    NotApplicable,
-    RecordingSink,
-    SharedEngine,
-    Stream,
-    factory_for,
-)
-from meshllm.testing.conformance.runner import (
-    CheckResult,
-    ConformanceReport,
-    options_from_strings,
-    run_check,
-    run_conformance,
-)
+from meshllm.testing.conformance.kit import *  # noqa: F403 - the kit's vocabulary, as kit.__all__ lists it
+from meshllm.testing.conformance.runner import *  # noqa: F403 - running checks, as runner.__all__ lists them
 
-__all__ = [
-    "CHECKS",
-    "SHAREABLE_CLAUSES",
-    "TIER_CLAUSES",
-    "CheckResult",
-    "Clause",
-    "ConformanceError",
-    "ConformanceOptions",
-    "ConformanceReport",
-    "EngineFactory",
-    "NotApplicable",
-    "RecordingSink",
-    "SharedEngine",
-    "Stream",
-    "factory_for",
-    "options_from_strings",
-    "run_check",
-    "run_conformance",
-]
+__all__ = ["CHECKS"]
+__all__ += kit.__all__
+__all__ += runner.__all__

@@ -14,6 +14,21 @@ from meshllm.engine.base import Context, EngineSink, KvTier, LLMEngine, LoadMetr
 from meshllm.engine.worker_config import WorkerConfig
 from meshllm.protocol.types import TokenChunk, TokenRequest
 
+__all__ = [
+    "SHAREABLE_CLAUSES",
+    "TIER_CLAUSES",
+    "Clause",
+    "ConformanceError",
+    "ConformanceOptions",
+    "EngineFactory",
+    "NotApplicable",
+    "RecordingSink",
+    "SharedEngine",
+    "Stream",
+    "TierSink",
+    "factory_for",
+]
+
 EngineFactory = Callable[[], Awaitable[LLMEngine]]
 
 

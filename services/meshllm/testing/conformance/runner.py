@@ -24,6 +24,8 @@ from meshllm.testing.conformance.kit import (
     factory_for,
 )
 
+__all__ = ["CheckResult", "ConformanceReport", "options_from_strings", "run_check", "run_conformance"]  # and `main`, the CLI
+
 # ------------------------------------------------------------------ running
 
 
