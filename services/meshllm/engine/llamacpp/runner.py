@@ -89,19 +89,11 @@ class Runner:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[R] = loop.create_future()
 
-        def settle(result: Any, error: MeshError | None) -> None:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)
-
         def command(sched: Scheduler) -> None:
             try:
-                loop.call_soon_threadsafe(settle, fn(sched), None)
+                loop.call_soon_threadsafe(_settle, done, fn(sched), None)
             except MeshError as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
+                loop.call_soon_threadsafe(_settle, done, None, exc)
 
         self.submit(command)
         while not done.done():  # a command submitted as the engine thread stops is never run
