@@ -5,9 +5,13 @@ The leader key (`meshllm/v1/NS/planner/leader`) is created only when absent
 candidate's own, refreshed every TTL/3. A leader that cannot refresh its
 lease for a whole TTL (etcd away, or the lease gone) counts itself out at
 once: by then etcd may have let the key expire and another planner may lead,
-so it stops acting before it could act twice. Standbys poll the key every
-TTL/2 and take it when it is gone; a leader that stops resigns by revoking
-its lease, so a standby takes over within one poll.
+so it stops acting before it could act twice. Its TTL counts from when it
+sent the grant or the last refresh etcd answered (etcd's own count starts
+later), a refresh that hangs is given only what is left of it, and the lease
+etcd grants is the TTL rounded up: the leader counts itself out before etcd
+lets its key go, never after. Standbys poll the key every TTL/2 and take it
+when it is gone; a leader that stops resigns by revoking its lease, so a
+standby takes over within one poll.
 
 The state key (`.../planner/state`, JSON, no lease) is written only while
 the leader key still holds this planner's identity (the same transaction
@@ -20,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -68,7 +73,8 @@ class EtcdLeadership(AsyncCloseable):
         log.info("planner %s: leading (lease %x, ttl %gs)", self.identity, self._lease, self.ttl_s)
 
     async def _try_lead(self) -> bool:
-        lease = await self._etcd.call("grant planner lease", lambda c: c.lease(max(2, round(self.ttl_s))))
+        granted = time.monotonic()  # etcd counts the lease's TTL from a moment after this
+        lease = await self._etcd.call("grant planner lease", lambda c: c.lease(max(2, math.ceil(self.ttl_s))))
 
         def txn(c: Any) -> Any:
             t = c.transactions
@@ -85,24 +91,26 @@ class EtcdLeadership(AsyncCloseable):
             return False
         self._lease = lease.id
         self.lost.clear()
-        self._keeper = asyncio.create_task(self._keep(lease.id), name="planner leader lease")
+        self._keeper = asyncio.create_task(self._keep(lease.id, granted + self.ttl_s), name="planner leader lease")
         return True
 
-    async def _keep(self, lease: int) -> None:
-        last_ok = time.monotonic()
+    async def _keep(self, lease: int, valid_until: float) -> None:
+        """Refresh every TTL/3 until the lease is gone or `valid_until` (monotonic) passes without a refresh."""
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            await asyncio.sleep(max(0.0, min(self.ttl_s / 3, valid_until - time.monotonic())))
+            sent = time.monotonic()
             try:
-                reply = await self._etcd.call("refresh planner lease", lambda c: c.refresh_lease(lease))
+                async with asyncio.timeout(max(0.0, valid_until - sent)):  # a hung etcd must not keep it leading
+                    reply = await self._etcd.call("refresh planner lease", lambda c: c.refresh_lease(lease))
                 if reply is None or reply.TTL <= 0:
                     raise NotFound("the planner's lease is gone")
-                last_ok = time.monotonic()
+                valid_until = sent + self.ttl_s
                 continue
             except NotFound:
                 log.warning("planner %s: leader lease %x is gone; standing down", self.identity, lease)
-            except MeshError as exc:
-                if time.monotonic() - last_ok < self.ttl_s:
-                    log.warning("planner %s: lease refresh failed (%s); retrying", self.identity, exc)
+            except (MeshError, TimeoutError) as exc:
+                if time.monotonic() < valid_until:
+                    log.warning("planner %s: lease refresh failed (%s); retrying", self.identity, exc or "timed out")
                     continue
                 log.warning("planner %s: no lease refresh for %gs; standing down", self.identity, self.ttl_s)
             self._lease = None

@@ -50,6 +50,11 @@ class PlannerMetrics:
                 self.observed.labels(what).set(value)
         for role, n in needed.items():
             self.needed.labels(role).set(n)
+        self.decided(decisions)
+
+    def decided(self, decisions: Iterable[Decision]) -> None:
+        """Count the decisions, set the targets, keep them for the dashboard (also the first interval's, which
+        has no observation yet but may already bring a role up to its minimum)."""
         for d in decisions:
             self.decisions.labels(d.role, d.direction, rule_of(d.reason)).inc()
             self.target.labels(d.role).set(d.target)

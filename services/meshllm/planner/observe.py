@@ -61,12 +61,15 @@ def observation(new: Counts, old: Counts, load: WorkerLoad) -> Observation:
     adds to when it ends: a request is counted when its first token is sent (a TTFT observation), an output
     token when it is sent (an ITL observation per token after the first; further tokens of a first chunk are
     not counted). Counted at the end, a few long streams would read as bursts and silences. ISL and OSL are
-    means over the requests that ended: lengths, not rates.
+    means over the requests that ended: lengths, not rates. A request ended when the frontend closed its stream
+    and counted its tokens, which is when it observes its end-to-end latency: the e2e histogram counts them.
+    (The requests counter also counts refusals, a 429 or a 400, that never had tokens: dividing by it would read
+    an overloaded mesh's prompts as shorter, and plan too few prefill workers, just when it needs more.)
     """
     ttft = delta_buckets(new, old, "ttft")
     itl = delta_buckets(new, old, "itl")
     started = _count(ttft)
-    ended = max(0.0, new.requests - old.requests)
+    ended = _count(delta_buckets(new, old, "e2e"))
     isl = max(0.0, new.input_tokens - old.input_tokens) / ended if ended > 0 else None
     osl = max(0.0, new.output_tokens - old.output_tokens) / ended if ended > 0 else None
     return Observation(
@@ -109,7 +112,13 @@ class MeshReader(AsyncCloseable):
     async def counts(self, at: float) -> Counts:
         """The frontends' counters now. A frontend that does not answer fails the reading (CannotConnect):
         a partial sum would read as a drop in load."""
-        texts = await asyncio.gather(*(self._scrape(c) for c in self._connections))
+        scrapes = [asyncio.ensure_future(self._scrape(c)) for c in self._connections]
+        try:
+            texts = await asyncio.gather(*scrapes)
+        finally:  # one failed: stop the others now, not in the background while the next reading uses the connections
+            for scrape in scrapes:
+                scrape.cancel()
+            await asyncio.gather(*scrapes, return_exceptions=True)
         families = [f for text in texts for f in text_string_to_metric_families(text)]
         return read_counts(families, at)
 

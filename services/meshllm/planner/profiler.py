@@ -9,8 +9,10 @@ measured where the planner reads it, at the frontend, so the mesh's own cost is 
 
 - prefill: for each `--isl`, requests one at a time with one output token: the median TTFT is the service time
   of one prompt (the planner adds queueing at the planned utilisation), and isl / TTFT its rate;
-- decode: for each `--context` and `--concurrency`, that many streams at once, `--osl` tokens each: the p90 of the
-  gaps between tokens is the ITL, and concurrency / mean gap the worker's output tokens/s.
+- decode: for each `--context` and `--concurrency`, that many streams at once (closed loop), `--osl` tokens each:
+  the p90 of the gaps between tokens is the ITL, and the output tokens over the level's duration the worker's
+  tokens/s. Measured, not concurrency / gap: streams an engine queues (beyond its batch) add nothing, and the
+  prompts' prefill is in the duration (a long `--osl` keeps it a small share).
 
 Prompts are random words (no shared prefix: a cached prefix would flatter prefill); the ISL and context
 recorded are the prompt tokens the server counted.
@@ -60,7 +62,10 @@ class ProfilePlan:
             raise ConfigError("--isl, --context and --concurrency must be ≥ 1, --osl ≥ 2, --requests ≥ 1")
 
 
-async def _records(endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, concurrency: int) -> list[RequestRecord]:
+async def _records(
+    endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, concurrency: int
+) -> tuple[list[RequestRecord], float]:
+    """The level's records (all must succeed) and how long it ran."""
     workload = Workload(spec)
     requests = [workload.next() for _ in range(n)]
     warmup = [workload.next() for _ in range(concurrency)]
@@ -69,7 +74,7 @@ async def _records(endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, c
     if len(records) < n:
         errors = sorted({r.error or "" for r in run.replay.records if r.error is not None})
         raise ConfigError(f"profile: {n - len(records)} of {n} requests failed: {'; '.join(errors)[:300]}")
-    return records
+    return records, run.replay.duration_s
 
 
 async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: bool = True) -> tuple[list, list]:
@@ -77,7 +82,7 @@ async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: boo
     prefill: list[PrefillPoint] = []
     for isl in plan.isls:
         spec = WorkloadSpec(model=model, api="completions", isl=isl, osl=1, seed=isl)
-        recs = await _records(endpoint, model, spec, plan.requests, 1)
+        recs, _ = await _records(endpoint, model, spec, plan.requests, 1)
         ttft = statistics.median(r.ttft for r in recs if r.ttft is not None)
         counted = round(statistics.mean(r.prompt_tokens for r in recs)) or isl
         prefill.append(PrefillPoint(counted, ttft, counted / ttft))
@@ -87,10 +92,10 @@ async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: boo
     for context in plan.contexts:
         for c in plan.concurrencies:
             spec = WorkloadSpec(model=model, api="completions", isl=context, osl=plan.osl, seed=context * 1000 + c)
-            recs = await _records(endpoint, model, spec, plan.requests * c, c)
+            recs, duration_s = await _records(endpoint, model, spec, plan.requests * c, c)
             gaps = sorted(g for r in recs for g in r.gaps)
             itl = gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
-            rate = c / statistics.mean(gaps)
+            rate = sum(r.completion_tokens for r in recs) / duration_s
             counted = round(statistics.mean(r.prompt_tokens for r in recs)) or context
             decode.append(DecodePoint(counted, c, itl, rate))
             if say:
@@ -173,7 +178,7 @@ def profile_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParse
     g.add_argument("--isl", default="128,512,2048", help="prompt lengths of the prefill rows")
     g.add_argument("--context", default="256,1024", help="context lengths of the decode rows")
     g.add_argument("--concurrency", default="1,2,4,8,16", help="streams at once of the decode rows")
-    g.add_argument("--osl", type=int, default=64, help="output tokens of each decode request")
+    g.add_argument("--osl", type=int, default=128, help="output tokens of each decode request")
     g.add_argument("--requests", type=int, default=8, help="requests per prefill row; per stream per decode row")
     return parser
 

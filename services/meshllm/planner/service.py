@@ -83,8 +83,10 @@ class Planner(AsyncCloseable):
         self.metrics.set_workers(replicas)
         last, self._last = self._last, counts
         if last is None:
-            return await self._apply([self.scaler.decide(r, float(replicas.get(r, 0)), replicas.get(r, 0), now,
-                                                         why="first reading") for r in self.roles])  # fmt: skip
+            first = [self.scaler.decide(r, float(replicas.get(r, 0)), replicas.get(r, 0), now, why="first reading")
+                     for r in self.roles]  # fmt: skip
+            self.metrics.decided(first)
+            return await self._apply(first)
         obs = observation(counts, last, workers)
         self.predictor.add(obs)
         load = self.predictor.predict()
@@ -125,17 +127,29 @@ class Planner(AsyncCloseable):
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a saved state: the predictor's history, the scaler's cooldowns, the local workers."""
+        """Continue from a saved state: the predictor's history, the scaler's cooldowns, the recent decisions,
+        the local workers. The saved state is the whole story (it carries what this planner saved before, when it
+        led earlier): the decisions kept here are replaced, not added to. A history that does not parse is logged
+        and ignored (the planner starts afresh, still adopting its workers) rather than ending it at every start."""
         if state.get("version") != STATE_VERSION:
             log.warning("planner state version %r is not %d; starting afresh", state.get("version"), STATE_VERSION)
             return
-        self.predictor.restore(state.get("predictor") or {})
-        self.scaler.restore(state.get("scaler") or {})
-        for d in reversed(state.get("decisions") or []):
-            self.metrics.recent.appendleft(d)
+        try:
+            self._restore_history(state)
+        except (TypeError, ValueError, AttributeError) as exc:
+            log.warning("planner state of %s does not parse (%s); starting afresh", state.get("planner_id"), exc)
         if isinstance(self.connector, LocalConnector):
             self.connector.adopt(state.get("local_workers") or [])
         log.info("planner: continuing from the state %s saved", state.get("planner_id"))
+
+    def _restore_history(self, state: dict[str, Any]) -> None:
+        """The predictor, scaler and decisions of `state`, all or (raising) none."""
+        decisions = [dict(d) for d in state.get("decisions") or []]
+        history = {q: [float(v) for v in samples] for q, samples in (state.get("predictor") or {}).items()}
+        self.scaler.restore(state.get("scaler") or {"version": 1, "roles": {}})  # unchanged when it raises
+        self.predictor.restore(history)
+        self.metrics.recent.clear()
+        self.metrics.recent.extend(decisions[: self.metrics.recent.maxlen])  # newest first, as saved
 
     async def _save(self) -> None:
         if self.leadership is not None and not await self.leadership.save_state(self.state()):
@@ -180,10 +194,12 @@ class Planner(AsyncCloseable):
         log.warning("planner: leadership lost; standing by")
 
     async def _aclose(self) -> None:
-        await self.connector.aclose()
-        await self.reader.aclose()
+        # Resign first (meshllm.planner.main's order): a standby takes over within one poll instead of waiting
+        # while this planner's workers drain (--stop-workers-on-exit) with the lease still held.
         if self.leadership is not None:
             await self.leadership.aclose()
+        await self.connector.aclose()
+        await self.reader.aclose()
 
 
 def _num(value: float | None) -> str:
