@@ -28,6 +28,8 @@ from meshllm.config import DiscoveryKind, EnvArgumentParser, add_plane_args, env
 from meshllm.engine import load_engine_class
 from meshllm.engine.worker_config import worker_arg_parser
 from meshllm.frontend.config import frontend_arg_parser
+from meshllm.planner.config import planner_arg_parser
+from meshllm.planner.profiler import profile_arg_parser
 from meshllm.router.config import router_arg_parser
 from meshllm.run import run_arg_parser
 
@@ -244,6 +246,8 @@ TABLES: dict[str, Table] = {
     "worker": Table("docs/operations.md", _now(lambda: worker_arg_parser("mocker", env={})), skip_groups=(*PLANES, *CREDENTIALS)),
     "mocker": Table("docs/operations.md", functools.partial(engine_parser, "mocker"), without=_worker_flags("mocker")),
     "sample": Table("docs/operations.md", functools.partial(engine_parser, "sample"), without=_worker_flags("sample")),
+    "planner": Table("docs/planner.md", _now(lambda: planner_arg_parser(env={})), skip_groups=("etcd TLS and authentication",)),
+    "planner-profile": Table("docs/planner.md", _now(lambda: profile_arg_parser(env={}))),
     **{
         name: Table(f"docs/engines/{name}.md", functools.partial(engine_parser, name), without=_worker_flags(name))
         for name in ("llamacpp", "vllm", "trtllm")
