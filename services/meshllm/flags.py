@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "flag_value",
     "from_flags",
     "parse_byte_size",
+    "split_engine_args",
     "terminal_help",
 ]
 
@@ -52,6 +53,15 @@ def from_flags(cls: type[T], ns: Any, /, *, prefix: str = "", **computed: Any) -
         if dest is not None:
             values[name] = getattr(ns, dest)
     return cls(**values)
+
+
+def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A command's own flags and, after the first `--`, the flags it hands to the engine."""
+    args = list(argv)
+    if "--" not in args:
+        return args, []
+    cut = args.index("--")
+    return args[:cut], args[cut + 1 :]
 
 
 def env_name(flag: str) -> str:

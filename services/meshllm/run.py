@@ -43,6 +43,7 @@ from meshllm.config import (
 )
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
+from meshllm.flags import split_engine_args
 from meshllm.frontend.config import (
     ROUTER_MODES,
     FrontendConfig,
@@ -184,11 +185,7 @@ def run_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParser:
 
 def parse_run_args(argv: Sequence[str]) -> RunConfig:
     """`meshllm run` argv (flags before `--`, engine flags after) → RunConfig; ConfigError on a bad value."""
-    args = list(argv)
-    engine_args: list[str] = []
-    if "--" in args:
-        cut = args.index("--")
-        args, engine_args = args[:cut], args[cut + 1 :]
+    args, engine_args = split_engine_args(argv)
     return run_config(run_arg_parser().parse_args(args), engine_args)
 
 

@@ -39,6 +39,7 @@ from meshllm.bench.load import Level, run_level
 from meshllm.bench.record import RequestRecord
 from meshllm.bench.workload import Workload, WorkloadSpec
 from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.flags import split_engine_args
 from meshllm.planner.profile import DecodePoint, PrefillPoint, Profile
 from meshllm.ports import free_port
 
@@ -211,11 +212,7 @@ async def profile(run: ProfileRun) -> Profile:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = list(argv)
-    engine_args: list[str] = []
-    if "--" in args:
-        cut = args.index("--")
-        args, engine_args = args[:cut], args[cut + 1 :]
+    args, engine_args = split_engine_args(argv)
     ns = profile_arg_parser().parse_args(args)
     from meshllm.lifecycle import run_loop
 
