@@ -3,9 +3,11 @@
     meshllm planner profile --engine mocker --out profile.json [-- ENGINE FLAGS...]
     meshllm planner profile --url http://host:8000 --engine llamacpp --out profile.json   # a mesh already running
 
-Without `--url` it starts `meshllm run --workers 1 --engine ENGINE -- ENGINE FLAGS` on a free port and stops it
-afterwards; with `--url` the endpoint must serve exactly one worker, as the figures are per worker. Latency is
-measured where the planner reads it, at the frontend, so the mesh's own cost is in the profile:
+Without `--url` it starts `meshllm run --workers 1 --prefill-workers 1 --engine ENGINE -- ENGINE FLAGS` (with
+`--mode agg`: one aggregated worker) on a free port and stops it afterwards; with `--url` the endpoint must serve
+one worker of each role, as the figures are per worker. Profile in the layout the planner will scale: a
+disaggregated TTFT includes the decode worker's first step and the KV handoff. Latency is measured where the
+planner reads it, at the frontend, so the mesh's own cost is in the profile:
 
 - prefill: for each `--isl`, requests one at a time with one output token: the median TTFT is the service time
   of one prompt (the planner adds queueing at the planned utilisation), and isl / TTFT its rate;
@@ -105,10 +107,12 @@ async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: boo
 
 
 @contextlib.asynccontextmanager
-async def _embedded(engine: str, engine_args: Sequence[str]) -> AsyncIterator[str]:
-    """`meshllm run --workers 1` on a free port; its URL once it lists a model."""
+async def _embedded(engine: str, engine_args: Sequence[str], mode: str) -> AsyncIterator[str]:
+    """`meshllm run` with one worker (`agg`) or one prefill and one decode worker (`disagg`) on a free port; its
+    URL once it lists a model."""
     port = free_port()
-    argv = ["-m", "meshllm", "run", "--workers", "1", "--engine", engine, "--http-port", str(port),
+    layout = ["--prefill-workers", "1"] if mode == "disagg" else []
+    argv = ["-m", "meshllm", "run", "--workers", "1", *layout, "--engine", engine, "--http-port", str(port),
             "--max-inflight", "0", "--", *engine_args]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         proc = await asyncio.create_subprocess_exec(sys.executable, *argv, stdin=asyncio.subprocess.DEVNULL,
@@ -174,7 +178,9 @@ def profile_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParse
     )  # fmt: skip
     g = parser.add_argument_group("profile")
     g.add_argument("--engine", default="mocker", help="the engine to profile (and to start without --url)")
-    g.add_argument("--url", default="", help="profile this running mesh (one worker) instead of starting one")
+    g.add_argument("--mode", choices=("disagg", "agg"), default="disagg",
+                   help="the layout started: one prefill and one decode worker, or one aggregated worker")  # fmt: skip
+    g.add_argument("--url", default="", help="profile this running mesh (one worker of each role) instead of starting one")
     g.add_argument("--out", default="planner-profile.json", help="where the profile goes")
     g.add_argument("--isl", default="128,512,2048", help="prompt lengths of the prefill rows")
     g.add_argument("--context", default="256,1024", help="context lengths of the decode rows")
@@ -189,21 +195,22 @@ class ProfileRun:
     """`meshllm planner profile`'s configuration."""
 
     engine: str
-    url: str  # "" = start a mesh of one worker
+    url: str  # "" = start a mesh of one worker (of each role, disaggregated)
     out: str
     plan: ProfilePlan
     engine_args: tuple[str, ...] = ()
+    mode: str = "disagg"
 
 
 def profile_plan(ns: argparse.Namespace, engine_args: Sequence[str] = ()) -> ProfileRun:
     plan = ProfilePlan(_ints(ns.isl, "--isl"), _ints(ns.context, "--context"), _ints(ns.concurrency, "--concurrency"),
                        ns.osl, ns.requests)  # fmt: skip
-    return ProfileRun(ns.engine, ns.url, ns.out, plan, tuple(engine_args))
+    return ProfileRun(ns.engine, ns.url, ns.out, plan, tuple(engine_args), ns.mode)
 
 
 async def profile(run: ProfileRun) -> Profile:
     async with contextlib.AsyncExitStack() as stack:
-        url = run.url or await stack.enter_async_context(_embedded(run.engine, run.engine_args))
+        url = run.url or await stack.enter_async_context(_embedded(run.engine, run.engine_args, run.mode))
         model = await _model(url)
         print(f"profiling {run.engine} ({model}) at {url}", flush=True)
         prefill, decode = await measure(Endpoint.parse(url), model, run.plan)
