@@ -6,7 +6,9 @@ nats-server; Chromium loads /dashboard through the DevTools protocol
 shows both workers healthy, the routing decisions with both candidates'
 costs, and chart lines once requests ran; when one worker is killed
 (SIGKILL), the same page — never reloaded — drops it and shows the
-worker-left event, still without errors.
+worker-left event, still without errors. A planner's leader and state,
+written to etcd as a planner writes them, show in the Planner panel: the
+leader, and its decisions with the change set apart from the hold.
 
 The screenshot goes to the test's tmp dir, and to the path in
 $MESHLLM_DASHBOARD_SCREENSHOT when set (docs/dashboard.png is made that way).
@@ -17,11 +19,14 @@ installs Debian's `chromium`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
 import pytest
 
+from meshllm.plane.discovery.etcd import EtcdDiscovery
+from meshllm.protocol.names import planner_key
 from meshllm.testing.chromium import Chromium, Page, find_chromium
 from meshllm.testing.mesh import ProcessMesh, stream_completion
 from meshllm.testing.servers import EtcdServer, NatsServer
@@ -40,6 +45,20 @@ CANDIDATES = (
 EVENTS = "[...document.querySelectorAll('#events li[data-kind]')].map((li) => li.dataset.kind + ' ' + li.textContent)"
 LINES = "document.querySelectorAll('#chart-rate polyline, #chart-e2e polyline').length"
 UPDATED = "Number(document.body.dataset.updated || 0)"
+PLANNER = (
+    "[document.getElementById('planner').hidden, document.getElementById('planner').dataset.leader,"
+    " [...document.querySelectorAll('#planner-decisions tr[data-direction]')].map((r) => [r.className, r.textContent])]"
+)
+PLANNER_SHOWN = "document.getElementById('planner').dataset.leader === 'planner-a'"
+PLANNER_STATE = {
+    "version": 1, "planner_id": "planner-a", "saved_at": 1700000061.5, "targets": {"ttft_s": 0.5, "itl_s": 0.05},
+    "decisions": [
+        {"at": 1700000060.0, "role": "decode", "current": 2, "target": 3, "wanted": 3,
+         "reason": "up: ITL p90 0.081 s over the 0.05 s target", "direction": "up"},
+        {"at": 1700000000.0, "role": "decode", "current": 2, "target": 2, "wanted": 2, "reason": "hold: within target",
+         "direction": "hold"},
+    ],
+}  # fmt: skip
 
 
 async def shows(page: Page, workers: dict[str, str]) -> bool:
@@ -51,12 +70,21 @@ async def truthy(page: Page, expression: str) -> bool:
     return bool(await page.evaluate(expression))
 
 
+async def write_planner(etcd: EtcdServer) -> None:
+    """A planner's keys in the default namespace: its identity (under a lease, as it holds it) and its state."""
+    async with await EtcdDiscovery.connect([etcd.endpoint], "meshllm") as handle:
+        lease = await handle.call("grant", lambda c: c.lease(120))
+        await handle.call("put", lambda c: c.put(planner_key("meshllm", "leader").encode(), b"planner-a", lease=lease.id))
+        await handle.call("put", lambda c: c.put(planner_key("meshllm", "state").encode(), json.dumps(PLANNER_STATE).encode()))
+
+
 async def test_the_dashboard_shows_the_mesh_and_follows_a_worker_killed(tmp_path: Path) -> None:
     async with (
         EtcdServer() as etcd,
         NatsServer() as nats,
         ProcessMesh(etcd.endpoint, nats.url, lease_ttl_s=2.0) as mesh,
     ):
+        await write_planner(etcd)
         await mesh.worker("w1")
         victim, _ = await mesh.worker("w2")
         _, url = await mesh.frontend(workers=2)
@@ -72,6 +100,11 @@ async def test_the_dashboard_shows_the_mesh_and_follows_a_worker_killed(tmp_path
             await wait_until(lambda: truthy(page, LINES), timeout_s=15, what="chart lines")
             tables = await page.evaluate(CANDIDATES)
             assert tables and all(t == ["w1", "w2"] for t in tables), tables  # every decision weighed both
+            await wait_until(lambda: truthy(page, PLANNER_SHOWN), timeout_s=15, what="the planner panel")
+            hidden, leader, rows = await page.evaluate(PLANNER)
+            assert (hidden, leader) == (False, "planner-a"), (hidden, leader)
+            assert [cls for cls, _ in rows] == ["change", "hold"], rows
+            assert "2 → 3" in rows[0][1] and "over the 0.05 s target" in rows[0][1], rows
 
             victim.kill9()
             loaded_at = await page.evaluate(UPDATED)

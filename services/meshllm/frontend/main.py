@@ -32,12 +32,13 @@ from typing import Any, TypeVar
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import logs
-from meshllm.config import ConfigError
+from meshllm.config import ConfigError, DiscoveryKind
 from meshllm.errors import MeshError, Unavailable
 from meshllm.frontend.config import FrontendConfig, frontend_arg_parser
 from meshllm.frontend.http.app import OpenAIApp
 from meshllm.frontend.http.auth import exposure_warning
 from meshllm.frontend.http.dashboard import Dashboard
+from meshllm.frontend.http.planner_panel import PlannerReader, etcd_planner_reader
 from meshllm.frontend.http.server import HttpServer
 from meshllm.frontend.metrics import FrontendMetrics
 from meshllm.frontend.models import ModelRegistry
@@ -181,7 +182,7 @@ class Frontend(AsyncCloseable):
         """The dashboard, the HTTP app and server, and the Inference gRPC server over `core`."""
         cfg = self.config
         routers = [RouterClient(self.channels, a) for a in cfg.router_addresses] if self.router is None else []
-        self.dashboard = await Dashboard(core, router=self.router, routers=routers).start()
+        self.dashboard = await Dashboard(core, router=self.router, routers=routers, planner=self._planner_reader()).start()
         self.app = app = OpenAIApp(
             core,
             max_body_bytes=cfg.max_body_bytes,
@@ -211,6 +212,14 @@ class Frontend(AsyncCloseable):
         warning = exposure_warning(listeners, cfg.api_keys)
         if warning is not None and not cfg.process_index:  # one line for a `--workers N` group
             log.warning("%s", warning)
+
+    def _planner_reader(self) -> PlannerReader | None:
+        """The dashboard's reader of the SLA planner's keys: only over etcd, where a planner keeps them."""
+        if self.config.plane.discovery is not DiscoveryKind.ETCD:
+            return None  # and a frontend on other planes never loads aetcd
+        from meshllm.plane.discovery.etcd import EtcdDiscovery
+
+        return etcd_planner_reader(self.discovery) if isinstance(self.discovery, EtcdDiscovery) else None
 
     async def _open_upstream(self) -> Upstream:
         cfg = self.config

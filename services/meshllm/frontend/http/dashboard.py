@@ -15,6 +15,9 @@ fetched from elsewhere. The state holds:
 - `events`: migrations, KV index resyncs and gaps (from the routing core),
   and workers joining, leaving, failing or passing health checks (seen
   here, by comparing one second's workers with the next's);
+- `planner`: the SLA planner's leader, targets and recent scaling decisions
+  with their reasons, read from etcd every few seconds (planner_panel.py);
+  null when the frontend has no reader (its discovery is not etcd);
 - `series`: one point a second for the last `HISTORY_S` seconds — request
   rate, failed requests, output tokens/s, requests in flight, and
   p50/p90/p99 of TTFT, ITL and end-to-end latency over the trailing
@@ -46,6 +49,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from meshllm.errors import MeshError
+from meshllm.frontend.http.planner_panel import PlannerPanel, PlannerReader
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.router.recent import RecentActivity
 from meshllm.router.workers import role_name
@@ -115,9 +119,11 @@ class Dashboard(AsyncCloseable):
         *,
         router: RouterCore | None = None,
         routers: Sequence[RouterClient] = (),
+        planner: PlannerReader | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.core = core
+        self.planner = PlannerPanel(planner) if planner is not None else None  # read every few seconds, not per poll
         self.router = router
         self.routers = list(routers)
         self.interval_s = interval_s
@@ -136,6 +142,8 @@ class Dashboard(AsyncCloseable):
 
     async def _run(self) -> None:
         await self._refresh_workers()
+        if self.planner is not None:
+            await self.planner.refresh()
         while True:
             await asyncio.sleep(self.interval_s)  # a ticker: one reading a second
             try:
@@ -150,6 +158,8 @@ class Dashboard(AsyncCloseable):
             self._points.append(point(counts, self._counts[0]))
         self._counts.append(counts)
         await self._refresh_workers()
+        if self.planner is not None:
+            await self.planner.refresh()  # reads only when the last read is a few seconds old
 
     async def _refresh_workers(self) -> None:
         workers = await self._read_workers()
@@ -217,6 +227,7 @@ class Dashboard(AsyncCloseable):
             "workers": self._workers,
             "decisions": decisions,
             "events": events[:100],
+            "planner": self.planner.state() if self.planner is not None else None,
             "series": list(self._points),
             "window_s": WINDOW_S,
         }

@@ -26,6 +26,7 @@ function svgEl(tag, attrs) {
 
 const num = (v) => el("td", { class: "num" }, v);
 const clock = (t) => new Date(t * 1000).toLocaleTimeString();
+const stamp = (t) => (Date.now() / 1000 - t > 86400 ? new Date(t * 1000).toLocaleString() : clock(t)); // a date when not recent
 
 function fmt(v) {
   if (v === null || v === undefined) return "–";
@@ -144,6 +145,42 @@ function renderEvents(state) {
   document.getElementById("events").replaceChildren(...items);
 }
 
+// ------------------------------------------------------------ planner
+const ARROWS = { up: "▲ up", down: "▼ down", hold: "hold" };
+const workersCell = (d) => (d.direction === "hold" || d.target === null ? `${d.current ?? "?"}` : `${d.current ?? "?"} → ${d.target}`);
+
+function plannerHead(p) {
+  if (p.read_at === null) return "not read yet";
+  if (!p.found) return `no planner state in etcd (namespace ${p.namespace}): no planner has run here`;
+  const parts = [p.leader ? `${p.leader} leads` : "no planner leads"];
+  const t = p.targets;
+  if (t) parts.push(`targets TTFT ${fmt(t.ttft_s)}s · ITL ${fmt(t.itl_s)}s`);
+  if (p.saved_at !== null) parts.push(`state saved ${stamp(p.saved_at)}` + (p.saved_by && p.saved_by !== p.leader ? ` by ${p.saved_by}` : ""));
+  return parts.join(" · ");
+}
+
+// The panel shows only where the frontend can read a planner's keys (discovery in etcd).
+function renderPlanner(state) {
+  const section = document.getElementById("planner"), p = state.planner;
+  section.hidden = !p;
+  if (!p) return;
+  document.getElementById("planner-head").textContent = plannerHead(p);
+  section.dataset.leader = p.leader || "";
+  const stale = p.note && p.read_at !== null ? ` · showing what was read at ${stamp(p.read_at)}` : "";
+  document.getElementById("planner-note").textContent = p.note ? p.note + stale : "";
+  const box = document.getElementById("planner-decisions");
+  if (!p.decisions.length) {
+    box.replaceChildren(...(p.found ? [el("p", { class: "dim" }, "no decisions yet")] : []));
+    return;
+  }
+  const head = el("tr", {}, ...["time", "role", "workers", "direction", "wanted", "reason"].map((h) => el("th", {}, h)));
+  const rows = p.decisions.map((d) => el("tr", { class: d.direction === "hold" ? "hold" : "change", "data-direction": d.direction },
+    el("td", { class: "dim" }, d.at === null ? "–" : stamp(d.at)), el("td", {}, d.role), el("td", { class: "num" }, workersCell(d)),
+    el("td", {}, el("span", { class: "dir " + d.direction }, ARROWS[d.direction] || d.direction)),
+    num(d.wanted ?? "–"), el("td", { class: "reason" }, d.reason)));
+  box.replaceChildren(el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
+}
+
 function renderSummary(state) {
   const f = state.frontend, r = state.router;
   const healthy = state.workers.filter((w) => w.health === "healthy").length;
@@ -171,7 +208,7 @@ async function poll() {
     } else if (resp.ok) {
       const state = await resp.json();
       document.getElementById("auth").hidden = true;
-      renderSummary(state); renderWorkers(state); renderCharts(state); renderDecisions(state); renderEvents(state);
+      renderSummary(state); renderWorkers(state); renderCharts(state); renderPlanner(state); renderDecisions(state); renderEvents(state);
       lastOk = Date.now();
       status.textContent = "updated " + clock(state.now);
       status.className = "status";
