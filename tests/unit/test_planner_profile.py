@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -151,13 +152,15 @@ def test_decode_itl_interpolates_in_context_and_concurrency() -> None:
     assert p.decode_itl(16384, 4) == pytest.approx(itl(16384, 4))  # linear in context beyond the rows
 
 
-def test_decode_capacity_picks_the_best_concurrency_meeting_the_target() -> None:
+def test_decode_capacity_is_read_where_the_itl_crosses_the_target() -> None:
     p = make_profile()
     cap = p.decode_capacity(2048, 0.02)
-    # ITL at context 2048: 1 -> 12.9 ms, 4 -> 14.1 ms, 16 -> 18.8 ms, 64 -> 37.5 ms
-    assert cap.reachable and cap.load == 16
-    assert cap.tokens_per_s == pytest.approx(16 / itl(2048, 16))
-    assert p.decode_capacity(2048, 0.05).load == 64
+    # ITL at context 2048: 1 -> 12.9 ms, 4 -> 14.1 ms, 16 -> 18.8 ms, 64 -> 37.5 ms: 20 ms falls between 16 and 64
+    frac = (0.02 - itl(2048, 16)) / (itl(2048, 64) - itl(2048, 16))
+    assert cap.reachable and cap.load == pytest.approx(16 + frac * 48)
+    assert cap.latency_s == pytest.approx(0.02)
+    assert cap.tokens_per_s == pytest.approx(16 / itl(2048, 16) + frac * (64 / itl(2048, 64) - 16 / itl(2048, 16)))
+    assert p.decode_capacity(2048, 0.05).load == 64  # every row meets it: the best row
     looser = [p.decode_capacity(2048, t).tokens_per_s for t in (0.013, 0.015, 0.02, 0.05)]
     assert looser == sorted(looser)
 
@@ -172,6 +175,15 @@ def test_decode_capacity_unreachable_gives_the_lowest_concurrency() -> None:
 def test_decode_correction_tightens_the_target() -> None:
     p = make_profile()
     slow = p.decode_capacity(2048, 0.04, correction=2.0)  # must meet 20 ms on the profile's scale
-    assert slow.load == 16 and slow.tokens_per_s == p.decode_capacity(2048, 0.02).tokens_per_s
-    assert slow.latency_s == pytest.approx(2 * itl(2048, 16))  # the latency the mesh will show
+    plain = p.decode_capacity(2048, 0.02)
+    assert slow.load == pytest.approx(plain.load) and slow.tokens_per_s == pytest.approx(plain.tokens_per_s)
+    assert slow.latency_s == pytest.approx(0.04)  # the latency the mesh will show
     assert p.decode_capacity(2048, 0.04).load == 64
+
+
+def test_decode_capacity_is_continuous_in_the_correction() -> None:
+    """A row lookup falls from one measured concurrency to a far lower one on a small change of correction."""
+    p = make_profile()
+    caps = [p.decode_capacity(2048, 0.02, correction=1.0 + k / 100).tokens_per_s for k in range(0, 60)]
+    assert all(b <= a for a, b in itertools.pairwise(caps))  # slower mesh, never more capacity
+    assert max(a - b for a, b in itertools.pairwise(caps)) < 0.05 * caps[0]  # and no cliff

@@ -4,12 +4,13 @@
 After NVIDIA Dynamo's SLA planner: prefill workers = predicted prefill tokens/s / one worker's capacity at
 the TTFT target; decode workers = predicted output tokens/s / one worker's best throughput at the ITL target.
 
-A correction (observed latency / what the profile predicts) multiplies a role's need: a mesh 1.3× slower than
-its profile needs 1.3× the workers. Dynamo instead divides the ITL target by the decode correction, which
-jumps between the profile's concurrency rows: with ITL nearly flat in concurrency (a batch-bound engine), a
-correction of 1.2 can drop the capacity from the 16-stream row to the 1-stream row and ask for 10× the
-workers. As in Dynamo, the prefill correction only ever lowers the need (min(1, correction)): a TTFT above
-the profile's can come from elsewhere (decode admission, transfer), where more prefill workers do not help.
+A correction (observed latency / what the profile predicts) scales the profile's latencies: the capacity is
+read where the corrected latency meets the target, as Dynamo divides the ITL target by the decode
+correction. Unlike Dynamo's row lookup, the decode capacity is continuous between the profile's
+concurrencies (Profile.decode_capacity): with an ITL nearly flat in concurrency (a batch-bound engine), a
+row lookup can fall from the 16-stream row to the 1-stream row on a correction of 1.2 and ask for ten times
+the workers. As in Dynamo, the prefill correction only ever loosens (min(1, correction)): a TTFT above the
+profile's can come from elsewhere (decode admission, the KV handoff), where more prefill workers do not help.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _prefill_need(load: Load, profile: Profile, target_s: float, correction: flo
     if load.prefill_tokens_per_s <= 0:
         return 0.0, "no prefill predicted"
     correction = min(1.0, correction)
-    cap = profile.prefill_capacity(load.isl, target_s)
-    need = load.prefill_tokens_per_s * correction / cap.tokens_per_s
+    cap = profile.prefill_capacity(load.isl, target_s, correction=correction)
+    need = load.prefill_tokens_per_s / cap.tokens_per_s
     reason = (
         f"prefill {load.prefill_tokens_per_s:,.0f} tok/s predicted / {cap.tokens_per_s:,.0f} tok/s per worker "
         f"at TTFT p90 ≤ {_ms(target_s)} (ISL {load.isl:,.0f}{_corrected(correction)}) → {need:.1f}"
@@ -58,8 +59,8 @@ def _decode_need(load: Load, profile: Profile, target_s: float, correction: floa
     if load.decode_tokens_per_s <= 0:
         return 0.0, "no decode predicted"
     context = load.isl + load.osl / 2
-    cap = profile.decode_capacity(context, target_s)
-    need = load.decode_tokens_per_s * correction / cap.tokens_per_s
+    cap = profile.decode_capacity(context, target_s, correction=correction)
+    need = load.decode_tokens_per_s / cap.tokens_per_s
     reason = (
         f"decode {load.decode_tokens_per_s:,.0f} tok/s predicted / {cap.tokens_per_s:,.0f} tok/s per worker "
         f"at ITL ≤ {_ms(target_s)} (context {context:,.0f}, {_streams(cap.load)}{_corrected(correction)}) → {need:.1f}"

@@ -208,21 +208,29 @@ class Profile:
         return interpolate(concurrency, xs, [self._at_context(levels[c], context)[0] for c in xs], extrapolate=True)
 
     def decode_capacity(self, context: float, itl_target_s: float, *, correction: float = 1.0) -> Capacity:
-        """The most output tokens/s of one worker among the measured concurrencies whose ITL at `context` is
-        ≤ itl_target_s / correction (a mesh `correction` times slower than profiled must meet a tighter one).
-        None meets it: the lowest concurrency's tokens/s, flagged unreachable."""
-        target = itl_target_s / correction
+        """The most output tokens/s of one worker whose ITL at `context`, times `correction` (a mesh that runs
+        slower than profiled), stays ≤ the target: among the measured concurrencies, and where the ITL crosses
+        the target between two of them, at the crossing (linear in concurrency). Continuous in the target and
+        the correction: a small change never jumps from one measured row to a far lower one. None meets it: the
+        lowest concurrency's tokens/s, flagged unreachable."""
         levels = self._decode_levels()
+        points = [(float(c), *self._at_context(rows, context)) for c, rows in sorted(levels.items())]
         best: Capacity | None = None
-        for concurrency, rows in levels.items():
-            itl, rate = self._at_context(rows, context)
-            if itl <= target and (best is None or rate > best.tokens_per_s):
-                best = Capacity(rate, True, itl * correction, concurrency)
+        for i, (c, itl, rate) in enumerate(points):
+            if itl * correction > itl_target_s:
+                continue
+            candidates = [(c, itl, rate)]
+            if i + 1 < len(points) and points[i + 1][1] * correction > itl_target_s:
+                c2, itl2, rate2 = points[i + 1]
+                frac = (itl_target_s / correction - itl) / (itl2 - itl)
+                candidates.append((c + frac * (c2 - c), itl + frac * (itl2 - itl), rate + frac * (rate2 - rate)))
+            for cc, ii, rr in candidates:
+                if best is None or rr > best.tokens_per_s:
+                    best = Capacity(rr, True, ii * correction, cc)
         if best is not None:
             return best
-        lowest = min(levels)
-        itl, rate = self._at_context(levels[lowest], context)
-        return Capacity(rate, False, itl * correction, lowest)
+        c, itl, rate = points[0]
+        return Capacity(rate, False, itl * correction, c)
 
 
 class _Reader:
