@@ -137,10 +137,21 @@ def test_down_only_after_n_intervals_and_the_cooldown() -> None:
     d2 = s.decide("prefill", 1.4, 4, now=90.0)
     assert d2.target == 4 and d2.reason == "hold: down cooldown 30 s left (need 1.4)"
     d3 = s.decide("prefill", 1.4, 4, now=120.0)
-    assert (d3.target, d3.reason) == (3, "down: need 1.4 for 3 intervals")  # one step at a time
-    assert s.decide("prefill", 1.4, 3, now=130.0).target == 3  # the count starts again
-    assert s.decide("prefill", 1.4, 3, now=230.0).reason == "hold: down cooldown 10 s left (need 1.4)"
-    assert s.decide("prefill", 1.4, 3, now=250.0).target == 2
+    assert (d3.target, d3.reason) == (2, "down: need ≤ 1.4 for 3 intervals")  # to what the need asks for
+    assert s.decide("prefill", 1.0, 2, now=130.0).target == 2  # 1.0 + 0.2 does not fit one worker
+
+
+def test_down_goes_to_the_largest_need_of_the_intervals_it_waited() -> None:
+    s = scaler(down_intervals=3, down_cooldown_s=0.0)
+    for now, need in ((0.0, 1.1), (10.0, 2.6), (20.0, 0.4)):
+        d = s.decide("prefill", need, 6, now=now)
+    assert (d.target, d.reason) == (3, "down: need ≤ 2.6 for 3 intervals")  # ceil(2.6 + 0.2), not ceil(0.4)
+
+
+def test_max_step_down_bounds_a_scale_down() -> None:
+    s = scaler(down_intervals=1, down_cooldown_s=0.0, max_step_down=1)
+    assert s.decide("prefill", 0.5, 4, now=0.0).target == 3
+    assert s.decide("prefill", 0.5, 3, now=10.0).target == 2
 
 
 def test_a_need_back_above_resets_the_down_count() -> None:
@@ -206,7 +217,7 @@ def test_restore_rejects_a_malformed_state() -> None:
     with pytest.raises(ValueError, match="scaler state for 'prefill'"):
         s.restore({"version": 1, "roles": {"prefill": {"last_up": "soon"}}})
     s.restore({"version": 1, "roles": {}})  # roles it does not know start fresh
-    assert s.state()["roles"]["prefill"] == {"last_up": None, "last_change": None, "below": 0}
+    assert s.state()["roles"]["prefill"] == {"last_up": None, "last_change": None, "below": 0, "peak": 0.0}
 
 
 def test_no_flapping_on_a_noisy_constant_load() -> None:

@@ -61,6 +61,7 @@ class PlannerConfig:
     down_intervals: int = 2
     up_cooldown_s: float = 0.0
     down_cooldown_s: float = 60.0
+    max_step_down: int = 0  # 0: down to what the need asks for at once
     dry_run: bool = False
     connector: ConnectorKind = ConnectorKind.LOCAL
     worker_flags: tuple[str, ...] = ()
@@ -85,8 +86,10 @@ class PlannerConfig:
             raise ConfigError(f"--interval-s must be between 1 and 3600 seconds, got {self.interval_s:g}")
         if self.predictor not in PREDICTOR_CHOICES:
             raise ConfigError(f"--predictor {self.predictor!r}: choose from {', '.join(PREDICTOR_CHOICES)}")
-        if self.predictor_window < 1 or self.season < 0 or self.down_intervals < 1:
-            raise ConfigError("--predictor-window and --down-intervals must be at least 1, --season at least 0")
+        if self.predictor_window < 1 or self.season < 0 or self.down_intervals < 1 or self.max_step_down < 0:
+            raise ConfigError(
+                "--predictor-window and --down-intervals must be at least 1, --season and --max-step-down at least 0"
+            )
         if self.up_cooldown_s < 0 or self.down_cooldown_s < 0:
             raise ConfigError("--up-cooldown-s and --down-cooldown-s must not be negative")
         for role in self.mode.roles:
@@ -174,6 +177,7 @@ def _planning_args(g: Any) -> None:
     g.add_argument("--down-intervals", type=int, default=2, help="intervals a role must need fewer workers before one goes")
     g.add_argument("--up-cooldown-s", type=float, default=0.0, help="seconds after a change of a role before it grows again")
     g.add_argument("--down-cooldown-s", type=float, default=60.0, help="seconds after a change of a role before it shrinks")
+    g.add_argument("--max-step-down", type=int, default=0, help="most workers of a role drained at once (0 = no limit)")
     g.add_argument("--dry-run", action="store_true", help="observe and decide, but change nothing")
 
 

@@ -149,6 +149,7 @@ class _RoleState:
     last_up: float | None = None  # when the last scale-up was decided
     last_change: float | None = None  # when the last change of either direction was decided
     below: int = 0  # consecutive intervals in which a scale-down was wanted
+    peak: float = 0.0  # the largest need of those intervals: a scale-down goes no lower than it covers
 
 
 class Scaler:
@@ -159,8 +160,9 @@ class Scaler:
       `up_cooldown_s` ago (started workers are still coming up; the need may be counting their absence).
     - Down only while ceil(need + down_margin) < current (the need fits one worker fewer with a margin
       spare: the hysteresis band that keeps a need hovering at a boundary from flapping) for `down_intervals`
-      consecutive intervals, and no change of the role in `down_cooldown_s`; then at most `max_step_down`
-      workers at a time.
+      consecutive intervals, and no change of the role in `down_cooldown_s`; then to what the largest need of
+      those intervals asks for (with the margin), at most `max_step_down` workers at a time (None: no limit).
+      One worker at a time would hold a fallen load's workers for a cooldown each.
 
     Time comes in (`now`); `decide` assumes its decision is carried out. `state()`/`restore()` round-trip
     through a plain JSON dict.
@@ -174,12 +176,12 @@ class Scaler:
         down_intervals: int = 3,
         up_cooldown_s: float = 30.0,
         down_cooldown_s: float = 300.0,
-        max_step_down: int = 1,
+        max_step_down: int | None = None,
     ) -> None:
         for role, (lo, hi) in limits.items():
             if lo < 0 or hi < lo:
                 raise ValueError(f"{role}: replicas min {lo} and max {hi} need 0 ≤ min ≤ max")
-        if down_intervals < 1 or max_step_down < 1 or down_margin < 0:
+        if down_intervals < 1 or (max_step_down is not None and max_step_down < 1) or down_margin < 0:
             raise ValueError("down_intervals and max_step_down must be ≥ 1, down_margin ≥ 0")
         self.limits = dict(limits)
         self.down_margin = down_margin
@@ -200,7 +202,7 @@ class Scaler:
         target, rule = self._rule(role, st, need, wanted, current, now)
         if target != current:
             st.last_change = now
-            st.below = 0
+            st.below, st.peak = 0, 0.0
             if target > current:
                 st.last_up = now
         return Decision(
@@ -221,16 +223,19 @@ class Scaler:
             return self._up(st, need, wanted, current, hi, now)
         down_to = max(_ceil(need + self.down_margin) if need > 0 else 0, lo)  # no load at all: down to min
         if down_to >= current:
-            st.below = 0
+            st.below, st.peak = 0, 0.0
             return current, f"at min {lo}" if current == lo and wanted < lo else f"hold: need {need:.1f} fits {current}"
         st.below += 1
+        st.peak = max(st.peak, need)
         if st.below < self.down_intervals:
             return current, f"hold: need {need:.1f} below {current} for {st.below} of {self.down_intervals} intervals"
         left = self._left(st.last_change, self.down_cooldown_s, now)
         if left > 0:
             return current, f"hold: down cooldown {left:.0f} s left (need {need:.1f})"
-        target = max(down_to, current - self.max_step_down)
-        return target, f"down: need {need:.1f} for {st.below} intervals"
+        target = max(_ceil(st.peak + self.down_margin) if st.peak > 0 else 0, lo)
+        if self.max_step_down is not None:
+            target = max(target, current - self.max_step_down)
+        return target, f"down: need ≤ {st.peak:.1f} for {st.below} intervals"
 
     def _up(self, st: _RoleState, need: float, wanted: int, current: int, hi: int, now: float) -> tuple[int, str]:
         if current >= hi:
@@ -250,7 +255,7 @@ class Scaler:
         return {
             "version": 1,
             "roles": {
-                role: {"last_up": st.last_up, "last_change": st.last_change, "below": st.below}
+                role: {"last_up": st.last_up, "last_change": st.last_change, "below": st.below, "peak": st.peak}
                 for role, st in self._roles.items()
             },
         }
@@ -268,6 +273,7 @@ class Scaler:
                     last_up=_time(saved.get("last_up")),
                     last_change=_time(saved.get("last_change")),
                     below=int(saved.get("below", 0)),
+                    peak=float(saved.get("peak", 0.0)),
                 )
             except (TypeError, ValueError) as e:
                 raise ValueError(f"scaler state for {role!r}: {e}") from None

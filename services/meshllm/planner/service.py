@@ -68,6 +68,7 @@ class Planner(AsyncCloseable):
             down_intervals=config.down_intervals,
             up_cooldown_s=config.up_cooldown_s,
             down_cooldown_s=config.down_cooldown_s,
+            max_step_down=config.max_step_down or None,
         )
         self._last: Counts | None = None
         self.steps = 0
