@@ -58,7 +58,7 @@ class FakeReader:
         return read_counts(self.frontend.metrics.registry.collect(), at)
 
     async def workers(self) -> WorkerLoad:
-        return WorkerLoad({})
+        return WorkerLoad({}, waiting=5, kv_usage=0.25)
 
     async def aclose(self) -> None:
         self.order.append("reader")
@@ -109,6 +109,8 @@ async def test_a_full_interval_records_what_it_observed_predicted_and_needed() -
     m = planner.metrics
     assert _sample(m, "meshllm_planner_observed", what="request_rate") == pytest.approx(3.0)
     assert _sample(m, "meshllm_planner_observed", what="isl") == 400
+    assert _sample(m, "meshllm_planner_observed", what="waiting") == 5  # the router's queues and KV use (ListWorkers)
+    assert _sample(m, "meshllm_planner_observed", what="kv_usage") == 0.25
     assert _sample(m, "meshllm_planner_predicted", what="osl") == 50
     assert _sample(m, "meshllm_planner_needed_workers", role="agg") is not None
     assert _sample(m, "meshllm_planner_workers", role="agg") == 1

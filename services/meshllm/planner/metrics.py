@@ -35,7 +35,10 @@ class PlannerMetrics:
             "meshllm_planner_predicted", "Next interval's predicted load: request_rate, isl, osl", ["what"], registry=r
         )
         self.observed = Gauge(
-            "meshllm_planner_observed", "Last interval: request_rate, isl, osl, ttft_p90_s, itl_p90_s", ["what"], registry=r
+            "meshllm_planner_observed",
+            "Last interval: request_rate, isl, osl, ttft_p90_s, itl_p90_s, waiting, kv_usage",
+            ["what"],
+            registry=r,
         )
         self.failures = Counter("meshllm_planner_interval_failures", "Intervals that could not be read or acted on", registry=r)
         self.recent: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
@@ -44,7 +47,8 @@ class PlannerMetrics:
         for what in ("request_rate", "isl", "osl"):
             self.predicted.labels(what).set(getattr(load, what))
         self.observed.labels("request_rate").set(obs.request_rate)
-        for what in ("isl", "osl", "ttft_p90_s", "itl_p90_s"):
+        self.observed.labels("waiting").set(obs.waiting)
+        for what in ("isl", "osl", "ttft_p90_s", "itl_p90_s", "kv_usage"):
             value = getattr(obs, what)
             if value is not None:
                 self.observed.labels(what).set(value)
