@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from planner_support import itl, make_profile
 
-from meshllm.planner.decide import Scaler, corrections, needed
+from meshllm.planner.decide import AS_PROFILED, Corrections, Scaler, corrections, decode_saturated, needed
 from meshllm.planner.model import Decision, Load, Observation
 from meshllm.planner.profile import Profile
 
@@ -99,6 +99,27 @@ def test_corrections_count_queueing_as_expected_not_as_slowness(profile: Profile
     assert queued > 2 * profile.prefill_ttft(730)
     busy = observation(requests=requests, ttft_p90_s=queued, workers={"prefill": 1, "decode": 1})
     assert corrections(busy, profile).prefill == pytest.approx(1.0)
+
+
+def test_a_saturated_decode_pool_keeps_the_last_decode_correction(profile: Profile) -> None:
+    peak = profile.decode_peak_rate(830)
+    assert profile.decode_peak_rate(512) == pytest.approx(64 / itl(512, 64))  # the most streams deliver the most
+    assert 64 / itl(2048, 64) < peak < 64 / itl(512, 64)  # linear in context between the rows
+    # 2 decode workers, each streaming at the profile's peak with ITLs 5x the profile's: a backlog, not slowness
+    tokens = 10 * 2 * peak  # over the 10-s interval
+    saturated = observation(output_tokens=tokens, itl_p90_s=5 * itl(830, 16))
+    assert decode_saturated(peak, 830, profile) and not decode_saturated(0.9 * peak, 830, profile)
+    last = Corrections(0.8, 1.3)
+    assert corrections(saturated, profile, last).decode == 1.3
+    assert corrections(saturated, profile).decode == AS_PROFILED.decode
+    # the same ITLs at 90 % of the peak are measured (and clamped)
+    busy = observation(output_tokens=0.9 * tokens, itl_p90_s=5 * itl(830, 16))
+    assert corrections(busy, profile, last).decode > 1.3
+
+
+def test_an_interval_without_latency_samples_keeps_the_last_corrections(profile: Profile) -> None:
+    last = Corrections(0.7, 1.4)
+    assert corrections(observation(), profile, last) == last
 
 
 def test_corrections_are_clamped(profile: Profile) -> None:

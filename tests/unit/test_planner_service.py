@@ -117,6 +117,23 @@ async def test_a_full_interval_records_what_it_observed_predicted_and_needed() -
     assert m.recent[0]["at"] == 1010.0 and m.recent[0]["target"] == decision.target
 
 
+async def test_a_decode_correction_carries_over_an_interval_that_saturated_the_pool() -> None:
+    planner = _planner()
+    reader: FakeReader = planner.reader  # type: ignore[assignment]
+    await planner.step()
+    for _ in range(30):  # 150 tokens/s at 50-ms ITLs: slower than the profile, measured
+        reader.frontend.serve(Request(isl=400, osl=50, itl_s=0.05))
+    planner.clock = lambda: 1010.0
+    await planner.step()
+    measured = planner.corrections.decode
+    assert measured > 1.5
+    for _ in range(500):  # 2,500 tokens/s on one worker: past the profile's peak, its ITLs say nothing
+        reader.frontend.serve(Request(isl=400, osl=50, itl_s=0.2))
+    planner.clock = lambda: 1020.0
+    await planner.step()
+    assert planner.corrections.decode == measured
+
+
 def test_a_reason_is_counted_by_its_rule() -> None:
     assert rule_of("up: need 3.2; prefill ...") == "up"
     assert rule_of("hold: down cooldown 30 s left (need 1.0)") == "hold"

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from meshllm.planner.model import Decision, Load, Observation
 from meshllm.planner.profile import MAX_UTILISATION, Profile
 
-__all__ = ["CORRECTION_RANGE", "MODES", "Corrections", "Scaler", "corrections", "needed"]
+__all__ = ["AS_PROFILED", "CORRECTION_RANGE", "MODES", "Corrections", "Scaler", "corrections", "decode_saturated", "needed"]
 
 CORRECTION_RANGE = (0.5, 4.0)  # one bad interval (a cold cache, a GC pause) must not scale the mesh 10x
 MODES = ("disagg", "agg")  # `--mode`: prefill and decode pools, or one pool of aggregated workers
@@ -34,6 +34,9 @@ class Corrections(NamedTuple):
 
     prefill: float
     decode: float
+
+
+AS_PROFILED = Corrections(1.0, 1.0)
 
 
 def _ms(seconds: float) -> str:
@@ -116,17 +119,21 @@ def _pool(obs: Observation, role: str) -> int:
     return max(obs.workers.get(role) or obs.workers.get("agg") or 1, 1)
 
 
-def corrections(obs: Observation, profile: Profile) -> Corrections:
-    """How far the mesh is off its profile in one interval, each clamped to CORRECTION_RANGE (1.0 without a
-    sample).
+def corrections(obs: Observation, profile: Profile, last: Corrections = AS_PROFILED) -> Corrections:
+    """How far the mesh is off its profile in one interval, each clamped to CORRECTION_RANGE; `last`'s value
+    where the interval says nothing of it (no sample; for decode, a saturated pool).
 
     Prefill: observed TTFT p90 / the profile's TTFT p90 at the observed ISL and at the utilisation the
     observed prefill tokens/s put on the live prefill workers (queueing is in the model, so it is not counted
     as the mesh being slow; a backlog beyond MAX_UTILISATION still is). Decode: observed ITL p90 / the
     profile's ITL at context isl + osl/2 and the streams per decode worker, by Little's law on tokens:
-    output tokens/s per worker × ITL (each stream sends one token per ITL).
+    output tokens/s per worker × ITL (each stream sends one token per ITL). Not measured when each decode
+    worker streamed at least the most one worker delivered in the profile (`decode_saturated`): its sequences
+    were waiting for a batch slot, so the ITL grew with the backlog, beyond what the profile covers, not
+    because the mesh runs slower than profiled. Measured there, one late interval read as a correction of 2.2
+    and asked for 2.6× the workers the load needed (bench/planner.py's first runs).
     """
-    prefill = decode = 1.0
+    prefill, decode = last
     if obs.isl is not None and obs.isl > 0 and obs.ttft_p90_s is not None:
         workers = _pool(obs, "prefill")
         utilisation = obs.request_rate * obs.isl / workers / profile.prefill_rate(obs.isl)
@@ -134,10 +141,18 @@ def corrections(obs: Observation, profile: Profile) -> Corrections:
         prefill = _clamp_correction(obs.ttft_p90_s / expected)
     rate = obs.output_rate
     if obs.isl is not None and obs.osl is not None and rate is not None and obs.itl_p90_s is not None and obs.itl_p90_s > 0:
-        streams = max(rate / _pool(obs, "decode") * obs.itl_p90_s, 1.0)
-        expected = profile.decode_itl(obs.isl + obs.osl / 2, streams)
-        decode = _clamp_correction(obs.itl_p90_s / expected)
+        context = obs.isl + obs.osl / 2
+        per_worker = rate / _pool(obs, "decode")
+        if not decode_saturated(per_worker, context, profile):
+            expected = profile.decode_itl(context, max(per_worker * obs.itl_p90_s, 1.0))
+            decode = _clamp_correction(obs.itl_p90_s / expected)
     return Corrections(prefill, decode)
+
+
+def decode_saturated(tokens_per_s: float, context: float, profile: Profile) -> bool:
+    """Whether one decode worker streaming `tokens_per_s` at `context` ran at (or past) the most the profile saw
+    one worker deliver there: a full batch with a queue behind it."""
+    return tokens_per_s >= profile.decode_peak_rate(context)
 
 
 def _ceil(x: float) -> int:

@@ -207,6 +207,10 @@ class Profile:
         xs = list(levels)
         return interpolate(concurrency, xs, [self._at_context(levels[c], context)[0] for c in xs], extrapolate=True)
 
+    def decode_peak_rate(self, context: float) -> float:
+        """The most output tokens/s one worker delivered at `context`, over the measured concurrencies."""
+        return max(self._at_context(rows, context)[1] for rows in self._decode_levels().values())
+
     def decode_capacity(self, context: float, itl_target_s: float, *, correction: float = 1.0) -> Capacity:
         """The most output tokens/s of one worker whose ITL at `context`, times `correction` (a mesh that runs
         slower than profiled), stays ≤ the target: among the measured concurrencies, and where the ITL crosses

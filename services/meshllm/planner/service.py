@@ -20,7 +20,7 @@ from typing import Any
 from meshllm.errors import ConfigError, MeshError
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.planner.config import PlannerConfig
-from meshllm.planner.decide import Scaler, corrections, needed
+from meshllm.planner.decide import AS_PROFILED, Scaler, corrections, needed
 from meshllm.planner.leader import EtcdLeadership
 from meshllm.planner.local import LocalConnector
 from meshllm.planner.metrics import PlannerMetrics
@@ -71,6 +71,7 @@ class Planner(AsyncCloseable):
             max_step_down=config.max_step_down or None,
         )
         self._last: Counts | None = None
+        self.corrections = AS_PROFILED  # the last interval's, kept where an interval measures none
         self.steps = 0
 
     # ------------------------------------------------------------ one interval
@@ -91,7 +92,7 @@ class Planner(AsyncCloseable):
         obs = observation(counts, last, workers)
         self.predictor.add(obs)
         load = self.predictor.predict()
-        corr = corrections(obs, self.profile)
+        corr = self.corrections = corrections(obs, self.profile, self.corrections)
         need = needed(load, self.profile, self.config.ttft_s, self.config.itl_s, prefill_correction=corr.prefill,
                       decode_correction=corr.decode, mode=self.config.mode.value)  # fmt: skip
         decisions = [self.scaler.decide(r, need[r][0], replicas.get(r, 0), now, why=need[r][1]) for r in self.roles]
