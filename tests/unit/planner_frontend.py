@@ -7,7 +7,12 @@ counter (by route and status).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import generate_latest
 
 from meshllm.frontend.metrics import FrontendMetrics, ObservationBatch
 from meshllm.served_counts import Counts, read_counts
@@ -54,3 +59,50 @@ class Frontend:
 
     def read(self, at: float) -> Counts:
         return read_counts(self.metrics.registry.collect(), at)
+
+
+class MetricsServer:
+    """A real HTTP server answering GET /metrics with a registry's text; `api_key` demands a bearer key, `fail`
+    answers 503, `hold` (when cleared) keeps a request waiting until it is set."""
+
+    def __init__(self, fe: Frontend, api_key: str | None = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.fe = fe
+        self.api_key = api_key
+        self.fail = False
+        self.hold = threading.Event()
+        self.hold.set()
+        self.received = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.received.set()
+                outer.hold.wait(20)
+                if outer.api_key is not None and self.headers.get("Authorization") != f"Bearer {outer.api_key}":
+                    self._answer(401, b"unauthorized")
+                elif outer.fail or self.path != "/metrics":
+                    self._answer(503 if outer.fail else 404, b"no")
+                else:
+                    self._answer(200, generate_latest(outer.fe.metrics.registry))
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # type: ignore[method-assign]
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://{host}:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -7,14 +7,11 @@ The frontend's metrics are the frontend's own, fed the way a request feeds them 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from planner_frontend import Frontend, Request
-from prometheus_client import generate_latest
+from planner_frontend import Frontend, MetricsServer, Request
 
 from meshllm.errors import CannotConnect, Unavailable
 from meshllm.plane.discovery.base import MemoryDiscovery, MemoryStore
@@ -107,52 +104,6 @@ def test_a_counter_reset_never_reads_as_negative_load() -> None:
 # ------------------------------------------------------------------ MeshReader.counts over HTTP
 
 
-class MetricsServer:
-    """A real HTTP server answering GET /metrics with a registry's text; `api_key` demands a bearer key, `fail`
-    answers 503, `hold` (when cleared) keeps a request waiting until it is set."""
-
-    def __init__(self, fe: Frontend, api_key: str | None = None) -> None:
-        self.fe = fe
-        self.api_key = api_key
-        self.fail = False
-        self.hold = threading.Event()
-        self.hold.set()
-        self.received = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.received.set()
-                outer.hold.wait(20)
-                if outer.api_key is not None and self.headers.get("Authorization") != f"Bearer {outer.api_key}":
-                    self._answer(401, b"unauthorized")
-                elif outer.fail or self.path != "/metrics":
-                    self._answer(503 if outer.fail else 404, b"no")
-                else:
-                    self._answer(200, generate_latest(outer.fe.metrics.registry))
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.server.handle_error = lambda request, address: None  # type: ignore[method-assign]
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.hold.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def servers() -> Iterator[list[MetricsServer]]:
     made: list[MetricsServer] = []
@@ -210,7 +161,7 @@ async def test_an_unreachable_frontend_fails_the_whole_reading(servers: list[Met
 
 
 def _scrapes_running() -> list[asyncio.Task[Any]]:
-    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ == "MeshReader._scrape"]  # type: ignore[union-attr]
+    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ == "FrontendScraper._scrape"]  # type: ignore[union-attr]
 
 
 async def test_a_failed_reading_leaves_no_scrape_running_and_the_next_one_works(servers: list[MetricsServer]) -> None:

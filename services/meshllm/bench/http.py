@@ -55,6 +55,7 @@ class Endpoint:
     port: int
     base: str
     api_key: str | None = None
+    server_hostname: str | None = None  # the name to send and to check TLS against, when `host` is its address
 
     @classmethod
     def parse(cls, url: str, api_key: str | None = None) -> Endpoint:
@@ -112,7 +113,9 @@ class Connection:
         ep = self.endpoint
         ctx = ssl.create_default_context() if ep.scheme == "https" else None
         try:
-            self._reader, self._writer = await asyncio.open_connection(ep.host, ep.port, ssl=ctx, limit=1 << 22)
+            self._reader, self._writer = await asyncio.open_connection(
+                ep.host, ep.port, ssl=ctx, server_hostname=ep.server_hostname if ctx else None, limit=1 << 22
+            )
         except OSError as exc:
             raise HttpError(f"cannot connect to {ep.host}:{ep.port}: {exc.strerror or exc}") from None
         self._used = False
@@ -144,7 +147,8 @@ class Connection:
         assert self._reader is not None and self._writer is not None
         reused = self._used
         ep = self.endpoint
-        head = f"{method} {target} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\n"
+        host = ep.server_hostname or (f"[{ep.host}]" if ":" in ep.host else ep.host)
+        head = f"{method} {target} HTTP/1.1\r\nHost: {host}:{ep.port}\r\n"
         if body is not None:
             head += "Content-Type: application/json\r\nAccept: text/event-stream, application/json\r\n"
             head += f"Content-Length: {len(body)}\r\n"

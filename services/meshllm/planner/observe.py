@@ -1,6 +1,7 @@
 """What the planner sees of the mesh each interval.
 
-- **Load and SLA** from the frontends' `/metrics`, scraped directly as
+- **Load and SLA** from the frontends' `/metrics` (every frontend process:
+  meshllm.planner.scrape), scraped directly as
   Prometheus text (no Prometheus server in between, so no scrape lag and no
   extra dependency): requests finished, prompt and output tokens, and the
   TTFT and ITL histograms. TTFT and ITL as clients see them exist only
@@ -22,22 +23,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from meshllm.bench.http import Connection, Endpoint, HttpError
-from meshllm.errors import CannotConnect, MeshError
+from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.discovery.base import Discovery
 from meshllm.planner.model import Observation
+from meshllm.planner.scrape import SCRAPE_TIMEOUT_S, FrontendScraper, Resolver, resolve_addresses
 from meshllm.router.client import RouterClient
-from meshllm.served_counts import Counts, delta_buckets, quantile, read_counts
+from meshllm.served_counts import Counts, delta_buckets, quantile
 from meshllm.v1 import discovery_pb2
 
 __all__ = ["MeshReader", "WorkerLoad", "observation"]
 
 log = logging.getLogger(__name__)
 
-SCRAPE_TIMEOUT_S = 5.0
 ROLE_NAMES = {
     discovery_pb2.WORKER_ROLE_AGGREGATED: "agg",
     discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
@@ -93,7 +91,8 @@ def _count(buckets: dict[float, float]) -> float:
 
 
 class MeshReader(AsyncCloseable):
-    """Reads the frontends' counters (summed over them) and the workers, once per call."""
+    """Reads the frontends' counters (summed over every frontend process, meshllm.planner.scrape) and the
+    workers, once per call."""
 
     def __init__(
         self,
@@ -102,39 +101,16 @@ class MeshReader(AsyncCloseable):
         *,
         api_key: str | None = None,
         router: RouterClient | None = None,
+        resolve: Resolver = resolve_addresses,
     ) -> None:
-        if not frontend_urls:
-            raise ValueError("the planner needs at least one frontend URL (--frontend-url) to read load and latency")
-        self._connections = [Connection(Endpoint.parse(url, api_key)) for url in frontend_urls]
+        self._frontends = FrontendScraper(frontend_urls, api_key=api_key, resolve=resolve)
         self._discovery = discovery
         self._router = router
 
     async def counts(self, at: float) -> Counts:
-        """The frontends' counters now. A frontend that does not answer fails the reading (CannotConnect):
-        a partial sum would read as a drop in load."""
-        scrapes = [asyncio.ensure_future(self._scrape(c)) for c in self._connections]
-        try:
-            texts = await asyncio.gather(*scrapes)
-        finally:  # one failed: stop the others now, not in the background while the next reading uses the connections
-            for scrape in scrapes:
-                scrape.cancel()
-            await asyncio.gather(*scrapes, return_exceptions=True)
-        families = [f for text in texts for f in text_string_to_metric_families(text)]
-        return read_counts(families, at)
-
-    async def _scrape(self, conn: Connection) -> str:
-        where = f"{conn.endpoint.scheme}://{conn.endpoint.host}:{conn.endpoint.port}/metrics"
-        try:
-            async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-                resp = await conn.get("/metrics")
-                body = await resp.read()
-        except (HttpError, TimeoutError) as exc:
-            await conn.close()
-            raise CannotConnect(f"cannot read {where}: {exc or 'timed out'}") from None
-        if resp.status != 200:
-            hint = " (set --frontend-api-key, or run the frontend with --open-metrics)" if resp.status == 401 else ""
-            raise CannotConnect(f"{where} answered HTTP {resp.status}{hint}")
-        return body.decode("utf-8", errors="replace")
+        """The frontends' counters now (CannotConnect when one does not answer: a partial sum would read as a
+        drop in load)."""
+        return await self._frontends.counts(at)
 
     async def workers(self) -> WorkerLoad:
         """Workers per role from discovery; queues and KV use from the router when one is configured."""
@@ -159,4 +135,4 @@ class MeshReader(AsyncCloseable):
         return WorkerLoad(counts, waiting, active / total if total else None)
 
     async def _aclose(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._connections))
+        await self._frontends.aclose()
