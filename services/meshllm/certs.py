@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import ipaddress
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from meshllm.lifecycle import command_error
 
 __all__ = [
     "DEFAULT_SERVICES",
@@ -337,11 +338,9 @@ def main(argv: Sequence[str]) -> int:
             out, services, hosts=ns.host, hostnames=hostnames, days=ns.days, force=ns.force, new_ca=ns.new_ca
         )
     except CertsError as exc:
-        print(f"meshllm certs: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("certs", str(exc))
     except OSError as exc:
-        print(f"meshllm certs: error: {exc.strerror or exc}: {exc.filename or ns.out}", file=sys.stderr)
-        return 2
+        return command_error("certs", f"{exc.strerror or exc}: {exc.filename or ns.out}")
     print(f"{'reused' if reused else 'created'} CA {out / 'ca.pem'}")
     for service, files in issued.items():
         print(f"  {service}: {files.cert} {files.key}")

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.lifecycle import command_error
 from meshllm.plane.tls import TlsConfig, TlsFiles, channel_credentials
 
 __all__ = ["check", "main"]
@@ -45,8 +46,7 @@ def main(argv: Sequence[str]) -> int:
         tls = TlsConfig.from_values(ns.tls_cert, ns.tls_key, ns.tls_ca)
         status = asyncio.run(check(ns.address, ns.service, tls=tls))
     except ConfigError as exc:
-        print(f"meshllm health: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("health", exc.message)
     except grpc.aio.AioRpcError as exc:
         print(f"meshllm health: {ns.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -29,8 +29,10 @@ __all__ = [
     "AsyncCloseable",
     "Shutdown",
     "ShutdownStep",
+    "command_error",
     "forced_exit",
     "install_signal_handlers",
+    "run_command",
     "run_loop",
     "serve_until_signal",
 ]
@@ -215,6 +217,12 @@ def install_signal_handlers(callback: Callable[[signal.Signals], None]) -> Calla
 FORCED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
 
+def command_error(command: str, message: str, status: int = 2) -> int:
+    """Print the one line a failed `meshllm COMMAND` leaves on stderr (`meshllm COMMAND: error: MESSAGE`); return `status`."""
+    print(f"meshllm {command}: error: {message}", file=sys.stderr)
+    return status
+
+
 def forced_exit(command: str) -> None:
     """A second Ctrl-C during a graceful shutdown: one line, exit at once (no further cleanup)."""
     print(f"meshllm {command}: forced exit", file=sys.stderr, flush=True)
@@ -255,12 +263,10 @@ async def serve_until_signal(
         try:
             service = await start()
         except MeshError as exc:
-            print(f"meshllm {command}: error: {exc.message}", file=sys.stderr)
-            return 2 if isinstance(exc, ConfigError) else 1
+            return command_error(command, exc.message, 2 if isinstance(exc, ConfigError) else 1)
         except Exception as exc:
             log.debug("meshllm %s failed to start", command, exc_info=True)
-            print(f"meshllm {command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            return command_error(command, f"{type(exc).__name__}: {exc}", 1)
         async with service:
             settle_heap()
             for line in ready_lines(service):
@@ -295,3 +301,15 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
             return runner.run(coro)
     except KeyboardInterrupt:
         raise SystemExit(FORCED_EXIT_STATUS) from None
+
+
+def run_command(command: str, configure: Callable[[], T], serve: Callable[[T], Coroutine[Any, Any, int]]) -> int:
+    """The rest of a long-running command's `main` once its flags are parsed: `configure()` (a ConfigError is one
+    line on stderr and exit 2, before anything starts), then `serve(config)` on `run_loop`."""
+    from meshllm.errors import ConfigError
+
+    try:
+        config = configure()
+    except ConfigError as exc:
+        return command_error(command, exc.message)
+    return run_loop(serve(config))

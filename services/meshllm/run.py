@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import os
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,7 @@ from meshllm.frontend.config import (
 )
 from meshllm.frontend.http.auth import add_api_key_args, api_keys_from_namespace
 from meshllm.frontend.main import Frontend, setup_logging
-from meshllm.lifecycle import AsyncCloseable, run_loop, serve_until_signal
+from meshllm.lifecycle import AsyncCloseable, command_error, run_loop, serve_until_signal
 from meshllm.plane.auth import MeshSecurity, add_security_args
 from meshllm.plane.discovery.base import MemoryStore
 from meshllm.plane.events.base import MemoryBroker
@@ -347,7 +346,6 @@ def main(argv: Sequence[str]) -> int:
         config = parse_run_args(argv)
         load_engine_class(config.engine)
     except ConfigError as exc:
-        print(f"meshllm run: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("run", exc.message)
     setup_logging()
     return run_loop(serve(config))

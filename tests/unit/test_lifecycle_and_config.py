@@ -140,3 +140,37 @@ async def test_serve_until_signal_prints_ready_lines_and_closes_when_the_closing
     rc = await serve_until_signal("x", start, lambda s: ["ready at here"], service_name="t", otlp_endpoint=None, closing=closing)
     assert rc == 0 and Service.closed_by_serve
     assert capsys.readouterr().out == "ready at here\n"
+
+
+def test_command_error_prints_the_one_line_and_returns_its_status(capsys: pytest.CaptureFixture[str]) -> None:
+    """Locks: every command's failure line, `meshllm COMMAND: error: MESSAGE` on stderr; exit 2 unless told."""
+    from meshllm.lifecycle import command_error
+
+    assert command_error("planner profile", "cannot write out.json: denied", 1) == 1
+    assert command_error("router", "--port 70000 is out of range") == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        "meshllm planner profile: error: cannot write out.json: denied",
+        "meshllm router: error: --port 70000 is out of range",
+    ]
+
+
+def test_run_command_serves_the_config_or_exits_2_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    """Locks: a ConfigError from `configure` is one line and exit 2, and nothing is served; else `serve`'s status."""
+    from meshllm.lifecycle import run_command
+
+    served: list[str] = []
+
+    async def serve(config: str) -> int:
+        served.append(config)
+        return 7
+
+    def bad() -> str:
+        raise ConfigError("--interval must be > 0")
+
+    assert run_command("planner", bad, serve) == 2
+    assert served == []
+    assert capsys.readouterr().err == "meshllm planner: error: --interval must be > 0\n"
+    assert run_command("planner", lambda: "config", serve) == 7
+    assert served == ["config"]

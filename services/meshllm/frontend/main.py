@@ -47,7 +47,7 @@ from meshllm.frontend.openai.inference import InferenceCore
 from meshllm.frontend.procs import INDEX_ENV, METRICS_DIR_ENV, PARENT_ENV, supervise
 from meshllm.frontend.shared_metrics import SharedMetricsRegistry
 from meshllm.frontend.upstream import DEFAULT_MIGRATION_LIMIT, RouterReplicas, Upstream, follow_router_sessions
-from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
+from meshllm.lifecycle import AsyncCloseable, Shutdown, command_error, run_loop, serve_until_signal
 from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events.base import EventBus, MemoryBroker, open_events
 from meshllm.plane.request.channels import ChannelCache
@@ -380,8 +380,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = group_member(FrontendConfig.from_namespace(ns), os.environ)
     except ConfigError as exc:
-        print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("frontend", exc.message)
     setup_logging(config.process_index)
     if config.workers > 1:
         return run_loop(supervise(argv, config))

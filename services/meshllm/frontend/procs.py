@@ -45,7 +45,7 @@ from pathlib import Path
 from meshllm.config import ConfigError, EventsKind
 from meshllm.frontend.config import FrontendConfig
 from meshllm.frontend.shared_metrics import forget_process, shared_metrics_dir
-from meshllm.lifecycle import forced_exit, install_signal_handlers
+from meshllm.lifecycle import command_error, forced_exit, install_signal_handlers
 from meshllm.ports import bind_error, check_free
 
 __all__ = [
@@ -318,8 +318,7 @@ async def supervise(argv: Sequence[str], config: FrontendConfig) -> int:
     except ConfigError as exc:
         for s in held:
             s.close()
-        print(f"meshllm frontend: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("frontend", exc.message)
     metrics_dir, own_dir = shared_metrics_dir(os.environ.get(METRICS_DIR_ENV))
     stop = asyncio.Event()
     group = FrontendGroup(argv, config, metrics_dir, (held[0].getsockname()[1], grpc_port), stop)

@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.errors import MeshError
-from meshllm.lifecycle import AsyncCloseable, install_signal_handlers, run_loop
+from meshllm.lifecycle import AsyncCloseable, command_error, install_signal_handlers, run_command
 from meshllm.plane.discovery.etcd import EtcdDiscovery
 from meshllm.plane.request.channels import ChannelCache
 from meshllm.planner.config import ConnectorKind, PlannerConfig, planner_arg_parser
@@ -106,8 +105,7 @@ async def serve(config: PlannerConfig) -> int:
         try:
             process = await PlannerProcess.start(config)
         except MeshError as exc:
-            print(f"meshllm planner: error: {exc.message}", file=sys.stderr)
-            return 2 if isinstance(exc, ConfigError) else 1
+            return command_error("planner", exc.message, 2 if isinstance(exc, ConfigError) else 1)
         async with process:
             print(f"meshllm planner {config.planner_id}: {config.connector.value} connector, roles "
                   f"{', '.join(config.mode.roles)}, every {config.interval_s:g} s", flush=True)  # fmt: skip
@@ -117,8 +115,7 @@ async def serve(config: PlannerConfig) -> int:
             if process.task.done() and not process.task.cancelled() and process.task.exception() is not None:
                 failed = process.task.exception()
                 message = failed.message if isinstance(failed, MeshError) else f"{type(failed).__name__}: {failed}"
-                print(f"meshllm planner: error: {message}", file=sys.stderr)
-                return 2 if isinstance(failed, ConfigError) else 1
+                return command_error("planner", message, 2 if isinstance(failed, ConfigError) else 1)
         return 0
     finally:
         uninstall()
@@ -133,9 +130,4 @@ def main(argv: Sequence[str]) -> int:
         return profile_main(args[1:])
     logs.setup_logging()
     ns = planner_arg_parser().parse_args(args)
-    try:
-        config = PlannerConfig.from_namespace(ns)
-    except ConfigError as exc:
-        print(f"meshllm planner: error: {exc.message}", file=sys.stderr)
-        return 2
-    return run_loop(serve(config))
+    return run_command("planner", lambda: PlannerConfig.from_namespace(ns), serve)

@@ -221,17 +221,15 @@ async def profile(run: ProfileRun) -> Profile:
 def main(argv: Sequence[str]) -> int:
     args, engine_args = split_engine_args(argv)
     ns = profile_arg_parser().parse_args(args)
-    from meshllm.lifecycle import run_loop
+    from meshllm.lifecycle import command_error, run_loop
 
     try:
         run = profile_plan(ns, engine_args)
         result = run_loop(profile(run))
         result.save(run.out)
     except ConfigError as exc:
-        print(f"meshllm planner profile: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("planner profile", exc.message)
     except OSError as exc:
-        print(f"meshllm planner profile: error: cannot write {run.out}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return command_error("planner profile", f"cannot write {run.out}: {exc.strerror or exc}", 1)
     print(f"profile written to {run.out}")
     return 0

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import meshllm.plane.backends  # noqa: F401  (registers the etcd and NATS openers)
 from meshllm import __version__, logs
-from meshllm.config import ConfigError
-from meshllm.lifecycle import AsyncCloseable, Shutdown, run_loop, serve_until_signal
+from meshllm.lifecycle import AsyncCloseable, Shutdown, run_command, serve_until_signal
 from meshllm.plane.discovery.base import Discovery, MemoryStore, open_discovery
 from meshllm.plane.events.base import EventBus, MemoryBroker, open_events
 from meshllm.plane.request.channels import ChannelCache
@@ -148,11 +146,5 @@ async def serve(config: RouterConfig) -> int:
 def main(argv: Sequence[str]) -> int:
     """`meshllm router [flags]`."""
     logs.setup_logging()
-    parser = router_arg_parser()
-    ns = parser.parse_args(list(argv))
-    try:
-        config = RouterConfig.from_namespace(ns)
-    except ConfigError as exc:
-        print(f"meshllm router: error: {exc.message}", file=sys.stderr)
-        return 2
-    return run_loop(serve(config))
+    ns = router_arg_parser().parse_args(list(argv))
+    return run_command("router", lambda: RouterConfig.from_namespace(ns), serve)

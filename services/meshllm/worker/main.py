@@ -12,7 +12,7 @@ from meshllm import logs
 from meshllm.config import ConfigError
 from meshllm.engine import load_engine_class
 from meshllm.engine.base import LLMEngine
-from meshllm.lifecycle import run_loop, serve_until_signal
+from meshllm.lifecycle import command_error, run_loop, serve_until_signal
 from meshllm.ports import check_free_all
 from meshllm.protocol.chunks import set_coalescing
 from meshllm.tracing import worker_service_name
@@ -53,8 +53,7 @@ def run(engine_cls: type[LLMEngine], argv: Sequence[str] | None = None) -> int:
     try:
         return run_loop(serve(engine_cls, sys.argv[1:] if argv is None else argv))
     except ConfigError as exc:
-        print(f"meshllm worker: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("worker", exc.message)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -65,6 +64,5 @@ def main(argv: Sequence[str]) -> int:
     try:
         engine_cls = load_engine_class(ns.engine)
     except ConfigError as exc:
-        print(f"meshllm worker: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("worker", exc.message)
     return run(engine_cls, rest)

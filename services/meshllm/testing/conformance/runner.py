@@ -174,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m meshllm.testing.conformance module:Class [-- engine flags]`: print the report."""
     from meshllm.config import ConfigError
     from meshllm.engine import load_engine_class
+    from meshllm.lifecycle import command_error
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0].startswith("-"):
@@ -182,8 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cls = load_engine_class(args[0])
     except ConfigError as exc:
-        print(f"meshllm conformance: error: {exc.message}", file=sys.stderr)
-        return 2
+        return command_error("conformance", exc.message)
     engine_args = args[2:] if args[1:2] == ["--"] else args[1:]
     report = asyncio.run(run_conformance(factory_for(cls, engine_args)))
     print(report.summary())
