@@ -26,7 +26,7 @@ import hmac
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from meshllm.config import ConfigError, EnvArgumentParser
+from meshllm.plane.request.transport import HandlerInterceptor
 from meshllm.plane.tls import TlsConfig, TlsFiles, channel_credentials, ssl_client_context
 
 __all__ = [
@@ -158,7 +159,7 @@ def _denied(kind: str) -> Callable[..., Any]:
     return deny_stream if kind.endswith("stream") else deny
 
 
-class MeshAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class MeshAuth(HandlerInterceptor):
     """Refuses calls to the mesh's internal services that lack the mesh token (UNAUTHENTICATED)."""
 
     def __init__(self, token: str, services: Iterable[str] = MESH_SERVICES) -> None:
@@ -172,13 +173,8 @@ class MeshAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 sent = value.encode() if isinstance(value, str) else bytes(value)
         return hmac.compare_digest(sent, self._token)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self._services) or self._allowed(details.invocation_metadata):
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if not details.method.startswith(self._services) or self._allowed(details.invocation_metadata):
             return handler
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             if getattr(handler, kind) is not None:

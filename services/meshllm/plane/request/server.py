@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from meshllm.config import ConfigError, ServerConfig
 from meshllm.errors import InvalidArgument, MeshError, Unimplemented, Unknown, log_unexpected, spec_of
 from meshllm.lifecycle import AsyncCloseable
 from meshllm.plane.request.reflection import enable_reflection
-from meshllm.plane.request.transport import ERROR_TRAILER, KEEPALIVE_TIME_MS, channel_options
+from meshllm.plane.request.transport import ERROR_TRAILER, KEEPALIVE_TIME_MS, HandlerInterceptor, channel_options
 from meshllm.ports import check_free
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield r
 
 
-class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class _ErrorMapping(HandlerInterceptor):
     """Turns exceptions escaping a handler into statuses (the one server-side mapping).
 
     Also for every method: request bytes that do not parse end the call with
@@ -272,14 +272,7 @@ class _ErrorMapping(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return None
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         cached = self._wrapped.get(details.method)
         if cached is not None and cached[0] is handler:
             return cached[1]

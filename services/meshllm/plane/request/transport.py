@@ -12,6 +12,7 @@ deadline travel hop by hop through `CallInfo`.
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ __all__ = [
     "CallInfo",
     "ChunkRelay",
     "GenerateHandler",
+    "HandlerInterceptor",
     "channel_options",
     "generate_stream",
     "mesh_error",
@@ -73,6 +75,24 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 500),
     ]
+
+
+class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A server interceptor that serves each call with `intercept(handler, details)`: the handler grpc found for
+    its method, kept or replaced (server.py's error mapping, plane/auth.py's mesh-token check). A call to a method
+    the server lacks (no handler) is left to grpc."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        return None if handler is None else self.intercept(handler, details)
+
+    @abc.abstractmethod
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The handler that serves the call: `handler` itself, or one wrapping it."""
 
 
 # ---------------------------------------------------------------- errors
