@@ -1,14 +1,16 @@
-"""The simulated fleet of bench/fleet.py: Mooncake trace rows as KV event streams of N workers, and the
-gRPC servers that answer each simulated worker's `Worker.GetKvSnapshot` (see bench/fleet.py's docstring)."""
+"""The simulated fleet of bench/fleet.py: Mooncake trace rows as KV event streams of N workers, the gRPC servers
+that answer each simulated worker's `Worker.GetKvSnapshot`, and one run's `Fleet` (see bench/fleet.py's docstring)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import orjson
@@ -150,6 +152,21 @@ def interleave(workers: Sequence[SimWorker]) -> list[tuple[bytes, int]]:
     for i in range(depth):
         out.extend(w.batches[i] for w in workers if i < len(w.batches))
     return out
+
+
+@dataclass
+class Fleet:
+    """One run's simulated fleet and what it measured so far (`out`)."""
+
+    args: argparse.Namespace
+    chains: BlockChains
+    workers: list[SimWorker]
+    total_events: int
+    prompts: list[list[int]]
+    stream: list[tuple[bytes, int]]  # every batch, round-robin across workers (serialized, block-events)
+    loads: list[events_pb2.LoadSnapshot]
+    out: dict[str, Any]
+    local_choice: list[str] = field(default_factory=list)  # the in-process decision per prompt
 
 
 class SnapshotServers:

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +41,7 @@ import orjson
 from harness.cpu import process_seconds
 from harness.doc import write_section
 from harness.runinfo import LoadMonitor, load_sentence, machine, median_range, today, versions
+from harness.stats import median
 
 from meshllm.config import DEFAULT_STREAM_INTERVAL_MS
 from meshllm.plane.request.channels import ChannelCache
@@ -177,9 +176,7 @@ COLUMNS = ("req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_
 
 
 def _med(repeats: list[Rows], c: int, key: str) -> float:
-    vals = [r[key] for rows in repeats for r in rows if r["concurrency"] == c and r.get(key) is not None]
-    vals = [v for v in vals if not math.isnan(v)]
-    return statistics.median(vals) if vals else math.nan
+    return median(r.get(key) for rows in repeats for r in rows if r["concurrency"] == c)
 
 
 def table(repeats: list[Rows]) -> str:

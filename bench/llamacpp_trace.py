@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.doc import publish
+from harness.llamacpp import add_engine_args, fa_flag, stream_completion
 from harness.runinfo import LoadMonitor, llama_cpp_build, load_sentence, machine, today
-from llamacpp_tiers import add_engine_args, fa_flag, pct, stream_completion
+from harness.stats import pct, triple
 
 from meshllm.bench.trace import TraceRequest, TraceScale, load_trace, sample_sessions, trace_stats, unbounded_hits
 from meshllm.engine.base import KvTier
@@ -125,7 +126,7 @@ def shares(run: dict[str, Any]) -> dict[str, float]:
 
 
 def p3(ms: list[float]) -> str:
-    return f"{pct(ms, 50):.0f} / {pct(ms, 90):.0f} / {pct(ms, 99):.0f}"
+    return triple(ms, "{:.0f}")
 
 
 def render(args: argparse.Namespace, scale: TraceScale, reqs: list[TraceRequest], back: list[bool],

@@ -41,12 +41,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.buildinfo import build_info, code_fingerprint
 from harness.cpu import CpuMeter
 from harness.doc import write_section
 from harness.systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
 from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone, engines_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
-from mesh_report import Results, build_info, code_fingerprint, section, summary_line
+from mesh_report import Results, section, summary_line
 from mesh_tls import tls_section
 
 from meshllm.frontend.text.tokenizer import load_tokenizer

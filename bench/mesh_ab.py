@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.buildinfo import build_info
 from harness.doc import write_section
 from harness.runinfo import LoadMonitor, load_sentence
 from harness.systems import LABELS, MODEL_DIR, ROOT, SystemSpec, start_system
 from mesh import EXTRA_COMMANDS, measure_level
 from mesh_load import Load, calibrate_chars_per_token
-from mesh_report import build_info
 
 from meshllm.frontend.text.tokenizer import load_tokenizer
 

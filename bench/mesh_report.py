@@ -7,28 +7,21 @@ measured level only, divided by the level's requests.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
-import os
-import platform
 import statistics
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from harness.runinfo import load_sentence, python, versions
-from harness.systems import DYNAMO_VERSION, LABELS, dynamo_venv
+from harness.runinfo import load_sentence
+from harness.stats import figure, median, ratio
+from harness.systems import DYNAMO_VERSION, LABELS
 from mesh_profile import Profile
 
-__all__ = ["Results", "build_info", "section"]
+__all__ = ["Results", "section", "summary_line"]
 
-ROOT = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
 ENGINES_LABEL = "mocker engines alone (in-process, no mesh)"
-PACKAGES = ("grpcio", "protobuf", "uvloop", "uvicorn", "tokenizers", "orjson", "nats-py", "aetcd", "py-spy")
 
 
 @dataclass(slots=True)
@@ -61,46 +54,8 @@ class Results:
         return "dynamo" if "dynamo" in self.systems else self.systems[0]
 
 
-def code_fingerprint() -> str:
-    """A hash of the code the services run: HEAD, uncommitted changes and untracked files under services/."""
-
-    def git(*args: str) -> bytes:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=False).stdout
-
-    h = hashlib.sha1(git("rev-parse", "HEAD") + git("diff", "HEAD", "--", "services"))
-    for name in sorted(git("ls-files", "--others", "--exclude-standard", "--", "services").decode().splitlines()):
-        with contextlib.suppress(OSError):
-            h.update(name.encode() + (ROOT / name).read_bytes())
-    return h.hexdigest()[:12]
-
-
-def build_info() -> dict[str, str]:
-    """Python, machine, git commit and package versions, read from this run."""
-
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
-
-    found = [v for v in (versions(*PACKAGES),) if v]
-    dyn = dynamo_venv() / "bin" / "python"
-    if dyn.exists():
-        code = "import importlib.metadata as m; print(m.version('ai-dynamo'))"
-        out = subprocess.run([str(dyn), "-c", code], capture_output=True, text=True, check=False).stdout.strip()
-        if out:
-            found.append(f"ai-dynamo {out}")
-    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "python": python(),
-        "commit": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
-        "packages": ", ".join(found),
-        "fingerprint": code_fingerprint(),
-    }
-
-
 def _med(rows: Sequence[Row], key: str) -> float:
-    vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
-    return statistics.median(vals) if vals else math.nan
+    return median(r.get(key) for r in rows)
 
 
 def _cpu(rows: Sequence[Row], proc: str) -> float:
@@ -112,16 +67,8 @@ def _mesh_cpu(rows: Sequence[Row]) -> float:
     return statistics.median(sum(r["cpu_ms"].values()) for r in rows) if rows else math.nan
 
 
-def _f(v: float, fmt: str = "{:.1f}") -> str:
-    return "–" if v is None or math.isnan(v) else fmt.format(v)
-
-
-def _ratio(a: float, b: float) -> str:
-    return "–" if math.isnan(a) or math.isnan(b) or b == 0 else f"{a / b:.2f}×"
-
-
 def _triple(rows: Sequence[Row], what: str, fmt: str) -> str:
-    return " / ".join(_f(_med(rows, f"{what}_{p}_ms"), fmt) for p in ("p50", "p90", "p99"))
+    return " / ".join(figure(_med(rows, f"{what}_{p}_ms"), fmt) for p in ("p50", "p90", "p99"))
 
 
 def _process_columns(res: Results) -> list[str]:
@@ -141,9 +88,9 @@ def _speed_row(label: str, c: int, rows: Sequence[Row], base_rows: Sequence[Row]
     rps = _med(rows, "req_per_s")
     spread = f" ({min(r['req_per_s'] for r in rows):.1f}–{max(r['req_per_s'] for r in rows):.1f})" if len(rows) > 1 else ""
     return (
-        f"| {label} | {c} | {rps:.1f}{spread} | {_ratio(rps, _med(base_rows, 'req_per_s'))} | "
-        f"{_f(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
-        f"{_triple(rows, 'itl', '{:.2f}')} | {_f(_med(rows, 'events_per_request'))} | {sum(r['errors'] for r in rows)} |"
+        f"| {label} | {c} | {rps:.1f}{spread} | {ratio(rps, _med(base_rows, 'req_per_s'))} | "
+        f"{figure(_med(rows, 'output_tok_per_s'), '{:,.0f}')} | {_triple(rows, 'ttft', '{:.1f}')} | "
+        f"{_triple(rows, 'itl', '{:.2f}')} | {figure(_med(rows, 'events_per_request'))} | {sum(r['errors'] for r in rows)} |"
     )
 
 
@@ -170,10 +117,10 @@ def _speed_tables(res: Results, speedup: float) -> str:
             mesh = _mesh_cpu(rows)
             fe = _cpu(rows, "frontend")
             per_token = fe * 1000 / _med(rows, "mean_osl") if not math.isnan(fe) else math.nan
-            cells = " | ".join(_f(_cpu(rows, p), "{:.2f}") for p in procs)
+            cells = " | ".join(figure(_cpu(rows, p), "{:.2f}") for p in procs)
             t2.append(
-                f"| {LABELS[kind]} | {c} | {cells} | {mesh:.2f} | {_ratio(mesh, _mesh_cpu(base_rows))} | "
-                f"{_f(per_token, '{:.0f}')} | {_f(_med(rows, 'loadgen_cpu_ms'), '{:.2f}')} |"
+                f"| {LABELS[kind]} | {c} | {cells} | {mesh:.2f} | {ratio(mesh, _mesh_cpu(base_rows))} | "
+                f"{figure(per_token, '{:.0f}')} | {figure(_med(rows, 'loadgen_cpu_ms'), '{:.2f}')} |"
             )
         if rows := res.engines.get((speedup, c)):
             t1.append(_speed_row(ENGINES_LABEL, c, rows, base_rows))
@@ -305,8 +252,8 @@ def _targets_38(res: Results) -> list[str]:
                 lines.append(f"| {label}: whole-mesh CPU per request ≤ 0.8× Dynamo's | {mesh:.2f} vs {d_mesh:.2f} ms "
                              f"({mesh / d_mesh:.2f}×) | {_verdict(mesh <= 0.8 * d_mesh)} |")  # fmt: skip
                 if kind == "router" and (split := rows(s, "split", c)):
-                    ratio = rps / _med(split, "req_per_s")
-                    lines.append(f"| {label}: ≥ 0.9× the split mesh's req/s | {ratio:.2f}× | {_verdict(ratio >= 0.9)} |")
+                    vs_split = rps / _med(split, "req_per_s")
+                    lines.append(f"| {label}: ≥ 0.9× the split mesh's req/s | {vs_split:.2f}× | {_verdict(vs_split >= 0.9)} |")
                 engines = res.engines.get((s, c))
                 if s < 100 and c == 32 and engines:
                     itl, e_itl = _med(mine, "itl_p50_ms"), _med(engines, "itl_p50_ms")
@@ -329,7 +276,7 @@ def _overhead(res: Results) -> str:
             d_ttft = f"{row['ttft_p50_ms'] - eng['ttft_p50_ms']:+.2f} ms"
             d_itl = f"{row['itl_p50_ms'] - eng['itl_p50_ms']:+.3f} ms"
         out.append(f"| {label} | {_triple([row], 'ttft', '{:.1f}')} | {_triple([row], 'itl', '{:.2f}')} | "
-                   f"{_f(row.get('events_per_request', math.nan))} | {d_ttft} | {d_itl} |")  # fmt: skip
+                   f"{figure(row.get('events_per_request', math.nan))} | {d_ttft} | {d_itl} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -360,8 +307,8 @@ def section(res: Results, heading: str) -> str:
         "",
         f"`{res.argv}` on {info.get('date', '')} ({info['machine']}, Python {info['python']}, commit {info['commit']}; "
         f"{info['packages']}).",
-        f"Load: `meshllm bench` in its own process, {res.load}; measured mean ISL {_f(isl, '{:.0f}')} and OSL "
-        f"{_f(osl, '{:.0f}')} tokens (server-counted, SmolLM2 tokenizer). Each system in turn, never two at once, "
+        f"Load: `meshllm bench` in its own process, {res.load}; measured mean ISL {figure(isl, '{:.0f}')} and OSL "
+        f"{figure(osl, '{:.0f}')} tokens (server-counted, SmolLM2 tokenizer). Each system in turn, never two at once, "
         f"freshly started per speedup and repeat: {res.workers} mocker workers, {res.router_mode} routing"
         f"{'; extra flags: ' + res.extra if res.extra else ''}; per "
         f"level {res.warmup} warm-up requests (unmeasured, other prompts), then {res.requests} measured requests; "

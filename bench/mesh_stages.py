@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.buildinfo import build_info
 from harness.doc import write_section
 from harness.runinfo import LoadMonitor, load_sentence, today
 from harness.systems import LABELS, MODEL_DIR, SystemSpec, start_system
 from mesh_load import Load, calibrate_chars_per_token, drive
-from mesh_report import build_info
 
 from meshllm.bench.report import percentile
 from meshllm.config import scoped_environ

@@ -2,6 +2,8 @@
 
     async with server_process([sys.executable, "-m", "llama_cpp.server", ..., "--port", str(port)], port=port) as s:
         ...  # s.url serves a model; s.pid is the process to meter
+    async with meshllm_server(MeshllmProcess("run", ..., "--http-port", "0")) as s:
+        ...  # the same for a `meshllm run` or `meshllm frontend`, stopped on exit
 
 A server's stderr goes to a file (a chatty server never stalls on a full pipe) and its tail is printed when the
 server fails to start. Stopping is SIGTERM, then SIGKILL after 30 s.
@@ -20,7 +22,16 @@ from harness.probes import READY_S, until_models
 from meshllm.testing.processes import MeshllmProcess
 from meshllm.testing.servers import free_port
 
-__all__ = ["Served", "free_port", "ready_match", "ready_url", "rotated", "server_process", "serving_address"]
+__all__ = [
+    "Served",
+    "free_port",
+    "meshllm_server",
+    "ready_match",
+    "ready_url",
+    "rotated",
+    "server_process",
+    "serving_address",
+]
 
 OPENAI_LINE = r"OpenAI HTTP API\s+(?:on\s+)?(\S+)/v1"  # `meshllm run` and `meshllm frontend` print it when up
 
@@ -60,6 +71,17 @@ async def server_process(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def meshllm_server(proc: MeshllmProcess, ready_s: float = READY_S, models_s: float = READY_S) -> AsyncIterator[Served]:
+    """Yield a started `meshllm run` or `meshllm frontend` once it prints its URL (within `ready_s`) and lists a
+    model (within `models_s`); stop it on exit, also when it never got ready."""
+    try:
+        url = await ready_url(proc, ready_s)
+        yield Served(url, proc.proc.pid, tuple(await until_models(url, models_s)))
+    finally:
+        await proc.stop()
 
 
 async def ready_match(proc: MeshllmProcess, pattern: str, timeout_s: float = READY_S) -> re.Match[str]:

@@ -39,7 +39,7 @@ def test_each_engine_gets_its_own_section_with_targets_against_its_own_server(mo
     vllm = es.report("vLLM", results, args, "quiet machine")
     assert "workload: vllm serve 80; meshllm run 120." in vllm
     assert "| vLLM | run | 0.90× met | 0.90× met | 1.20× **missed** | 0.90× **missed** | 0.90× **missed** |" in vllm
-    assert es.ratio(math.nan, 1.0) == "–"
+    assert load_bench("harness.stats").ratio(math.nan, 1.0) == "–"
 
 
 def test_a_run_of_some_workloads_reports_only_those(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,15 +58,15 @@ def test_a_run_of_some_workloads_reports_only_those(monkeypatch: pytest.MonkeyPa
 def test_paired_ttft_compares_prompt_by_prompt_and_says_how_sure() -> None:
     """Locks: the median of per-prompt ratios, unmoved by a drift that slows both systems alike; its interval
     holds the true ratio, excludes 1.0 for a system 10 % slower on every prompt, and failed requests drop out."""
-    es = load_bench("engine_server")
+    stats = load_bench("harness.stats")  # bench/engine_server.py's paired comparison
     base = [100.0 * (1 + j / 10) for j in range(12)]  # the machine slows down over the run
     slower = [b * 1.10 for b in base]
-    mid, lo, hi = es.paired_ratio(slower, base)
+    mid, lo, hi = stats.paired_ratio(slower, base)
     assert mid == pytest.approx(1.10) and lo == pytest.approx(1.10) and hi == pytest.approx(1.10)
     noisy = [b * (1.10 + (0.04 if j % 2 else -0.04)) for j, b in enumerate(base)]
-    mid, lo, hi = es.paired_ratio([*noisy, None], [*base, 100.0])
+    mid, lo, hi = stats.paired_ratio([*noisy, None], [*base, 100.0])
     assert 1.0 < lo <= mid <= hi and lo <= 1.10 <= hi
-    assert all(math.isnan(x) for x in es.paired_ratio([None], [1.0]))
+    assert all(math.isnan(x) for x in stats.paired_ratio([None], [1.0]))
 
 
 def test_the_report_shows_paired_ttft_for_c1_workloads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,8 @@ def test_renamed_ids_keep_shared_ones_and_separate_copies() -> None:
     shared = {0}
     a, b = fleet.renamed([0, 1, 2], 0, shared), fleet.renamed([0, 1, 2], 3, shared)
     assert a[0] == b[0] == 0
-    assert a[1:] == [1, 2] and b[1:] == [3 * fleet.COPY_STRIDE + 1, 3 * fleet.COPY_STRIDE + 2]
+    stride = load("fleet_sim").COPY_STRIDE
+    assert a[1:] == [1, 2] and b[1:] == [3 * stride + 1, 3 * stride + 2]
     assert not set(a[1:]) & set(b[1:])
 
 
@@ -67,7 +68,7 @@ def test_a_filled_worker_holds_exactly_its_capacity_and_its_events_rebuild_it() 
     # churn: n out (oldest), n in, one removed and one stored event; the snapshot says the same
     oldest = list(w.cache)[:5]
     w.batches = []
-    w.churn(5, chains.chain([fleet.COPY_STRIDE * 50 + k for k in range(5)]))
+    w.churn(5, chains.chain([load("fleet_sim").COPY_STRIDE * 50 + k for k in range(5)]))
     ((data, n),) = w.batches
     assert n == 10 and not index.apply_batch(events_pb2.KvEventBatch.FromString(data))
     assert not set(oldest) & set(w.cache) and len(w.cache) == 300
