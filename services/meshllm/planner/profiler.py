@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ import orjson
 
 from meshllm.bench.http import Connection, Endpoint, HttpError
 from meshllm.bench.load import Level, run_level
+from meshllm.bench.prompts import PromptBuilder, resolve_tokenizer
 from meshllm.bench.record import RequestRecord
 from meshllm.bench.workload import Workload, WorkloadSpec
 from meshllm.config import ConfigError, EnvArgumentParser
@@ -66,10 +68,10 @@ class ProfilePlan:
 
 
 async def _records(
-    endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, concurrency: int
+    endpoint: Endpoint, model: str, spec: WorkloadSpec, n: int, concurrency: int, builder: PromptBuilder | None
 ) -> tuple[list[RequestRecord], float]:
     """The level's records (all must succeed) and how long it ran."""
-    workload = Workload(spec)
+    workload = Workload(spec if builder is not None else dataclasses.replace(spec, chars_per_token=4.0), builder)
     requests = [workload.next() for _ in range(n)]
     warmup = [workload.next() for _ in range(concurrency)]
     run = await run_level(endpoint, model, requests, Level(concurrency=concurrency), warmup=warmup, progress=False)
@@ -80,12 +82,30 @@ async def _records(
     return records, run.replay.duration_s
 
 
-async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: bool = True) -> tuple[list, list]:
+def prompt_builder(run: ProfileRun, model: str) -> tuple[PromptBuilder | None, str]:
+    """Prompts of exact token counts with the model's tokenizer (`--tokenizer`, else the engine's `--model-path`,
+    else found from the served model's name, as `meshllm bench` finds it), or None: lengths in characters, 4 a
+    token. Either way the rows record the prompt tokens the server counted."""
+    source: str | None = run.tokenizer or None
+    if source is None and "--model-path" in run.engine_args[:-1]:
+        source = run.engine_args[run.engine_args.index("--model-path") + 1]
+    try:
+        tok, where = resolve_tokenizer(source, model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if tok is None:
+        return None, f"prompt lengths in characters, 4 a token (approximate; tokenizer: {where})"
+    return PromptBuilder(tok, api="completions"), f"prompt lengths counted with the tokenizer {where}"
+
+
+async def measure(
+    endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: bool = True, builder: PromptBuilder | None = None
+) -> tuple[list, list]:
     """The prefill and decode rows of one worker behind `endpoint`."""
     prefill: list[PrefillPoint] = []
     for isl in plan.isls:
         spec = WorkloadSpec(model=model, api="completions", isl=isl, osl=1, seed=isl)
-        recs, _ = await _records(endpoint, model, spec, plan.requests, 1)
+        recs, _ = await _records(endpoint, model, spec, plan.requests, 1, builder)
         ttft = statistics.median(r.ttft for r in recs if r.ttft is not None)
         counted = round(statistics.mean(r.prompt_tokens for r in recs)) or isl
         prefill.append(PrefillPoint(counted, ttft, counted / ttft))
@@ -95,7 +115,7 @@ async def measure(endpoint: Endpoint, model: str, plan: ProfilePlan, *, say: boo
     for context in plan.contexts:
         for c in plan.concurrencies:
             spec = WorkloadSpec(model=model, api="completions", isl=context, osl=plan.osl, seed=context * 1000 + c)
-            recs, duration_s = await _records(endpoint, model, spec, plan.requests * c, c)
+            recs, duration_s = await _records(endpoint, model, spec, plan.requests * c, c, builder)
             gaps = sorted(g for r in recs for g in r.gaps)
             itl = gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
             rate = sum(r.completion_tokens for r in recs) / duration_s
@@ -187,6 +207,9 @@ def profile_arg_parser(*, env: dict[str, str] | None = None) -> EnvArgumentParse
     g.add_argument("--concurrency", default="1,2,4,8,16", help="streams at once of the decode rows")
     g.add_argument("--osl", type=int, default=128, help="output tokens of each decode request")
     g.add_argument("--requests", type=int, default=8, help="requests per prefill row; per stream per decode row")
+    g.add_argument("--tokenizer", default="",
+                   help="count prompt lengths with this tokenizer (DIR, FILE.gguf, builtin:NAME; none: 4 characters a "
+                        "token); default: the engine's --model-path, else found from the served model's name")  # fmt: skip
     return parser
 
 
@@ -200,20 +223,22 @@ class ProfileRun:
     plan: ProfilePlan
     engine_args: tuple[str, ...] = ()
     mode: str = "disagg"
+    tokenizer: str = ""  # "" = the engine's --model-path, else found from the model's name
 
 
 def profile_plan(ns: argparse.Namespace, engine_args: Sequence[str] = ()) -> ProfileRun:
     plan = ProfilePlan(_ints(ns.isl, "--isl"), _ints(ns.context, "--context"), _ints(ns.concurrency, "--concurrency"),
                        ns.osl, ns.requests)  # fmt: skip
-    return ProfileRun(ns.engine, ns.url, ns.out, plan, tuple(engine_args), ns.mode)
+    return ProfileRun(ns.engine, ns.url, ns.out, plan, tuple(engine_args), ns.mode, ns.tokenizer)
 
 
 async def profile(run: ProfileRun) -> Profile:
     async with contextlib.AsyncExitStack() as stack:
         url = run.url or await stack.enter_async_context(_embedded(run.engine, run.engine_args, run.mode))
         model = await _model(url)
-        print(f"profiling {run.engine} ({model}) at {url}", flush=True)
-        prefill, decode = await measure(Endpoint.parse(url), model, run.plan)
+        builder, how = prompt_builder(run, model)
+        print(f"profiling {run.engine} ({model}) at {url}; {how}", flush=True)
+        prefill, decode = await measure(Endpoint.parse(url), model, run.plan, builder=builder)
     host = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
     return Profile(run.engine, tuple(prefill), tuple(decode), engine_args=run.engine_args, host=host)
 
