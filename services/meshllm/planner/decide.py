@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from meshllm.planner.model import Decision, Load, Observation
-from meshllm.planner.profile import MAX_UTILISATION, Profile
+from meshllm.planner.profile import MAX_UTILISATION, Capacity, Profile
 
 __all__ = ["AS_PROFILED", "CORRECTION_RANGE", "MODES", "Corrections", "Scaler", "corrections", "decode_saturated", "needed"]
 
@@ -48,14 +48,9 @@ def _prefill_need(load: Load, profile: Profile, target_s: float, correction: flo
         return 0.0, "no prefill predicted"
     correction = min(1.0, correction)
     cap = profile.prefill_capacity(load.isl, target_s, correction=correction)
-    need = load.prefill_tokens_per_s / cap.tokens_per_s
-    reason = (
-        f"prefill {load.prefill_tokens_per_s:,.0f} tok/s predicted / {cap.tokens_per_s:,.0f} tok/s per worker "
-        f"at TTFT p90 ≤ {_ms(target_s)} (ISL {load.isl:,.0f}{_corrected(correction)}) → {need:.1f}"
-    )
-    if not cap.reachable:
-        reason += f"; target below the profile's floor (TTFT {_ms(cap.latency_s)} idle)"
-    return need, reason
+    detail = f"ISL {load.isl:,.0f}{_corrected(correction)}"
+    return _need("prefill", load.prefill_tokens_per_s, cap, f"TTFT p90 ≤ {_ms(target_s)} ({detail})",
+                 f"TTFT {_ms(cap.latency_s)} idle")  # fmt: skip
 
 
 def _decode_need(load: Load, profile: Profile, target_s: float, correction: float) -> tuple[float, str]:
@@ -63,13 +58,17 @@ def _decode_need(load: Load, profile: Profile, target_s: float, correction: floa
         return 0.0, "no decode predicted"
     context = load.isl + load.osl / 2
     cap = profile.decode_capacity(context, target_s, correction=correction)
-    need = load.decode_tokens_per_s / cap.tokens_per_s
-    reason = (
-        f"decode {load.decode_tokens_per_s:,.0f} tok/s predicted / {cap.tokens_per_s:,.0f} tok/s per worker "
-        f"at ITL ≤ {_ms(target_s)} (context {context:,.0f}, {_streams(cap.load)}{_corrected(correction)}) → {need:.1f}"
-    )
+    detail = f"context {context:,.0f}, {_streams(cap.load)}{_corrected(correction)}"
+    return _need("decode", load.decode_tokens_per_s, cap, f"ITL ≤ {_ms(target_s)} ({detail})",
+                 f"ITL {_ms(cap.latency_s)} at {_streams(cap.load)}")  # fmt: skip
+
+
+def _need(role: str, tokens_per_s: float, cap: Capacity, at: str, floor: str) -> tuple[float, str]:
+    """Workers `role` needs for `tokens_per_s` at one worker's capacity `cap`, and the reason in numbers."""
+    need = tokens_per_s / cap.tokens_per_s
+    reason = f"{role} {tokens_per_s:,.0f} tok/s predicted / {cap.tokens_per_s:,.0f} tok/s per worker at {at} → {need:.1f}"
     if not cap.reachable:
-        reason += f"; target below the profile's floor (ITL {_ms(cap.latency_s)} at {_streams(cap.load)})"
+        reason += f"; target below the profile's floor ({floor})"
     return need, reason
 
 
