@@ -180,6 +180,23 @@ async def test_scale_down_drains_the_youngest_counted_as_draining_until_it_exits
     assert ids(c) == order[:-1]
 
 
+async def test_scale_down_drains_the_least_busy_first_then_the_youngest(standins: Standins, new: Any) -> None:
+    c = new(on_term="hold")
+    await c.scale("agg", 4)
+    oldest, second, third, youngest = order = ids(c)
+    for i in order:
+        await standins.ready(i)
+    # the router's requests in flight: the oldest idle, the youngest busiest; second and third tie
+    await c.scale("agg", 2, busy={oldest: 0, second: 3, third: 3, youngest: 9})
+    await wait_until(lambda: standins.got_sigterm(oldest) and standins.got_sigterm(third), what="SIGTERM to the two that go")
+    assert not standins.got_sigterm(second) and not standins.got_sigterm(youngest)
+    for i in (oldest, third):
+        await standins.tell(i)
+    await wait_until(lambda: c.draining() == 0, what="both drains to end")
+    assert await count(c, "agg") == 2
+    assert ids(c) == [second, youngest]
+
+
 async def test_a_worker_that_ignores_sigterm_gets_sigkill_after_kill_after_s(
     standins: Standins, new: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

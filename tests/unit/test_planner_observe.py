@@ -221,14 +221,14 @@ class FakeRouter:
         return router_pb2.ListWorkersResponse(workers=self.workers)
 
 
-async def test_queue_and_kv_use_come_from_the_router_and_a_silent_router_costs_only_those() -> None:
+async def test_queues_kv_use_and_busy_workers_come_from_the_router_and_a_silent_router_costs_only_those() -> None:
     store = MemoryStore()
     worker = MemoryDiscovery(store)
     await worker.register_instance(_worker(discovery_pb2.WORKER_ROLE_AGGREGATED, 1))
-    statuses = [router_pb2.WorkerStatus(worker_id="w1", active_blocks=30, total_blocks=100, waiting=2),
+    statuses = [router_pb2.WorkerStatus(worker_id="w1", active_blocks=30, total_blocks=100, waiting=2, in_flight=4),
                 router_pb2.WorkerStatus(worker_id="w2", active_blocks=10, total_blocks=60, waiting=5)]  # fmt: skip
     reader = MeshReader(["http://127.0.0.1:1"], MemoryDiscovery(store), router=FakeRouter(statuses))  # type: ignore[arg-type]
-    assert await reader.workers() == WorkerLoad({"agg": 1}, waiting=7, kv_usage=pytest.approx(40 / 160))
+    assert await reader.workers() == WorkerLoad({"agg": 1}, waiting=7, kv_usage=pytest.approx(40 / 160), busy={"w1": 4, "w2": 0})
     silent = MeshReader(["http://127.0.0.1:1"], MemoryDiscovery(store), router=FakeRouter(None))  # type: ignore[arg-type]
     assert await silent.workers() == WorkerLoad({"agg": 1})
     empty = MeshReader(["http://127.0.0.1:1"], MemoryDiscovery(store), router=FakeRouter([]))  # type: ignore[arg-type]

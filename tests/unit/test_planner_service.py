@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -31,14 +32,16 @@ class FakeConnector(Connector):
         self.counts = {"agg": 0}
         self.order = order
         self.fail = fail
+        self.busy: Mapping[str, int] | None = None
 
     async def replicas(self) -> dict[str, int]:
         if self.fail is not None:
             raise self.fail
         return dict(self.counts)
 
-    async def scale(self, role: str, replicas: int) -> None:
+    async def scale(self, role: str, replicas: int, *, busy: Mapping[str, int] | None = None) -> None:
         self.counts[role] = replicas
+        self.busy = busy
 
     async def _aclose(self) -> None:
         self.order.append("connector")
@@ -58,7 +61,7 @@ class FakeReader:
         return read_counts(self.frontend.metrics.registry.collect(), at)
 
     async def workers(self) -> WorkerLoad:
-        return WorkerLoad({}, waiting=5, kv_usage=0.25)
+        return WorkerLoad({}, waiting=5, kv_usage=0.25, busy={"w1": 2, "w2": 0})
 
     async def aclose(self) -> None:
         self.order.append("reader")
@@ -132,6 +135,23 @@ async def test_a_decode_correction_carries_over_an_interval_that_saturated_the_p
     planner.clock = lambda: 1020.0
     await planner.step()
     assert planner.corrections.decode == measured
+
+
+async def test_a_scaling_tells_the_connector_how_busy_each_worker_is() -> None:
+    planner = _planner()
+    reader: FakeReader = planner.reader  # type: ignore[assignment]
+    connector: FakeConnector = planner.connector  # type: ignore[assignment]
+    await planner.step()  # first reading: up to the minimum, no worker known yet
+    assert connector.busy is None
+    connector.counts["agg"] = 4  # above the need of an idle mesh; the scale-down waits out its cooldown
+    planner.scaler.down_cooldown_s = 0.0
+    for t in (1010.0, 1020.0, 1030.0, 1040.0):
+        reader.frontend.serve(Request(isl=400, osl=50))
+        planner.clock = lambda t=t: t  # type: ignore[misc]
+        await planner.step()
+        if connector.counts["agg"] < 4:
+            break
+    assert connector.counts["agg"] < 4 and connector.busy == {"w1": 2, "w2": 0}
 
 
 def test_a_reason_is_counted_by_its_rule() -> None:

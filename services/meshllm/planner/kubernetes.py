@@ -113,7 +113,8 @@ class KubernetesConnector(Connector):
         found = await asyncio.gather(*(self._read_ready(r) for r in roles))
         return dict(zip(roles, found, strict=True))
 
-    async def scale(self, role: str, replicas: int) -> None:
+    async def scale(self, role: str, replicas: int, *, busy: Mapping[str, int] | None = None) -> None:
+        del busy  # the ReplicaSet controller chooses which pods go
         if replicas < 0:
             raise InvalidArgument(f"kubernetes: replicas must be >= 0, got {replicas} for role {role!r}")
         name = self.deployment(role)

@@ -1,10 +1,12 @@
 """The local connector: `meshllm worker` processes on this host, started and drained by the planner.
 
 Each worker is the template's flags plus `--role ROLE --instance-id ID`; its
-output goes to `LOG_DIR/ID.log`. Scaling down sends SIGTERM to the youngest
-worker of the role: the worker drains (it leaves discovery, waits for its
-in-flight streams up to its `--drain-timeout`, then stops the rest, which
-routers migrate to another worker), so no stream breaks. A worker that has
+output goes to `LOG_DIR/ID.log`. Scaling down sends SIGTERM to the workers
+of the role with the fewest requests in flight (the router's view, when the
+planner has `--router-address`), the youngest among equals: each drains (it
+leaves discovery, waits for its in-flight streams up to its
+`--drain-timeout`, then stops the rest, which routers migrate to another
+worker), so no stream breaks. A worker that has
 not exited `kill_after_s` after SIGTERM gets SIGKILL.
 
 Workers run in their own session, so they outlive a planner that restarts:
@@ -147,14 +149,17 @@ class LocalConnector(Connector):
         """Workers told to stop that have not exited yet."""
         return sum(1 for w in self._workers if w.stop_sent_at is not None and w.exit_status() is None)
 
-    async def scale(self, role: str, replicas: int) -> None:
+    async def scale(self, role: str, replicas: int, *, busy: Mapping[str, int] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
         self._reap()
-        live = sorted((w for w in self._workers if w.role == role and w.stop_sent_at is None), key=lambda w: w.started_at)
+        live = [w for w in self._workers if w.role == role and w.stop_sent_at is None]
         for _ in range(replicas - len(live)):
             await self._start(role)
-        for w in live[max(replicas, 0) :][::-1]:
+        # the least busy go first (fewest streams to drain or migrate), then the youngest (the coldest cache)
+        busy = busy or {}
+        live.sort(key=lambda w: (busy.get(w.instance_id, 0), -w.started_at))
+        for w in live[: max(len(live) - max(replicas, 0), 0)]:
             self._stop(w)
 
     async def _start(self, role: str) -> None:

@@ -91,6 +91,7 @@ class Connector(AsyncCloseable, abc.ABC):
         """Workers of each role this connector runs now, draining ones not counted."""
 
     @abc.abstractmethod
-    async def scale(self, role: str, replicas: int) -> None:
+    async def scale(self, role: str, replicas: int, *, busy: Mapping[str, int] | None = None) -> None:
         """Ask for `replicas` workers of `role`. Returns once started ones are launched and stopped ones are
-        told to drain; it does not wait for a drain to finish."""
+        told to drain; it does not wait for a drain to finish. `busy` (instance id -> requests in flight, the
+        router's view, when known): a connector that chooses which workers go drains the least busy first."""

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshllm.errors import MeshError
 from meshllm.lifecycle import AsyncCloseable
@@ -50,6 +50,7 @@ class WorkerLoad:
     workers: dict[str, int]
     waiting: int = 0
     kv_usage: float | None = None
+    busy: dict[str, int] = field(default_factory=dict)  # instance id -> requests the router has in flight on it
 
 
 def observation(new: Counts, old: Counts, load: WorkerLoad) -> Observation:
@@ -132,7 +133,8 @@ class MeshReader(AsyncCloseable):
         total = sum(w.total_blocks for w in resp.workers)
         active = sum(w.active_blocks for w in resp.workers)
         waiting = sum(w.waiting for w in resp.workers)
-        return WorkerLoad(counts, waiting, active / total if total else None)
+        busy = {w.worker_id: w.in_flight for w in resp.workers}
+        return WorkerLoad(counts, waiting, active / total if total else None, busy)
 
     async def _aclose(self) -> None:
         await self._frontends.aclose()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshllm.errors import ConfigError, MeshError
@@ -100,13 +100,13 @@ class Planner(AsyncCloseable):
         log.info("planner: observed %.2f req/s (ISL %s, OSL %s, TTFT p90 %s, ITL p90 %s); predicted %.2f req/s; %s",
                  obs.request_rate, _num(obs.isl), _num(obs.osl), _ms(obs.ttft_p90_s), _ms(obs.itl_p90_s),
                  load.request_rate, "; ".join(f"{d.role} {d.current}→{d.target} ({d.reason})" for d in decisions))  # fmt: skip
-        return await self._apply(decisions)
+        return await self._apply(decisions, workers.busy)
 
-    async def _apply(self, decisions: list[Decision]) -> list[Decision]:
+    async def _apply(self, decisions: list[Decision], busy: Mapping[str, int] | None = None) -> list[Decision]:
         if not self.config.dry_run:
             for d in decisions:
                 if d.target != d.current:
-                    await self.connector.scale(d.role, d.target)
+                    await self.connector.scale(d.role, d.target, busy=busy)
         self.steps += 1
         return decisions
 
