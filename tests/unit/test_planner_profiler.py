@@ -1,5 +1,5 @@
 """`meshllm planner profile`'s prompts: exact token counts with the model's own tokenizer wherever one is found
-(tests/integration/test_planner_profile.py runs the whole command against real meshes)."""
+(tests/integration/test_planner_profile_command.py runs the whole command against real meshes)."""
 
 from __future__ import annotations
 
