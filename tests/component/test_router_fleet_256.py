@@ -23,6 +23,8 @@ from meshllm.v1 import events_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from bench_support import load_bench
 
+MODEL = load_bench("fleet_procs").MODEL  # the model the simulated fleet registers
+
 WORKERS = 256
 BLOCKS = 256
 
@@ -53,7 +55,7 @@ def test_256_workers_two_replicas_agree_with_each_other_and_with_the_exhaustive_
     by_worker = [b for w in reversed(workers) for b in w.batches]  # another cross-worker order, each worker's kept
     a, b = replica(fleet, workers, in_order), replica(fleet, workers, by_worker)
     # the fleet path, not the small-pool one
-    assert a.candidates.fleet and a.candidates.table(fleet.MODEL, AGGREGATED) is not None
+    assert a.candidates.fleet and a.candidates.table(MODEL, AGGREGATED) is not None
     now = time.time()
     for w in workers:
         snap = events_pb2.LoadSnapshot(worker_id=w.id, active_blocks=rng.randrange(BLOCKS), total_blocks=BLOCKS)
@@ -66,10 +68,10 @@ def test_256_workers_two_replicas_agree_with_each_other_and_with_the_exhaustive_
         else:
             copy = rng.randrange(WORKERS // fleet.WORKERS_PER_COPY)
             tokens = chains.tokens(fleet.renamed(rng.choice(trace), copy, shared))
-        plans = [core.plan(fleet.MODEL, tokens, {}, set()) for core in (a, b)]
+        plans = [core.plan(MODEL, tokens, {}, set()) for core in (a, b)]
         assert plans[0].main.chosen.key == plans[1].main.chosen.key, f"prompt {i}: the replicas disagree"
         a.candidates.fleet = False
-        reference = a.plan(fleet.MODEL, tokens, {}, set())
+        reference = a.plan(MODEL, tokens, {}, set())
         a.candidates.fleet = True
         assert reference.main.chosen.key == plans[0].main.chosen.key, f"prompt {i}: fleet path ≠ exhaustive scorer"
         assert len(plans[0].main.candidates) < len(reference.main.candidates) == WORKERS
