@@ -68,6 +68,22 @@ async def test_every_address_of_a_name_is_read_at_every_reading(pods: list[Metri
         assert tokens[float("inf")] == 9  # one request of 10 tokens: 9 gaps
 
 
+async def test_a_pod_missing_from_one_answer_adds_only_its_increase_when_back(pods: list[MetricsServer]) -> None:
+    one, two, _ = pods
+    serve(one, 3)
+    serve(two, 5)
+    dns = Dns("127.0.0.1", "127.0.0.2")
+    async with FrontendScraper([f"http://frontend-pods:{one.port}"], resolve=dns) as scraper:
+        first = await scraper.counts(0.0)
+        dns.addresses.remove("127.0.0.2")  # failed its readiness probe for a moment
+        second = await scraper.counts(10.0)
+        dns.addresses.append("127.0.0.2")
+        serve(two, 2)
+        third = await scraper.counts(20.0)
+    assert second.requests == first.requests == 8
+    assert third.requests - second.requests == 2  # not its 7 since it started
+
+
 async def test_a_restarted_frontend_counts_from_zero(pods: list[MetricsServer]) -> None:
     one = pods[0]
     serve(one, 6)

@@ -7,8 +7,9 @@ each scrape to one pod of its choosing and the planner would see a share
 of the load. Pods come and go between readings, so the running sum the
 planner takes rates from advances by each address's own increase
 (`advance`): a new pod adds what it counted since it started, a pod that
-went takes nothing away, and a restarted one counts from zero, as PromQL's
-`rate` treats a counter reset.
+went takes nothing away, one that comes back after missing from the answer
+adds only what it counted meanwhile, and a restarted one counts from zero,
+as PromQL's `rate` treats a counter reset.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class FrontendScraper(AsyncCloseable):
         for target, new in readings.items():
             advance(total, new, self._last.get(target))
         total.at, total.inflight = at, sum(c.inflight for c in readings.values())
-        self._total, self._last = total, readings
+        self._total = total
+        self._last.update(readings)  # a frontend missing from one answer (a readiness blip) is not new when back
         return dataclasses.replace(total, buckets={k: dict(v) for k, v in total.buckets.items()})
 
     async def _targets(self) -> list[tuple[int, str]]:
