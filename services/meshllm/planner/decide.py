@@ -235,7 +235,7 @@ class Scaler:
         if wanted > current:
             st.below = 0
             return self._up(st, need, wanted, current, hi, now)
-        down_to = max(_ceil(need + self.down_margin) if need > 0 else 0, lo)  # no load at all: down to min
+        down_to = self._fits(need, lo)
         if down_to >= current:
             st.below, st.peak = 0, 0.0
             return current, f"at min {lo}" if current == lo and wanted < lo else f"hold: need {need:.1f} fits {current}"
@@ -246,10 +246,14 @@ class Scaler:
         left = self._left(st.last_change, self.down_cooldown_s, now)
         if left > 0:
             return current, f"hold: down cooldown {left:.0f} s left (need {need:.1f})"
-        target = max(_ceil(st.peak + self.down_margin) if st.peak > 0 else 0, lo)
+        target = self._fits(st.peak, lo)
         if self.max_step_down is not None:
             target = max(target, current - self.max_step_down)
         return target, f"down: need ≤ {st.peak:.1f} for {st.below} intervals"
+
+    def _fits(self, need: float, lo: int) -> int:
+        """Workers that carry `need` with the down margin to spare, at least `lo` (no load at all: `lo`)."""
+        return max(_ceil(need + self.down_margin) if need > 0 else 0, lo)
 
     def _up(self, st: _RoleState, need: float, wanted: int, current: int, hi: int, now: float) -> tuple[int, str]:
         if current >= hi:
