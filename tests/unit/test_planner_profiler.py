@@ -37,6 +37,8 @@ def test_the_engine_model_path_is_the_tokenizer_unless_one_is_named(tmp_path: Pa
     assert gguf is not None
     builder, how = prompt_builder(run("--n-threads", "2", "--model-path", str(gguf), engine="llamacpp"), "some-name")
     assert builder is not None and how.endswith(str(gguf))
+    builder, how = prompt_builder(run(f"--model-path={gguf}", "--n-threads", "2", engine="llamacpp"), "some-name")
+    assert builder is not None and how.endswith(str(gguf))
     builder, how = prompt_builder(run("--model-path", str(gguf), tokenizer="builtin:mocker"), "some-name")
     assert how.endswith("builtin:mocker")
 

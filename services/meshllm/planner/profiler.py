@@ -86,9 +86,7 @@ def prompt_builder(run: ProfileRun, model: str) -> tuple[PromptBuilder | None, s
     """Prompts of exact token counts with the model's tokenizer (`--tokenizer`, else the engine's `--model-path`,
     else found from the served model's name, as `meshllm bench` finds it), or None: lengths in characters, 4 a
     token. Either way the rows record the prompt tokens the server counted."""
-    source: str | None = run.tokenizer or None
-    if source is None and "--model-path" in run.engine_args[:-1]:
-        source = run.engine_args[run.engine_args.index("--model-path") + 1]
+    source: str | None = run.tokenizer or _model_path(run.engine_args)
     try:
         tok, where = resolve_tokenizer(source, model)
     except ValueError as exc:
@@ -96,6 +94,16 @@ def prompt_builder(run: ProfileRun, model: str) -> tuple[PromptBuilder | None, s
     if tok is None:
         return None, f"prompt lengths in characters, 4 a token (approximate; tokenizer: {where})"
     return PromptBuilder(tok, api="completions"), f"prompt lengths counted with the tokenizer {where}"
+
+
+def _model_path(engine_args: Sequence[str]) -> str | None:
+    """The engine's `--model-path` (either spelling), if given."""
+    for i, arg in enumerate(engine_args):
+        if arg == "--model-path" and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+        if arg.startswith("--model-path="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 async def measure(
