@@ -6,8 +6,8 @@ of the role with the fewest requests in flight (the router's view, when the
 planner has `--router-address`), the youngest among equals: each drains (it
 leaves discovery, waits for its in-flight streams up to its
 `--drain-timeout`, then stops the rest, which routers migrate to another
-worker), so no stream breaks. A worker that has
-not exited `kill_after_s` after SIGTERM gets SIGKILL.
+worker), so no stream breaks. A worker that has not exited `kill_after_s`
+after SIGTERM gets SIGKILL.
 
 Workers run in their own session, so they outlive a planner that restarts:
 the planner's state lists them (`workers()`, draining ones marked), and the
