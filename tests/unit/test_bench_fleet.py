@@ -64,7 +64,7 @@ def test_a_filled_worker_holds_exactly_its_capacity_and_its_events_rebuild_it() 
         assert n == sum(len(ev.stored.blocks) for ev in batch.events)
         assert not index.apply_batch(batch)  # ids contiguous: no gap
     assert index.last_event_id("w1") == w.event_id
-    assert set(index.map.blocks[index.map.slot_of[("w1", 0)]]) == set(w.cache)
+    assert set(index.map.blocks(index.map.slot_of[("w1", 0)])) == set(w.cache)
     # churn: n out (oldest), n in, one removed and one stored event; the snapshot says the same
     oldest = list(w.cache)[:5]
     w.batches = []

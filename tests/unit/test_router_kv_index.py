@@ -163,7 +163,7 @@ def test_block_map_counts_and_slot_reuse() -> None:
     assert m.remove(s, [2, 4]) == 1
     assert m.count(("w", 0)) == 2
     m.drop(("w", 0))
-    assert m.masks == {}
+    assert m.masks() == {} and len(m) == 0
     assert m.slot(("x", 0)) == s
 
 
@@ -173,10 +173,10 @@ def test_eviction_order_follows_events_and_routing_and_capacity_counts_hot_victi
     index.apply_batch(batch("a", stored(1, [1, 2, 3]), stored(2, [7, 8], parent=3)))
     slot = index.map.slot_of[key]
     # stored blocks enter most recently used, each event's first block last (engines release tail first)
-    assert list(index.map.blocks[slot]) == [3, 2, 1, 8, 7]
+    assert list(index.map.blocks(slot)) == [3, 2, 1, 8, 7]
     index.touch(key, [1, 2], reused=True)  # a routed prompt reused 1, 2
-    assert dict(index.map.blocks[slot]) == {3: 0, 8: 0, 7: 0, 2: 1, 1: 1}
-    assert list(index.map.blocks[slot]) == [3, 8, 7, 2, 1]
+    assert index.map.blocks(slot) == {3: 0, 8: 0, 7: 0, 2: 1, 1: 1}
+    assert list(index.map.blocks(slot)) == [3, 8, 7, 2, 1]
     index.set_total(key, 6)
     # 5 resident + 2 pending (routed, not computed) in 6: 3 new blocks evict 4 — 3, 8, 7 (cold) and 2 (hot)
     assert index.capacity(key, set(), 3, pending=2) == Capacity(total=6, resident=7, evicted_hot=1)
@@ -196,7 +196,7 @@ def test_hot_victims_skips_the_prompts_own_blocks_and_counts_reused_ones_among_t
     m.add(s, range(1, 11))  # 1 least recently used … 10 most
     m.touch(s, [2, 4, 9], reused=True)  # most recently used, the first last: 1 3 5 6 7 8 10 9 4 2; reused
     m.touch(s, [5, 6, 7, 8, 10], reused=False)
-    assert list(m.blocks[s]) == [1, 3, 9, 4, 2, 10, 8, 7, 6, 5]
+    assert list(m.blocks(s)) == [1, 3, 9, 4, 2, 10, 8, 7, 6, 5]
     assert m.hot_victims(s, 2) == 0  # 1, 3
     assert m.hot_victims(s, 4) == 2  # 1, 3, 9, 4
     assert m.hot_victims(s, 50) == 3  # all of them
@@ -215,13 +215,13 @@ def test_hot_victims_agrees_with_walking_the_eviction_order() -> None:
         m = BlockMap()
         s = m.slot(("a", 0))
         m.add(s, rng.sample(range(100), rng.randrange(0, 40)))
-        held = list(m.blocks[s])
+        held = list(m.blocks(s))
         if held:
             m.touch(s, rng.sample(held, rng.randrange(0, len(held))), reused=True)
         keep = set(rng.sample(range(100), rng.randrange(0, 30)))
         k = rng.randrange(0, 45)
-        victims = [h for h in m.blocks[s] if h not in keep][:k]
-        assert m.hot_victims(s, k, keep) == sum(1 for h in victims if m.blocks[s][h]), (k, keep)
+        victims = [h for h in m.blocks(s) if h not in keep][:k]
+        assert m.hot_victims(s, k, keep) == sum(1 for h in victims if m.blocks(s)[h]), (k, keep)
 
 
 def test_lower_tier_events_do_not_make_blocks_device_resident() -> None:
@@ -239,7 +239,7 @@ def test_lower_tier_events_do_not_make_blocks_device_resident() -> None:
 
 
 def _state(m: BlockMap) -> tuple[object, ...]:
-    return (dict(m.masks), [list(b.items()) for b in m.blocks], list(m.hot), list(m.sizes))
+    return (m.masks(), [list(m.blocks(s).items()) for s in range(len(m.held))], list(m.hot), list(m.sizes))
 
 
 def test_replace_leaves_the_state_clear_then_add_leaves_at_the_cost_of_the_difference() -> None:
@@ -254,9 +254,9 @@ def test_replace_leaves_the_state_clear_then_add_leaves_at_the_cost_of_the_diffe
         for s in range(rng.randrange(1, 6)):
             slot = m.slot((f"w{s}", 0))
             m.add(slot, [rng.randrange(40) for _ in range(rng.randrange(30))])
-            held = list(m.blocks[slot])
+            held = list(m.blocks(slot))
             m.touch(slot, rng.sample(held, min(len(held), 5)), reused=rng.random() < 0.5)
-        slot = rng.randrange(len(m.blocks))
+        slot = rng.randrange(len(m.held))
         snapshot = [rng.randrange(40) for _ in range(rng.randrange(30))]  # duplicates too
         expected = copy.deepcopy(m)
         expected.clear_slot(slot)
@@ -275,7 +275,7 @@ def test_a_snapshot_of_a_worker_whose_blocks_did_not_change_keeps_the_index_and_
     idx.request_resync("w")
     assert not idx.apply_snapshot(snapshot("w", 0, {0: hashes}))
     assert idx.overlaps(hashes, [("w", 0)]) == {("w", 0): 10}
-    assert list(idx.map.blocks[0].items()) == [(h, 0) for h in hashes] and idx.map.hot[0] == 0
+    assert list(idx.map.blocks(0).items()) == [(h, 0) for h in hashes] and idx.map.hot[0] == 0
 
 
 def test_a_snapshot_without_a_rank_clears_that_rank_and_a_rank_listed_twice_keeps_both_lists() -> None:
@@ -287,7 +287,7 @@ def test_a_snapshot_without_a_rank_clears_that_rank_and_a_rank_listed_twice_keep
     snap.ranks.add(dp_rank=0, blocks=[events_pb2.StoredBlock(block_hash=5)])
     assert not idx.apply_snapshot(snap)
     assert idx.overlaps([3], [("w", 1)]) == {} and idx.worker_blocks("w") == 2
-    assert list(idx.map.blocks[idx.map.slot_of[("w", 0)]]) == [1, 5]
+    assert list(idx.map.blocks(idx.map.slot_of[("w", 0)])) == [1, 5]
 
 
 def test_a_snapshot_s_packed_hashes_and_stored_blocks_are_both_read() -> None:

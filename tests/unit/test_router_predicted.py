@@ -46,7 +46,7 @@ def test_approximate_cache_evicts_least_recently_routed_blocks_beyond_its_capaci
     assert cache.worker_blocks("a") == 4
     assert cache.overlaps([1, 2, 3], [("a", 0)]) == {("a", 0): 2}
     cache.add(("a", 0), [1, 2], now=2.0)  # routed again: reused, most recently used
-    assert cache.map.blocks[cache.map.slot_of[("a", 0)]] == {8: 0, 7: 0, 2: 1, 1: 1}  # eviction order, reuses
+    assert cache.map.blocks(cache.map.slot_of[("a", 0)]) == {8: 0, 7: 0, 2: 1, 1: 1}  # eviction order, reuses
     # two new blocks would evict 8 and 7 (never reused), then 2 (reused): hot victims counted
     assert cache.capacity(("a", 0), set(), 2) == Capacity(total=4, resident=4, evicted_hot=0)
     assert cache.capacity(("a", 0), set(), 3) == Capacity(total=4, resident=4, evicted_hot=1)

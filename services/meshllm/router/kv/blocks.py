@@ -1,18 +1,27 @@
 """Block hash → the slots (worker, dp rank) holding it, and each slot's blocks in eviction order.
 
-Layout, chosen for speed (bench/indexer.py): every (worker id, dp rank) gets a
-*slot*, a small integer; `BlockMap.masks` maps a block hash to an int whose
-bit `slot` is set when that slot holds the block. Applying a stored block is
-one dict update; the overlap of a prompt is a walk over its chained block
-hashes that ANDs the masks and stops at the first block nobody (among the
+Layout, chosen for speed and memory at fleet scale (bench/indexer.py,
+bench/fleet.py): every (worker id, dp rank) gets a *slot*, a small integer;
+every distinct block hash indexed gets a *block id*, a small integer too
+(`BlockMap.ids`, hash → id; ids of hashes nobody holds any more are reused).
+`BlockMap.bits[id]` is an int whose bit `slot` is set when that slot holds
+the block; id 0 is never given out and its bits stay 0, so `bits[ids.get(h, 0)]`
+is the mask of any hash. Applying a stored block is one dict lookup and one
+mask update; the overlap of a prompt is a walk over its chained block hashes
+that ANDs the masks and stops at the first block nobody (among the
 candidates) holds — chained hashes make "holds block i" imply "holds the
-prefix up to i". Each slot also keeps its hashes in a dict, so
-removing a worker or clearing its cache touches only its own blocks; the
-dict's insertion order is the slot's *eviction order* (least recently used
-first, as the engines evict; a block used again is popped and re-inserted)
-with, per block, how often a routed prompt reused it. A plain dict, not an
-OrderedDict: a third of the memory per (slot, block) pair and faster inserts
-(docs/benchmarks.md "Fleet routing").
+prefix up to i".
+
+Each slot also keeps its blocks' ids in a dict (`BlockMap.held`), so removing
+a worker or clearing its cache touches only its own blocks; the dict's
+insertion order is the slot's *eviction order* (least recently used first,
+as the engines evict; a block used again is popped and re-inserted) with,
+per block, how often a routed prompt reused it. Keyed by id, not by hash: the
+id objects are the ones `ids` holds, shared by every slot holding the block,
+where hash keys were one int object per (slot, block) pair as protobuf hands
+them out (docs/benchmarks.md "Fleet routing": bytes per pair); small
+sequential ids also keep a slot's dict probes near each other. A plain dict,
+not an OrderedDict: a third of the memory per pair and faster inserts.
 
 What a worker can hold: `KvIndex.set_total` records each slot's capacity
 (from its LoadSnapshots, or its model card before the first one);
@@ -32,7 +41,7 @@ event-fed `KvIndex` (meshllm.router.kv.index) and the approximate mode's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice
 from typing import NamedTuple
@@ -51,19 +60,26 @@ class Capacity(NamedTuple):
 
 
 class BlockMap:
-    """block hash → bitmask of slots, plus each slot's blocks in eviction order with their reuse counts."""
+    """block hash → block id → bitmask of slots, plus each slot's block ids in eviction order with their reuse counts."""
 
-    __slots__ = ("_free", "_keys", "blocks", "generation", "hot", "masks", "sizes", "slot_of")
+    __slots__ = ("_free", "_free_ids", "_keys", "bits", "generation", "held", "hot", "ids", "keys", "sizes", "slot_of")
 
     def __init__(self) -> None:
-        self.masks: dict[int, int] = {}
+        self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
+        self.bits: list[int] = [0]  # block id -> bitmask of the slots holding it; 0 for id 0 and free ids
+        self.keys: list[int] = [-1]  # block id -> its hash (-1: id 0 and free ids; hashes are unsigned)
         self.slot_of: dict[SlotKey, int] = {}
-        self.blocks: list[dict[int, int]] = []  # per slot: hash → reuses, least recently used first (insertion order)
+        self.held: list[dict[int, int]] = []  # per slot: block id -> reuses, least recently used first (insertion order)
         self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
-        self.sizes: list[int] = []  # per slot: len(blocks[slot]), kept for fleet decisions (one list to read)
+        self.sizes: list[int] = []  # per slot: len(held[slot]), kept for fleet decisions (one list to read)
         self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
+        self._free_ids: list[int] = []
+
+    def __len__(self) -> int:
+        """Distinct block hashes some slot holds."""
+        return len(self.ids)
 
     def slot(self, key: SlotKey) -> int:
         """The slot of `key`, allocated on first use (freed slots are reused, lowest first)."""
@@ -75,107 +91,135 @@ class BlockMap:
             else:
                 s = len(self._keys)
                 self._keys.append(key)
-                self.blocks.append({})
+                self.held.append({})
                 self.hot.append(0)
                 self.sizes.append(0)
             self.slot_of[key] = s
             self.generation += 1
         return s
 
+    def _new_id(self, h: int) -> int:
+        """A block id for `h` (not indexed yet), its mask 0 until a slot's bit is set."""
+        if self._free_ids:
+            i = self._free_ids.pop()
+            self.keys[i] = h
+        else:
+            i = len(self.keys)
+            self.keys.append(h)
+            self.bits.append(0)
+        self.ids[h] = i
+        return i
+
+    def _unmark(self, slot: int, block_ids: Iterable[int]) -> None:
+        """Clear `slot`'s bit in the masks of `block_ids`, all of which it holds (an id left with no slot is freed)."""
+        bits, keys, ids, keep = self.bits, self.keys, self.ids, ~(1 << slot)
+        for i in block_ids:
+            m = bits[i] & keep
+            bits[i] = m
+            if not m:
+                del ids[keys[i]]
+                keys[i] = -1
+                self._free_ids.append(i)
+
+    def mask(self, h: int) -> int:
+        """The bitmask of the slots holding `h`."""
+        return self.bits[self.ids.get(h, 0)]
+
     def add(self, slot: int, hashes: Iterable[int]) -> int:
         """Mark `hashes` held by `slot` (new ones at the most recently used end, in order); returns how many were new."""
-        masks, held, bit = self.masks, self.blocks[slot], 1 << slot
-        get = masks.get
+        bits, held, bit = self.bits, self.held[slot], 1 << slot
+        get = self.ids.get
         before = len(held)
         for h in hashes:
-            masks[h] = get(h, 0) | bit
-            if h not in held:
-                held[h] = 0
+            i = get(h)
+            if i is None:
+                i = self._new_id(h)
+                bits[i] = bit
+                held[i] = 0
+            elif i not in held:
+                bits[i] |= bit
+                held[i] = 0
         self.sizes[slot] = len(held)
         return len(held) - before
 
     def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
         """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
-        held = self.blocks[slot]
-        pop = held.pop
+        held = self.held[slot]
+        pop, get = held.pop, self.ids.get
         for h in reversed(hashes):
-            n = pop(h, None)
+            i = get(h, 0)
+            n = pop(i, None)
             if n is not None:
                 if reused:
                     if not n:
                         self.hot[slot] += 1
                     n += 1
-                held[h] = n  # re-inserted: the most recently used end
+                held[i] = n  # re-inserted: the most recently used end
 
     def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
-        """Of the `k` least recently used blocks of `slot` not in `keep`, how many were reused since stored."""
+        """Of the `k` least recently used blocks of `slot` not in `keep` (hashes), how many were reused since stored."""
         if k <= 0:
             return 0
-        held = self.blocks[slot]
-        # The victims are the first `w` entries, `w` grown until k of them are outside `keep`;
-        # slices and set operations keep the work at C speed (a routing decision asks this per worker).
+        held = self.held[slot]
+        kept = keep if isinstance(keep, set | frozenset) else frozenset(keep)
+        key = self.keys.__getitem__
+        # The victims are the first `w` entries, `w` grown until k of them are outside `keep`; islice, map and
+        # set.intersection keep the work at C speed with no set of the window built (a decision asks this per worker).
         w = k
         inside: AbstractSet[int] = frozenset()
         while w < len(held):
-            inside = keep & set(islice(held, w)) if keep else frozenset()
+            inside = kept.intersection(map(key, islice(held, w))) if kept else frozenset()
             if w - len(inside) >= k:
                 break
             w = k + len(inside)
         else:
-            inside = keep & held.keys() if keep else frozenset()
+            get = self.ids.get
+            inside = {h for h in kept if get(h, 0) in held}
         window = list(islice(held.values(), w))
-        return len(window) - window.count(0) - sum(1 for h in inside if held[h])
+        ids = self.ids
+        return len(window) - window.count(0) - sum(1 for h in inside if held[ids[h]])
 
     def remove(self, slot: int, hashes: Iterable[int]) -> int:
         """Unmark `hashes` for `slot`; returns how many it actually held."""
-        masks, held, keep = self.masks, self.blocks[slot], ~(1 << slot)
-        n = hot = 0
-        pop = held.pop
+        held = self.held[slot]
+        pop, get = held.pop, self.ids.get
+        gone = []
+        hot = 0
         for h in hashes:
-            reuses = pop(h, None)
+            i = get(h, 0)
+            reuses = pop(i, None)
             if reuses is not None:
                 if reuses:
                     hot += 1
-                m = masks[h] & keep
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                n += 1
+                gone.append(i)
         if hot:
             self.hot[slot] -= hot
+        self._unmark(slot, gone)
         self.sizes[slot] = len(held)
-        return n
+        return len(gone)
 
     def clear_slot(self, slot: int) -> int:
         """Drop every block of `slot`; returns how many."""
-        n = len(self.blocks[slot])
-        self._unmark(slot, self.blocks[slot])
-        self.blocks[slot] = {}
+        n = len(self.held[slot])
+        self._unmark(slot, self.held[slot])
+        self.held[slot] = {}
         self.hot[slot] = 0
         self.sizes[slot] = 0
         return n
 
-    def _unmark(self, slot: int, hashes: Iterable[int]) -> None:
-        """Clear `slot`'s bit in the masks of `hashes`, all of which it holds (a mask left empty goes)."""
-        masks, keep = self.masks, ~(1 << slot)
-        for h in hashes:
-            m = masks[h] & keep
-            if m:
-                masks[h] = m
-            else:
-                del masks[h]
-
     def replace(self, slot: int, hashes: Iterable[int]) -> int:
         """Make `hashes` the blocks of `slot`, in that order, with no reuse counted: the state `clear_slot` then
         `add` leave (a snapshot), at the cost of the difference only. Returns how many blocks `slot` holds."""
-        old, new = self.blocks[slot], dict.fromkeys(hashes, 0)
+        old, ordered = self.held[slot], dict.fromkeys(hashes, 0)
+        got = list(map(self.ids.get, ordered))
+        if None in got:
+            got = [self._new_id(h) if i is None else i for h, i in zip(ordered, got, strict=True)]
+        new: dict[int, int] = dict.fromkeys(got, 0)  # type: ignore[arg-type]  # no None left
         self._unmark(slot, old.keys() - new.keys())
-        masks, bit = self.masks, 1 << slot
-        get = masks.get
-        for h in new.keys() - old.keys():
-            masks[h] = get(h, 0) | bit
-        self.blocks[slot] = new
+        bits, bit = self.bits, 1 << slot
+        for i in new.keys() - old.keys():
+            bits[i] |= bit
+        self.held[slot] = new
         self.hot[slot] = 0
         self.sizes[slot] = len(new)
         return len(new)
@@ -196,15 +240,39 @@ class BlockMap:
 
     def count(self, key: SlotKey) -> int:
         s = self.slot_of.get(key)
-        return 0 if s is None else len(self.blocks[s])
+        return 0 if s is None else len(self.held[s])
 
+    # ------------------------------------------------------------ a slot's blocks by hash
+    def blocks(self, slot: int) -> dict[int, int]:
+        """`slot`'s blocks, hash → reuses, in eviction order (a copy)."""
+        keys = self.keys
+        return {keys[i]: n for i, n in self.held[slot].items()}
+
+    def iter_blocks(self, slot: int) -> Iterator[int]:
+        """`slot`'s block hashes, least recently used first (do not change the slot while iterating)."""
+        return map(self.keys.__getitem__, self.held[slot])
+
+    def holds(self, slot: int, h: int) -> bool:
+        return self.ids.get(h, 0) in self.held[slot]
+
+    def holding(self, slot: int, hashes: Iterable[int]) -> set[int]:
+        """Those of `hashes` that `slot` holds."""
+        held, get = self.held[slot], self.ids.get
+        return {h for h in hashes if get(h, 0) in held}
+
+    def masks(self) -> dict[int, int]:
+        """Every indexed hash → the bitmask of its slots (a copy, for checks)."""
+        bits = self.bits
+        return {h: bits[i] for h, i in self.ids.items()}
+
+    # ------------------------------------------------------------ overlaps
     def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
         """Leading blocks of `hashes` each of `keys` holds (keys holding none are absent)."""
         slot_of = self.slot_of
         mask = 0
         for k in keys:
             s = slot_of.get(k)
-            if s is not None and self.blocks[s]:
+            if s is not None and self.held[s]:
                 mask |= 1 << s
         out: dict[SlotKey, int] = {}
         if mask:
@@ -217,19 +285,25 @@ class BlockMap:
 
         The walk of `overlaps` without one dict entry per slot: a block every
         slot of a fleet holds (a chat template) ends as one group, not as
-        a thousand keys.
+        a thousand keys. A block whose mask equals the one before it keeps
+        every candidate the one before kept: no AND (a fleet's masks are
+        ints of up to a thousand bits; a comparison allocates nothing).
         """
         out: list[tuple[int, int]] = []
-        get = self.masks.get
+        get, bits = self.ids.get, self.bits
         depth = 0
+        prev = -1
         for h in hashes:
-            m = get(h, 0) & mask
-            if m != mask:
-                if depth:
-                    out.append((depth, mask & ~m))
-                mask = m
-                if not mask:
-                    return out
+            b = bits[get(h, 0)]
+            if b != prev:
+                prev = b
+                m = b & mask
+                if m != mask:
+                    if depth:
+                        out.append((depth, mask & ~m))
+                    mask = m
+                    if not mask:
+                        return out
             depth += 1
         if depth and mask:
             out.append((depth, mask))

@@ -244,4 +244,4 @@ class KvIndex(SlotCapacities):
     @property
     def size(self) -> int:
         """Distinct block hashes indexed in device tiers."""
-        return len(self.map.masks)
+        return len(self.map)

@@ -24,6 +24,7 @@ The prefix walk of both is `BlockMap.overlaps`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from meshllm.router.kv.blocks import BlockMap, SlotCapacities, SlotKey
 
@@ -87,7 +88,7 @@ class PredictedIndex:
             del self._entries[entry_id]
         for key in self.map.keys_of(worker_id):
             slot = self.map.slot_of[key]
-            for h in self.map.blocks[slot]:
+            for h in self.map.iter_blocks(slot):
                 self._refs.pop((slot, h), None)
             self.map.drop(key)
 
@@ -110,10 +111,10 @@ class RoutedCache(SlotCapacities):
     def add(self, key: SlotKey, hashes: Sequence[int], *, now: float) -> None:
         """`hashes` were routed to `key` at `now`: cached there from now on, most recently used."""
         slot = self.map.slot(key)
-        held = self.map.blocks[slot]
+        holds = self.map.holds
         reused = 0
         for h in hashes:
-            if h not in held:
+            if not holds(slot, h):
                 break
             reused += 1
         self.map.touch(slot, hashes[:reused], reused=True)
@@ -122,9 +123,9 @@ class RoutedCache(SlotCapacities):
         used = self._used.setdefault(slot, {})
         for h in hashes:
             used[h] = now
-        total = self.totals.get(key, 0)
-        if total > 0 and len(held) > total:
-            self._drop(slot, [h for h, _ in zip(held, range(len(held) - total), strict=False)])
+        total, size = self.totals.get(key, 0), self.map.sizes[slot]
+        if total > 0 and size > total:
+            self._drop(slot, list(islice(self.map.iter_blocks(slot), size - total)))
 
     def expire(self, now: float) -> int:
         """Forget blocks not routed for `ttl_s`; returns how many."""
@@ -132,7 +133,7 @@ class RoutedCache(SlotCapacities):
         cutoff = now - self.ttl_s
         for slot, used in self._used.items():
             old = []
-            for h in self.map.blocks[slot]:  # least recently routed first
+            for h in self.map.iter_blocks(slot):  # least recently routed first
                 if used.get(h, cutoff) > cutoff:
                     break
                 old.append(h)

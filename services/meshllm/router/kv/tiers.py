@@ -18,7 +18,7 @@ enum value is nearer).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 __all__ = ["DeviceBlocks", "LowerTiers", "TierOverlap"]
@@ -27,8 +27,10 @@ __all__ = ["DeviceBlocks", "LowerTiers", "TierOverlap"]
 class DeviceBlocks(Protocol):
     """What the tiers read of the device index (`kv_index.BlockMap`, which builds on this module)."""
 
-    masks: dict[int, int]  # block hash -> bitmask of the slots holding it
-    blocks: list[dict[int, int]]  # per slot: its block hashes (-> reuses)
+    ids: dict[int, int]  # block hash -> block id (> 0)
+    bits: list[int]  # block id -> bitmask of the slots holding it (bits[0] == 0)
+
+    def holding(self, slot: int, hashes: Iterable[int]) -> set[int]: ...  # those of `hashes` that `slot` holds
 
 
 class TierOverlap(NamedTuple):
@@ -122,11 +124,11 @@ class LowerTiers:
         if not alive:
             return out
         # One walk for every slot: where does each one's run through device ∪ lower tiers end?
-        dget, lget = device.masks.get, self.any.get
+        dget, dbits, lget = device.ids.get, device.bits, self.any.get
         ends: dict[int, int] = {}
         n = len(hashes)
         for i, h in enumerate(hashes):
-            gone = alive & ~(dget(h, 0) | lget(h, 0))
+            gone = alive & ~(dbits[dget(h, 0)] | lget(h, 0))
             if gone:
                 while gone:
                     low = gone & -gone
@@ -144,15 +146,17 @@ class LowerTiers:
         for s, end in ends.items():
             start = starts[s]
             if end > start:
-                split = self._split(s, hashes[start:end], device.blocks[s].keys())
+                run = hashes[start:end]
+                split = self._split(s, run, device.holding(s, run))
                 if split.lower:
                     out[s] = split
         return out
 
-    def _split(self, slot: int, run: Sequence[int], on_device: KeysView[int]) -> TierOverlap:
-        """Which tier each block of `run` (all held by `slot` somewhere) comes from: nearest first."""
+    def _split(self, slot: int, run: Sequence[int], on_device: set[int]) -> TierOverlap:
+        """Which tier each block of `run` (all held by `slot` somewhere) comes from: nearest first (`on_device`:
+        those of `run` the device holds)."""
         tiers = [(t, held) for t, by_slot in self.sets.items() if (held := by_slot.get(slot))]
-        dev = len(on_device & set(run))
+        dev = len(on_device)
         if not dev and len(tiers) <= 2:  # the usual case, in C: a device prefix, then host and/or disk
             if len(tiers) == 1:
                 return TierOverlap(0, {tiers[0][0]: len(run)})
