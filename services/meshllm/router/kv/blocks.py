@@ -41,6 +41,7 @@ event-fed `KvIndex` (meshllm.router.kv.index) and the approximate mode's
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice
@@ -62,7 +63,10 @@ class Capacity(NamedTuple):
 class BlockMap:
     """block hash → block id → bitmask of slots, plus each slot's block ids in eviction order with their reuse counts."""
 
-    __slots__ = ("_free", "_free_ids", "_keys", "bits", "generation", "held", "hot", "ids", "keys", "sizes", "slot_of")
+    __slots__ = (
+        "_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids", "keys", "sizes",
+        "slot_of",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
@@ -70,12 +74,16 @@ class BlockMap:
         self.keys: list[int] = [-1]  # block id -> its hash (-1: id 0 and free ids; hashes are unsigned)
         self.slot_of: dict[SlotKey, int] = {}
         self.held: list[dict[int, int]] = []  # per slot: block id -> reuses, least recently used first (insertion order)
-        self.hot: list[int] = []  # per slot: how many of its blocks were reused (kept as blocks come and go)
-        self.sizes: list[int] = []  # per slot: len(held[slot]), kept for fleet decisions (one list to read)
+        # Per slot, kept as blocks come and go: how many of its blocks were reused, and len(held[slot]). Arrays of
+        # int64, so a fleet decision reads them as numpy arrays without a copy (np.frombuffer), not a list to convert.
+        self.hot = array("q")
+        self.sizes = array("q")
         self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
         self._free_ids: list[int] = []
+        self._version = 0  # bumped whenever a block id is given out or freed
+        self._keep: tuple[frozenset[int], int, frozenset[int]] = (frozenset(), 0, frozenset())  # see _keep_ids
 
     def __len__(self) -> int:
         """Distinct block hashes some slot holds."""
@@ -108,18 +116,22 @@ class BlockMap:
             self.keys.append(h)
             self.bits.append(0)
         self.ids[h] = i
+        self._version += 1
         return i
 
     def _unmark(self, slot: int, block_ids: Iterable[int]) -> None:
         """Clear `slot`'s bit in the masks of `block_ids`, all of which it holds (an id left with no slot is freed)."""
         bits, keys, ids, keep = self.bits, self.keys, self.ids, ~(1 << slot)
+        freed = self._free_ids
+        before = len(freed)
         for i in block_ids:
             m = bits[i] & keep
             bits[i] = m
             if not m:
                 del ids[keys[i]]
                 keys[i] = -1
-                self._free_ids.append(i)
+                freed.append(i)
+        self._version += len(freed) - before
 
     def mask(self, h: int) -> int:
         """The bitmask of the slots holding `h`."""
@@ -145,39 +157,46 @@ class BlockMap:
     def touch(self, slot: int, hashes: Sequence[int], *, reused: bool) -> None:
         """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
         held = self.held[slot]
-        pop, get = held.pop, self.ids.get
-        for h in reversed(hashes):
-            i = get(h, 0)
-            n = pop(i, None)
+        pop = held.pop
+        for i in map(self.ids.get, reversed(hashes)):  # None for a hash nobody holds: never in `held`
+            n = pop(i, None)  # type: ignore[arg-type]
             if n is not None:
                 if reused:
                     if not n:
                         self.hot[slot] += 1
                     n += 1
-                held[i] = n  # re-inserted: the most recently used end
+                held[i] = n  # type: ignore[index]  # re-inserted: the most recently used end
 
     def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
         """Of the `k` least recently used blocks of `slot` not in `keep` (hashes), how many were reused since stored."""
         if k <= 0:
             return 0
         held = self.held[slot]
-        kept = keep if isinstance(keep, set | frozenset) else frozenset(keep)
-        key = self.keys.__getitem__
-        # The victims are the first `w` entries, `w` grown until k of them are outside `keep`; islice, map and
-        # set.intersection keep the work at C speed with no set of the window built (a decision asks this per worker).
+        kept = self._keep_ids(keep)
+        # The victims are the first `w` entries, `w` grown until k of them are outside `keep`;
+        # islice and set.intersection keep the work at C speed (a routing decision asks this per worker).
         w = k
         inside: AbstractSet[int] = frozenset()
         while w < len(held):
-            inside = kept.intersection(map(key, islice(held, w))) if kept else frozenset()
+            inside = kept.intersection(islice(held, w)) if kept else frozenset()
             if w - len(inside) >= k:
                 break
             w = k + len(inside)
         else:
-            get = self.ids.get
-            inside = {h for h in kept if get(h, 0) in held}
+            inside = kept & held.keys()
         window = list(islice(held.values(), w))
-        ids = self.ids
-        return len(window) - window.count(0) - sum(1 for h in inside if held[ids[h]])
+        return len(window) - window.count(0) - sum(1 for i in inside if held[i])
+
+    def _keep_ids(self, keep: AbstractSet[int]) -> frozenset[int]:
+        """The block ids of the hashes of `keep` indexed. A decision asks `hot_victims` per candidate with one
+        frozenset (the prompt): its ids are kept while that frozenset and every block id stay as they are."""
+        last, version, kept = self._keep
+        if keep is last and version == self._version:
+            return kept
+        kept = frozenset(filter(None, map(self.ids.get, keep)))  # id 0 is never given out
+        if isinstance(keep, frozenset):  # immutable: the same object is the same hashes next time
+            self._keep = (keep, self._version, kept)
+        return kept
 
     def remove(self, slot: int, hashes: Iterable[int]) -> int:
         """Unmark `hashes` for `slot`; returns how many it actually held."""

@@ -61,7 +61,7 @@ class Ask:
     hashes: int
     block_size: int
     request_blocks: int
-    prompt: set[int]
+    prompt: frozenset[int]  # immutable: BlockMap.hot_victims keeps its block ids for the decision's candidates
     block_ms: float
     fixed_ms: float
     cache: SlotCapacities
@@ -97,7 +97,7 @@ class Candidates:
         v = self.views
         return Ask(
             tokens=len(tokens), hashes=len(hashes), block_size=block_size,
-            request_blocks=-(-len(tokens) // block_size), prompt=set(hashes),
+            request_blocks=-(-len(tokens) // block_size), prompt=frozenset(hashes),
             block_ms=v.times.block_ms(model, block_size), fixed_ms=v.times.fixed_ms(model),
             cache=v.approx if v.mode is RouterMode.APPROXIMATE else v.index,
         )  # fmt: skip
@@ -280,8 +280,8 @@ class Candidates:
         """Add the `rest` slots in order of their cost's lower bound until a bound exceeds the best candidate."""
         cfg = self.views.config.tuning
         bmap = self.views.index.map
-        counts = np.array(bmap.sizes, dtype=np.int64)[t.slots]
-        hot = np.array(bmap.hot, dtype=np.int64)[t.slots]
+        counts = np.frombuffer(bmap.sizes, dtype=np.int64)[t.slots]  # a copy: the buffer is let go at once
+        hot = np.frombuffer(bmap.hot, dtype=np.int64)[t.slots]
         best = min((order(c) for c in cands), default=None)
         b = lower_bounds(
             t, ov, counts, hot, tokens=ask.tokens, hashes=ask.hashes, block_size=ask.block_size,
