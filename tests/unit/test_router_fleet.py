@@ -302,25 +302,28 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
 
 
 def test_policy_order_is_the_lexicographic_order_of_the_bounds() -> None:
-    """The first slots one minimum at a time, then a sort: together the policy's order, ties included."""
-    from meshllm.router.policy.fleet import SELECT_STEPS, Bounds, FleetTable, policy_order
+    """The first slots one minimum at a time, then sorts in chunks: together the policy's order, ties included."""
+    from meshllm.router.policy.fleet import SELECT_STEPS, SORT_CHUNK, Bounds, FleetTable, policy_order
 
     rng = np.random.default_rng(5)
-    n = 200
-    base = [PoolWorker(f"w{i:03d}", "", AGGREGATED, MODEL) for i in range(n)]
-    table = FleetTable.build(base, {(w.id, 0): i for i, w in enumerate(base)}, 0)
-    table.in_flight[:] = rng.integers(0, 3, n)
-    b = Bounds(
-        no_room=rng.random(n) < 0.2, cost=rng.integers(0, 6, n).astype(np.float64) / 2,  # many ties on purpose
-        decode=rng.integers(0, 4, n), cached=rng.integers(0, 3, n), exact=np.ones(n, dtype=np.bool_),
-    )  # fmt: skip
-    alive = rng.random(n) < 0.9
-    want = sorted(
-        np.flatnonzero(alive).tolist(),
-        key=lambda i: (bool(b.no_room[i]), float(b.cost[i]), int(b.decode[i]), int(table.in_flight[i]), int(b.cached[i]), i),
-    )
-    got = list(policy_order(b, table, alive))
-    assert got == want and len(got) > SELECT_STEPS
+    for n, no_room, ties in [(200, 0.2, True), (200, 0.9, True), (300, 0.05, False), (40, 0.2, True), (500, 1.0, False)]:
+        base = [PoolWorker(f"w{i:03d}", "", AGGREGATED, MODEL) for i in range(n)]
+        table = FleetTable.build(base, {(w.id, 0): i for i, w in enumerate(base)}, 0)
+        table.in_flight[:] = rng.integers(0, 3, n)
+        cost = rng.integers(0, 6, n).astype(np.float64) / 2 if ties else rng.random(n)  # many ties, or none
+        b = Bounds(
+            no_room=rng.random(n) < no_room, cost=cost, decode=rng.integers(0, 4, n), cached=rng.integers(0, 3, n),
+            exact=np.ones(n, dtype=np.bool_),
+        )  # fmt: skip
+        alive = rng.random(n) < 0.9
+        want = sorted(
+            np.flatnonzero(alive).tolist(),
+            key=lambda i, b=b, t=table: (bool(b.no_room[i]), float(b.cost[i]), int(b.decode[i]), int(t.in_flight[i]),
+                                         int(b.cached[i]), i),
+        )  # fmt: skip
+        got = list(policy_order(b, table, alive))
+        assert got == want and len(got) > SELECT_STEPS
+        assert n < 200 or len(want) > SELECT_STEPS + SORT_CHUNK  # the chunked sort is what orders most of them
 
 
 def test_sizes_follow_every_change_of_a_slot() -> None:
