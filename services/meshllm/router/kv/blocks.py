@@ -139,18 +139,28 @@ class BlockMap:
 
     def add(self, slot: int, hashes: Iterable[int]) -> int:
         """Mark `hashes` held by `slot` (new ones at the most recently used end, in order); returns how many were new."""
-        bits, held, bit = self.bits, self.held[slot], 1 << slot
-        get = self.ids.get
+        ids, bits, keys, free, held, bit = self.ids, self.bits, self.keys, self._free_ids, self.held[slot], 1 << slot
+        get = ids.get
         before = len(held)
+        fresh = 0
         for h in hashes:
             i = get(h)
-            if i is None:
-                i = self._new_id(h)
-                bits[i] = bit
+            if i is None:  # a block nobody holds: a new id (`_new_id`, inline: most stored blocks are new)
+                if free:
+                    i = free.pop()
+                    keys[i] = h
+                    bits[i] = bit  # one int for every block only this slot holds
+                else:
+                    i = len(keys)
+                    keys.append(h)
+                    bits.append(bit)
+                ids[h] = i
                 held[i] = 0
+                fresh += 1
             elif i not in held:
                 bits[i] |= bit
                 held[i] = 0
+        self._version += fresh
         self.sizes[slot] = len(held)
         return len(held) - before
 
