@@ -71,7 +71,7 @@ class BlockMap:
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
         self.bits: list[int] = [0]  # block id -> bitmask of the slots holding it; 0 for id 0 and free ids
-        self.keys: list[int] = [-1]  # block id -> its hash (-1: id 0 and free ids; hashes are unsigned)
+        self.keys = array("Q", [0])  # block id -> its hash, unboxed (0 for id 0 and free ids: never read)
         self.slot_of: dict[SlotKey, int] = {}
         self.held: list[dict[int, int]] = []  # per slot: block id -> reuses, least recently used first (insertion order)
         # Per slot, kept as blocks come and go: how many of its blocks were reused, and len(held[slot]). Arrays of
@@ -129,7 +129,7 @@ class BlockMap:
             bits[i] = m
             if not m:
                 del ids[keys[i]]
-                keys[i] = -1
+                keys[i] = 0
                 freed.append(i)
         self._version += len(freed) - before
 
@@ -239,11 +239,9 @@ class BlockMap:
     def replace(self, slot: int, hashes: Iterable[int]) -> int:
         """Make `hashes` the blocks of `slot`, in that order, with no reuse counted: the state `clear_slot` then
         `add` leave (a snapshot), at the cost of the difference only. Returns how many blocks `slot` holds."""
-        old, ordered = self.held[slot], dict.fromkeys(hashes, 0)
-        got = list(map(self.ids.get, ordered))
-        if None in got:
-            got = [self._new_id(h) if i is None else i for h, i in zip(ordered, got, strict=True)]
-        new: dict[int, int] = dict.fromkeys(got, 0)  # type: ignore[arg-type]  # no None left
+        old = self.held[slot]
+        known = dict(zip(map(self.keys.__getitem__, old), old, strict=True))  # by hash, without the fleet's ids dict
+        new = dict.fromkeys(self._ids_of(list(dict.fromkeys(hashes)), known), 0)
         self._unmark(slot, old.keys() - new.keys())
         bits, bit = self.bits, 1 << slot
         for i in new.keys() - old.keys():
@@ -252,6 +250,23 @@ class BlockMap:
         self.hot[slot] = 0
         self.sizes[slot] = len(new)
         return len(new)
+
+    def _ids_of(self, hashes: list[int], known: dict[int, int]) -> list[int]:
+        """The ids of distinct `hashes`, new ones given out; `known` (hash -> id) answers most of them at C speed
+        (a snapshot of a worker the index follows changes a few blocks), the fleet's ids dict the rest."""
+        got = list(map(known.get, hashes))
+        get = self.ids.get
+        if got.count(None) * 8 > len(got):
+            got = list(map(get, hashes))
+        try:
+            j = got.index(None)
+            while True:
+                i = get(hashes[j])
+                got[j] = self._new_id(hashes[j]) if i is None else i
+                j = got.index(None, j + 1)
+        except ValueError:
+            pass
+        return got  # type: ignore[return-value]  # no None left
 
     def drop(self, key: SlotKey) -> None:
         """Forget `key` and its blocks; its slot becomes free."""
