@@ -1,42 +1,28 @@
 """Block hash → the slots (worker, dp rank) holding it, and each slot's blocks in eviction order.
 
-Layout, chosen for speed and memory at fleet scale (bench/indexer.py,
-bench/fleet.py): every (worker id, dp rank) gets a *slot*, a small integer;
-every distinct block hash indexed gets a *block id*, a small integer too
-(`BlockMap.ids`, hash → id; ids of hashes nobody holds any more are reused).
-`BlockMap.bits[id]` is an int whose bit `slot` is set when that slot holds
-the block; id 0 is never given out and its bits stay 0, so `bits[ids.get(h, 0)]`
-is the mask of any hash. Applying a stored block is one dict lookup and one
-mask update; the overlap of a prompt is a walk over its chained block hashes
-that ANDs the masks and stops at the first block nobody (among the
-candidates) holds — chained hashes make "holds block i" imply "holds the
-prefix up to i".
+Layout, chosen for speed and memory at fleet scale (bench/indexer.py, bench/fleet.py): every (worker id, dp
+rank) gets a *slot*, a small integer; every distinct block hash indexed gets a *block id*, a small integer
+too (`BlockMap.ids`; the id of a hash nobody holds any more is reused). `BlockMap.bits[id]` is an int whose
+bit `slot` is set when that slot holds the block; id 0 is never given out and its bits stay 0, so
+`bits[ids.get(h, 0)]` is the mask of any hash. A stored block is one dict lookup and one mask update; the
+overlap of a prompt is a walk over its chained block hashes that ANDs the masks and stops at the first
+block nobody (among the candidates) holds — chained hashes make "holds block i" imply "holds the prefix".
 
-Each slot also keeps its blocks' ids in a dict (`BlockMap.held`), so removing
-a worker or clearing its cache touches only its own blocks; the dict's
-insertion order is the slot's *eviction order* (least recently used first,
-as the engines evict; a block used again is popped and re-inserted) with,
-per block, how often a routed prompt reused it. Keyed by id, not by hash: the
-id objects are the ones `ids` holds, shared by every slot holding the block,
-where hash keys were one int object per (slot, block) pair as protobuf hands
-them out (docs/benchmarks.md "Fleet routing": bytes per pair); small
-sequential ids also keep a slot's dict probes near each other. A plain dict,
-not an OrderedDict: a third of the memory per pair and faster inserts.
+Each slot keeps its blocks' ids in a dict (`BlockMap.held`), so removing a worker or clearing its cache
+touches only its own blocks; the dict's insertion order is the slot's *eviction order* (least recently used
+first, as the engines evict; a block used again is popped and re-inserted) with, per block, how often a
+routed prompt reused it. Keyed by id, not by hash: the id objects are the ones `ids` holds, shared by every
+slot holding the block, where hash keys were one int object per (slot, block) pair as protobuf hands them
+out; small sequential ids keep a slot's dict probes near each other (docs/routing.md "The KV index").
 
-What a worker can hold: `KvIndex.set_total` records each slot's capacity
-(from its LoadSnapshots, or its model card before the first one);
-`KvIndex.capacity` answers, for one prompt, how full the slot is and how many
-of the blocks it would have to evict were reused since stored (see
-`meshllm.router.policy.choice` for how the cost uses them). Event order gives the
-eviction order as far as events can tell it — stored blocks enter at the
-most recently used end, the prompt's first block last, since an engine
-releases a sequence tail first — and the router refines it with what it
-routes: `touch` moves a routed prompt's cached blocks to the most recently
-used end and counts the reuse.
-
-`SlotCapacities` answers the capacity terms from a `BlockMap`, for the
-event-fed `KvIndex` (meshllm.router.kv.index) and the approximate mode's
-`RoutedCache` (meshllm.router.kv.predicted) alike.
+What a worker can hold: `KvIndex.set_total` records each slot's capacity (from its LoadSnapshots, or its
+model card before the first one); `KvIndex.capacity` answers, for one prompt, how full the slot is and how
+many of the blocks it would have to evict were reused since stored (`meshllm.router.policy.choice` says how
+the cost uses them). Event order gives the eviction order as far as events can tell it — stored blocks
+enter at the most recently used end, the prompt's first block last, since an engine releases a sequence
+tail first — and the router refines it with what it routes: `touch` moves a routed prompt's cached blocks
+to the most recently used end and counts the reuse. `SlotCapacities` answers the capacity terms from a
+`BlockMap`, for the event-fed `KvIndex` and the approximate mode's `RoutedCache` alike.
 """
 
 from __future__ import annotations
@@ -63,10 +49,8 @@ class Capacity(NamedTuple):
 class BlockMap:
     """block hash → block id → bitmask of slots, plus each slot's block ids in eviction order with their reuse counts."""
 
-    __slots__ = (
-        "_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids", "keys", "sizes",
-        "slot_of",
-    )  # fmt: skip
+    __slots__ = ("_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids", "keys",
+                 "sizes", "slot_of")  # fmt: skip
 
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
@@ -252,8 +236,7 @@ class BlockMap:
         return len(new)
 
     def _ids_of(self, hashes: list[int], known: dict[int, int]) -> list[int]:
-        """The ids of distinct `hashes`, new ones given out; `known` (hash -> id) answers most of them at C speed
-        (a snapshot of a worker the index follows changes a few blocks), the fleet's ids dict the rest."""
+        """The ids of distinct `hashes`, new ones given out: `known` (hash -> id) first, the fleet's ids dict after."""
         got = list(map(known.get, hashes))
         get = self.ids.get
         if got.count(None) * 8 > len(got):
