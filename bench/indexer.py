@@ -179,7 +179,7 @@ def measure_lookup(
         t1 = time.perf_counter()
         overlaps = index.overlaps(hashes, keys)
         t2 = time.perf_counter()
-        prompt = set(hashes)
+        prompt = frozenset(hashes)  # as RouterCore asks (`Ask.prompt`): its block ids are kept across the workers
         for key in keys:
             index.capacity(key, prompt, len(hashes) - overlaps.get(key, 0))
         t3 = time.perf_counter()
