@@ -26,6 +26,7 @@ from fleet_procs import (
 )
 from fleet_report import summary
 from fleet_sim import BLOCK_SIZE, COPY_STRIDE, Fleet, SnapshotServers
+from harness.cpu import process_seconds
 
 from meshllm.plane.request.channels import ChannelCache
 from meshllm.protocol.names import kv_subject, load_subject
@@ -109,8 +110,9 @@ async def ingest(f: Fleet, mesh: Mesh) -> None:
     subject = kv_subject(NAMESPACE, "worker")
     # ---- ingestion
     sent = 0
-    t_pub = time.perf_counter()
     offsets = [await r.value("meshllm_router_kv_events_applied_total") for r in replicas]
+    cpu0 = [process_seconds(r.proc.proc.pid) for r in replicas]
+    t_pub = time.perf_counter()
     for i, (data, n) in enumerate(stream):
         await nc.publish(subject, data)
         sent += n
@@ -128,6 +130,10 @@ async def ingest(f: Fleet, mesh: Mesh) -> None:
             0.01,
         )
     ingest_s = time.perf_counter() - t_pub
+    # What one router core ingests: this machine runs both replicas, nats-server and the publisher on its cores.
+    cpu = [process_seconds(r.proc.proc.pid) - c for r, c in zip(replicas, cpu0, strict=True)]
+    out["router_cpu_s"] = cpu
+    out["events_per_router_cpu_s"] = total_events / max(max(cpu), 1e-9)
     out["events"] = total_events
     out["events_per_s"] = total_events / ingest_s
     out["publish_s"] = published_s
@@ -136,7 +142,8 @@ async def ingest(f: Fleet, mesh: Mesh) -> None:
     out["resyncs_during_fill"] = gaps
     log(
         f"ingested {total_events:,} block-events in {ingest_s:.1f}s ({out['events_per_s']:,.0f}/s; "
-        f"published in {published_s:.1f}s)"
+        f"published in {published_s:.1f}s; router CPU {' / '.join(f'{c:.1f}' for c in cpu)} s, "
+        f"{out['events_per_router_cpu_s']:,.0f} per router CPU-second)"
     )
 
 

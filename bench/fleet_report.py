@@ -9,6 +9,13 @@ from fleet_sim import WORKERS_PER_COPY
 from harness.runinfo import load_sentence, machine, today
 from harness.stats import pct
 
+
+def _per_core(r: dict[str, Any]) -> str:
+    """Block-events per CPU-second of the busier router replica (runs before 2026-11-29 evening did not measure it)."""
+    v = r.get("events_per_router_cpu_s")
+    return "" if v is None else f"; {v:,.0f} per router CPU-second"
+
+
 TARGETS = {"decision_p99_ms": 1.0, "events_per_s": 1_000_000, "bytes_per_pair": 100, "resync_all_s": 10.0}
 
 
@@ -74,7 +81,8 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
         lines.append(
             f"| {r['workers']:,} × {r['blocks_per_worker']:,} | {ms(r['decision_ms'])} ({mark(r, 'decision_p99_ms')}) "
             f"| {exhaustive} | {ms(r['route_rpc_ms'])} | {r['candidates_scored_median']:g} "
-            f"| {r['events_per_s']:,.0f} ({mark(r, 'events_per_s')}; {r['in_process_events_per_s']:,.0f} in process) "
+            f"| {r['events_per_s']:,.0f} ({mark(r, 'events_per_s')}; "
+            f"{r['in_process_events_per_s']:,.0f} in process{_per_core(r)}) "
             f"| {r['bytes_per_pair']:.0f} ({mark(r, 'bytes_per_pair')}) "
             f"| {r['resync_one_s']:.3f} / {r['resync_all_s']:.2f} ({mark(r, 'resync_all_s')}"
             f"{'; ' + format(r['resubscribed_s'], '.1f') + ' s of it reconnecting' if 'resubscribed_s' in r else ''}) "
