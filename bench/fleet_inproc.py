@@ -122,8 +122,9 @@ def dynamo_side_by_side(
             for ev in batch.events:
                 st = ev.stored
                 has = st.HasField("parent_hash")
-                f.write(DYN_HEAD.pack(number[batch.worker_id], ev.event_id, has, st.parent_hash if has else 0, len(st.blocks)))
-                f.write(b"".join(DYN_PAIR.pack(b.block_hash, b.tokens_hash) for b in st.blocks))
+                n = len(st.block_hashes)
+                f.write(DYN_HEAD.pack(number[batch.worker_id], ev.event_id, has, st.parent_hash if has else 0, n))
+                f.write(b"".join(map(DYN_PAIR.pack, st.block_hashes, st.tokens_hashes)))
     keys = [(w.id, 0) for w in workers]
     ours, agree = [], 0
     with (tmp / "queries").open("wb") as f:

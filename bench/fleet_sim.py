@@ -128,14 +128,15 @@ class SimWorker:
         ev = batch.events.add(event_id=self.event_id)
         if parent is not None:
             ev.stored.parent_hash = parent
-        ev.stored.blocks.extend(events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in new)
+        ev.stored.block_hashes.extend(bh for bh, _ in new)  # packed, as a worker's sink publishes them
+        ev.stored.tokens_hashes.extend(th for _, th in new)
         for bh, th in new:
             self.cache[bh] = th
         self.block_events += len(new)
 
     def _flush(self, batch: events_pb2.KvEventBatch) -> None:
         if batch.events:
-            n = sum(len(ev.stored.blocks) + len(ev.removed.block_hashes) for ev in batch.events)
+            n = sum(len(ev.stored.block_hashes) + len(ev.removed.block_hashes) for ev in batch.events)
             self.batches.append((batch.SerializeToString(), n))
 
     def build_snapshot(self) -> None:

@@ -61,7 +61,7 @@ def test_a_filled_worker_holds_exactly_its_capacity_and_its_events_rebuild_it() 
     for data, n in w.batches:
         batch = events_pb2.KvEventBatch.FromString(data)
         assert 1 <= len(batch.events) <= load("fleet_sim").EVENTS_PER_BATCH
-        assert n == sum(len(ev.stored.blocks) for ev in batch.events)
+        assert n == sum(len(ev.stored.block_hashes) for ev in batch.events)
         assert not index.apply_batch(batch)  # ids contiguous: no gap
     assert index.last_event_id("w1") == w.event_id
     assert set(index.map.blocks(index.map.slot_of[("w1", 0)])) == set(w.cache)

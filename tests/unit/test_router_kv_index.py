@@ -15,9 +15,14 @@ from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
 
-def stored(event_id: int, hashes: list[int], parent: int | None = None) -> events_pb2.KvEvent:
+def stored(event_id: int, hashes: list[int], parent: int | None = None, *, packed: bool = True) -> events_pb2.KvEvent:
+    """A stored event as workers publish it (packed hashes), or as workers before 2026-11-29 evening did."""
     ev = events_pb2.KvEvent(event_id=event_id)
-    ev.stored.blocks.extend(events_pb2.StoredBlock(block_hash=h, tokens_hash=h) for h in hashes)
+    if packed:
+        ev.stored.block_hashes.extend(hashes)
+        ev.stored.tokens_hashes.extend(hashes)
+    else:
+        ev.stored.blocks.extend(events_pb2.StoredBlock(block_hash=h, tokens_hash=h) for h in hashes)
     if parent is not None:
         ev.stored.parent_hash = parent
     return ev
@@ -300,3 +305,19 @@ def test_a_snapshot_s_packed_hashes_and_stored_blocks_are_both_read() -> None:
     idx.request_resync("old")
     assert not idx.apply_snapshot(snapshot("old", 0, {0: [7, 8]}))
     assert idx.overlaps([7, 8, 9], [("new", 0), ("old", 0)]) == {("new", 0): 3, ("old", 0): 2}
+
+
+def test_a_stored_event_s_packed_hashes_and_stored_blocks_are_both_read_in_order() -> None:
+    """Locks: workers publish `BlocksStored.block_hashes` (packed); older workers publish `blocks`; a router reads
+    both, the same blocks in the same eviction order (a mixed event: the packed ones first)."""
+    idx = synced_index("new", "old", "mixed")
+    idx.apply_batch(batch("new", stored(1, [1, 2, 3])))
+    idx.apply_batch(batch("old", stored(1, [1, 2, 3], packed=False)))
+    mixed = stored(1, [1])
+    mixed.stored.blocks.extend(events_pb2.StoredBlock(block_hash=h) for h in [2, 3])
+    idx.apply_batch(batch("mixed", mixed))
+    keys = [("new", 0), ("old", 0), ("mixed", 0)]
+    assert idx.overlaps([1, 2, 3, 4], keys) == dict.fromkeys(keys, 3)
+    orders = {k: list(idx.map.blocks(idx.map.slot_of[k])) for k in keys}
+    assert orders == {k: [3, 2, 1] for k in keys}  # the first block most recently used
+    assert idx.applied == 9

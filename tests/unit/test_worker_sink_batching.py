@@ -104,3 +104,15 @@ async def test_lower_tier_events_carry_their_tier_and_the_snapshot_keeps_tiers_a
         1024,
         1e9,
     )
+
+
+async def test_stored_events_carry_packed_hashes_in_order() -> None:
+    """Locks: a stored event's blocks travel as packed `block_hashes` and `tokens_hashes` (not StoredBlock messages),
+    with the parent hash, in prompt order."""
+    bus = RecordingBus()
+    sink = WorkerSink("w1", bus, namespace="ns", component="backend")
+    sink.blocks_stored([(5, 15), (6, 16), (7, 17)], 4)
+    await bus.arrived.wait()
+    (ev,) = bus.published[0].events  # type: ignore[attr-defined]
+    assert list(ev.stored.block_hashes) == [5, 6, 7] and list(ev.stored.tokens_hashes) == [15, 16, 17]
+    assert ev.stored.parent_hash == 4 and not ev.stored.blocks

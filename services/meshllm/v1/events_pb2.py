@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/events.proto\x12\nmeshllm.v1\"6\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\"\x83\x01\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshllm.v1.KvTierB\x0e\n\x0c_parent_hash\"G\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshllm.v1.KvTier\"\x0c\n\nAllCleared\"\xa8\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12*\n\x06stored\x18\x02 \x01(\x0b\x32\x18.meshllm.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x03 \x01(\x0b\x32\x19.meshllm.v1.BlocksRemovedH\x00\x12)\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x16.meshllm.v1.AllClearedH\x00\x42\x06\n\x04\x64\x61ta\"W\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12#\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x13.meshllm.v1.KvEvent\"\xf5\x01\n\x0cLoadSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\ractive_blocks\x18\x03 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x15\n\rlast_event_id\x18\x08 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x04\x12&\n\x05tiers\x18\n \x03(\x0b\x32\x17.meshllm.v1.KvTierUsage\"\x9d\x01\n\x0bKvTierUsage\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_capacity\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13restore_bytes_per_s\x18\x06 \x01(\x01\"\xa4\x02\n\x0fRouterSyncEvent\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12.\n\x04kind\x18\x03 \x01(\x0e\x32 .meshllm.v1.RouterSyncEvent.Kind\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x05 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x07 \x01(\x04\x12\x14\n\x0crouted_at_ms\x18\x08 \x01(\x04\"X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_ROUTED\x10\x01\x12\x15\n\x11KIND_PREFILL_DONE\x10\x02\x12\x12\n\x0eKIND_COMPLETED\x10\x03\"Q\n\x0fRouterSyncBatch\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.meshllm.v1.RouterSyncEvent*@\n\x06KvTier\x12\x12\n\x0eKV_TIER_DEVICE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x10\n\x0cKV_TIER_DISK\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshllm/v1/events.proto\x12\nmeshllm.v1\"6\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\"\xb0\x01\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.meshllm.v1.StoredBlock\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x04\x12\x15\n\rtokens_hashes\x18\x05 \x03(\x04\x42\x0e\n\x0c_parent_hash\"G\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshllm.v1.KvTier\"\x0c\n\nAllCleared\"\xa8\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12*\n\x06stored\x18\x02 \x01(\x0b\x32\x18.meshllm.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x03 \x01(\x0b\x32\x19.meshllm.v1.BlocksRemovedH\x00\x12)\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x16.meshllm.v1.AllClearedH\x00\x42\x06\n\x04\x64\x61ta\"W\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12#\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x13.meshllm.v1.KvEvent\"\xf5\x01\n\x0cLoadSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\ractive_blocks\x18\x03 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x15\n\rlast_event_id\x18\x08 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\t \x01(\x04\x12&\n\x05tiers\x18\n \x03(\x0b\x32\x17.meshllm.v1.KvTierUsage\"\x9d\x01\n\x0bKvTierUsage\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshllm.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_capacity\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13restore_bytes_per_s\x18\x06 \x01(\x01\"\xa4\x02\n\x0fRouterSyncEvent\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12.\n\x04kind\x18\x03 \x01(\x0e\x32 .meshllm.v1.RouterSyncEvent.Kind\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x05 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x07 \x01(\x04\x12\x14\n\x0crouted_at_ms\x18\x08 \x01(\x04\"X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_ROUTED\x10\x01\x12\x15\n\x11KIND_PREFILL_DONE\x10\x02\x12\x12\n\x0eKIND_COMPLETED\x10\x03\"Q\n\x0fRouterSyncBatch\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.meshllm.v1.RouterSyncEvent*@\n\x06KvTier\x12\x12\n\x0eKV_TIER_DEVICE\x10\x00\x12\x10\n\x0cKV_TIER_HOST\x10\x01\x12\x10\n\x0cKV_TIER_DISK\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshllm.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTIER']._serialized_start=1362
-  _globals['_KVTIER']._serialized_end=1426
+  _globals['_KVTIER']._serialized_start=1407
+  _globals['_KVTIER']._serialized_end=1471
   _globals['_STOREDBLOCK']._serialized_start=39
   _globals['_STOREDBLOCK']._serialized_end=93
   _globals['_BLOCKSSTORED']._serialized_start=96
-  _globals['_BLOCKSSTORED']._serialized_end=227
-  _globals['_BLOCKSREMOVED']._serialized_start=229
-  _globals['_BLOCKSREMOVED']._serialized_end=300
-  _globals['_ALLCLEARED']._serialized_start=302
-  _globals['_ALLCLEARED']._serialized_end=314
-  _globals['_KVEVENT']._serialized_start=317
-  _globals['_KVEVENT']._serialized_end=485
-  _globals['_KVEVENTBATCH']._serialized_start=487
-  _globals['_KVEVENTBATCH']._serialized_end=574
-  _globals['_LOADSNAPSHOT']._serialized_start=577
-  _globals['_LOADSNAPSHOT']._serialized_end=822
-  _globals['_KVTIERUSAGE']._serialized_start=825
-  _globals['_KVTIERUSAGE']._serialized_end=982
-  _globals['_ROUTERSYNCEVENT']._serialized_start=985
-  _globals['_ROUTERSYNCEVENT']._serialized_end=1277
-  _globals['_ROUTERSYNCEVENT_KIND']._serialized_start=1189
-  _globals['_ROUTERSYNCEVENT_KIND']._serialized_end=1277
-  _globals['_ROUTERSYNCBATCH']._serialized_start=1279
-  _globals['_ROUTERSYNCBATCH']._serialized_end=1360
+  _globals['_BLOCKSSTORED']._serialized_end=272
+  _globals['_BLOCKSREMOVED']._serialized_start=274
+  _globals['_BLOCKSREMOVED']._serialized_end=345
+  _globals['_ALLCLEARED']._serialized_start=347
+  _globals['_ALLCLEARED']._serialized_end=359
+  _globals['_KVEVENT']._serialized_start=362
+  _globals['_KVEVENT']._serialized_end=530
+  _globals['_KVEVENTBATCH']._serialized_start=532
+  _globals['_KVEVENTBATCH']._serialized_end=619
+  _globals['_LOADSNAPSHOT']._serialized_start=622
+  _globals['_LOADSNAPSHOT']._serialized_end=867
+  _globals['_KVTIERUSAGE']._serialized_start=870
+  _globals['_KVTIERUSAGE']._serialized_end=1027
+  _globals['_ROUTERSYNCEVENT']._serialized_start=1030
+  _globals['_ROUTERSYNCEVENT']._serialized_end=1322
+  _globals['_ROUTERSYNCEVENT_KIND']._serialized_start=1234
+  _globals['_ROUTERSYNCEVENT_KIND']._serialized_end=1322
+  _globals['_ROUTERSYNCBATCH']._serialized_start=1324
+  _globals['_ROUTERSYNCBATCH']._serialized_end=1405
 # @@protoc_insertion_point(module_scope)

@@ -26,14 +26,18 @@ class StoredBlock(_message.Message):
     def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("parent_hash", "blocks", "tier")
+    __slots__ = ("parent_hash", "blocks", "tier", "block_hashes", "tokens_hashes")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HASHES_FIELD_NUMBER: _ClassVar[int]
     parent_hash: int
     blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
     tier: KvTier
-    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tokens_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tokens_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
     __slots__ = ("block_hashes", "tier")

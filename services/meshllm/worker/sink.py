@@ -92,7 +92,7 @@ class WorkerSink:
         if not blocks:
             return
         stored = events_pb2.BlocksStored(
-            blocks=[events_pb2.StoredBlock(block_hash=bh, tokens_hash=th) for bh, th in blocks], tier=_pb_tier(tier)
+            block_hashes=[bh for bh, _ in blocks], tokens_hashes=[th for _, th in blocks], tier=_pb_tier(tier)
         )
         if parent_hash is not None:
             stored.parent_hash = parent_hash

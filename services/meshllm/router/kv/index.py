@@ -181,19 +181,21 @@ class KvIndex(SlotCapacities):
         kind = ev.WhichOneof("data")
         if kind == "stored":
             stored = ev.stored
-            blocks = stored.blocks
+            hashes = list(stored.block_hashes)  # packed (workers since 2026-11-29), then StoredBlocks (older workers)
+            if stored.blocks:
+                hashes += [b.block_hash for b in stored.blocks]
             if stored.tier:
-                self.lower.add(stored.tier, slot, [b.block_hash for b in blocks])
+                self.lower.add(stored.tier, slot, hashes)
             else:
-                self.map.add(slot, [b.block_hash for b in blocks][::-1])  # the first block most recently used
-            self.applied += len(blocks)
-        elif kind == "removed":
-            hashes = ev.removed.block_hashes
-            if ev.removed.tier:
-                self.lower.remove(ev.removed.tier, slot, hashes)
-            else:
-                self.map.remove(slot, hashes)
+                self.map.add(slot, hashes[::-1])  # the first block most recently used
             self.applied += len(hashes)
+        elif kind == "removed":
+            gone = ev.removed.block_hashes
+            if ev.removed.tier:
+                self.lower.remove(ev.removed.tier, slot, gone)
+            else:
+                self.map.remove(slot, gone)
+            self.applied += len(gone)
         elif kind == "cleared":
             self.applied += self.map.clear_slot(slot) + self.lower.clear_slot(slot)
 
