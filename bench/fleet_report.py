@@ -35,7 +35,7 @@ def verdicts(r: dict[str, Any]) -> dict[str, bool]:
 
 
 def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> str:
-    """The docs/benchmarks.md section of one or more runs (one row per fleet size)."""
+    """The docs/benchmarks.md section of one or more runs (one row per run)."""
 
     def mark(r: dict[str, Any], key: str) -> str:
         return "met" if r["targets"][key] else "**missed**"
@@ -49,7 +49,8 @@ def render(results: Sequence[dict[str, Any]], loads: Sequence[float] = ()) -> st
     lines = [
         "## Fleet routing",
         "",
-        f"`.venv/bin/python bench/fleet.py --workers N --json OUT`, one run per fleet size, on {today()} ({machine()}). "
+        f"`.venv/bin/python bench/fleet.py --workers N --json OUT`, one row per run (a size run more than once has a "
+        f"row for each run, in the order run), on {today()} ({machine()}). "
         "N simulated workers with full caches "
         "(bench/fleet.py's docstring): KV event streams from the Mooncake conversation trace (1 hash id = one 16-token "
         "block; ids in ≥ 1 % of rows shared fleet-wide, the rest renamed per copy of the trace, one copy per "
