@@ -10,7 +10,8 @@ removed worker leaves the index at once.
 from __future__ import annotations
 
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.kv.blocks import BlockMap, Capacity
+from meshllm.router.kv.blocks import BlockMap
+from meshllm.router.kv.capacity import Capacity
 from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
@@ -321,3 +322,28 @@ def test_a_stored_event_s_packed_hashes_and_stored_blocks_are_both_read_in_order
     orders = {k: list(idx.map.blocks(idx.map.slot_of[k])) for k in keys}
     assert orders == {k: [3, 2, 1] for k in keys}  # the first block most recently used
     assert idx.applied == 9
+
+
+def test_a_slot_s_dict_is_copied_compact_once_a_quarter_of_it_churned() -> None:
+    """Locks: touches and removals leave holes in a slot's dict (a churning dict resizes to ~2.2x the memory of a
+    compact one); once the popped entries pass a quarter of it, the slot gets a compact copy, same order and counts."""
+    import sys
+
+    m = BlockMap()
+    s = m.slot(("w", 0))
+    blocks = list(range(1, 2001))
+    m.add(s, blocks)
+    first = m.held[s]
+    m.touch(s, blocks[:500], reused=True)  # 500 popped and re-inserted: under a quarter plus 64
+    assert m.held[s] is first
+    before = m.blocks(s)
+    m.touch(s, blocks[500:600], reused=False)  # 600 > 2000 / 4 + 64: copied
+    assert m.held[s] is not first
+    assert list(m.blocks(s).items()) == [*[(h, n) for h, n in before.items() if h not in range(501, 601)],
+                                         *[(h, before[h]) for h in reversed(blocks[500:600])]]  # fmt: skip
+    assert sys.getsizeof(m.held[s]) == sys.getsizeof(dict(m.held[s]))  # compact
+    second = m.held[s]
+    m.remove(s, blocks[:300])  # evictions count too
+    assert m.held[s] is second
+    m.remove(s, blocks[300:700])
+    assert m.held[s] is not second and m.count(("w", 0)) == 1300 and m.hot[s] == sum(1 for n in m.held[s].values() if n)

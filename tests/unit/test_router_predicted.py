@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshllm.router.kv.blocks import Capacity
+from meshllm.router.kv.capacity import Capacity
 from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 
 

@@ -8,21 +8,16 @@ bit `slot` is set when that slot holds the block; id 0 is never given out and it
 overlap of a prompt is a walk over its chained block hashes that ANDs the masks and stops at the first
 block nobody (among the candidates) holds — chained hashes make "holds block i" imply "holds the prefix".
 
-Each slot keeps its blocks' ids in a dict (`BlockMap.held`), so removing a worker or clearing its cache
-touches only its own blocks; the dict's insertion order is the slot's *eviction order* (least recently used
-first, as the engines evict; a block used again is popped and re-inserted) with, per block, how often a
-routed prompt reused it. Keyed by id, not by hash: the id objects are the ones `ids` holds, shared by every
-slot holding the block, where hash keys were one int object per (slot, block) pair as protobuf hands them
-out; small sequential ids keep a slot's dict probes near each other (docs/routing.md "The KV index").
+Each slot keeps its blocks' ids in a dict (`BlockMap.held`; removing a worker touches only its blocks) whose
+insertion order is the slot's *eviction order* (least recently used first; a block used again is popped and
+re-inserted), with per block how often a routed prompt reused it. Keyed by id: one int object per block,
+shared by every slot holding it, not one per pair (docs/routing.md "The KV index").
 
-What a worker can hold: `KvIndex.set_total` records each slot's capacity (from its LoadSnapshots, or its
-model card before the first one); `KvIndex.capacity` answers, for one prompt, how full the slot is and how
-many of the blocks it would have to evict were reused since stored (`meshllm.router.policy.choice` says how
-the cost uses them). Event order gives the eviction order as far as events can tell it — stored blocks
-enter at the most recently used end, the prompt's first block last, since an engine releases a sequence
-tail first — and the router refines it with what it routes: `touch` moves a routed prompt's cached blocks
-to the most recently used end and counts the reuse. `SlotCapacities` answers the capacity terms from a
-`BlockMap`, for the event-fed `KvIndex` and the approximate mode's `RoutedCache` alike.
+`KvIndex.set_total` records each slot's capacity; `KvIndex.capacity` answers, for one prompt, how full the
+slot is and how many blocks it would evict were reused (`meshllm.router.policy.choice`). Stored blocks enter
+at the most recently used end, a prompt's first block last (engines release a sequence tail first); `touch`
+moves a routed prompt's cached blocks there and counts the reuse. `SlotCapacities` answers the capacity
+terms (`meshllm.router.kv.capacity`) for the event-fed `KvIndex` and the approximate mode's `RoutedCache`.
 """
 
 from __future__ import annotations
@@ -31,26 +26,17 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice
-from typing import NamedTuple
 
-__all__ = ["BlockMap", "Capacity", "SlotCapacities", "SlotKey", "slot_capacity"]
+__all__ = ["BlockMap", "SlotKey"]
 
 SlotKey = tuple[str, int]  # (worker id, dp rank)
-
-
-class Capacity(NamedTuple):
-    """How a prompt would fit into one slot's cache."""
-
-    total: int  # blocks the slot holds at most (0 = unknown)
-    resident: int  # blocks it holds now, plus `pending` (routed, not yet computed)
-    evicted_hot: int  # reused blocks among those it would evict to add the prompt's new blocks
 
 
 class BlockMap:
     """block hash → block id → bitmask of slots, plus each slot's block ids in eviction order with their reuse counts."""
 
-    __slots__ = ("_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids", "keys",
-                 "sizes", "slot_of")  # fmt: skip
+    __slots__ = ("_dead", "_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids",
+                 "keys", "sizes", "slot_of")  # fmt: skip
 
     def __init__(self) -> None:
         self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
@@ -62,6 +48,7 @@ class BlockMap:
         # int64, so a fleet decision reads them as numpy arrays without a copy (np.frombuffer), not a list to convert.
         self.hot = array("q")
         self.sizes = array("q")
+        self._dead = array("q")  # per slot: entries popped from its dict since it was last compacted (`_compact`)
         self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
         self._keys: list[SlotKey | None] = []
         self._free: list[int] = []
@@ -86,6 +73,7 @@ class BlockMap:
                 self.held.append({})
                 self.hot.append(0)
                 self.sizes.append(0)
+                self._dead.append(0)
             self.slot_of[key] = s
             self.generation += 1
         return s
@@ -152,14 +140,28 @@ class BlockMap:
         """Move the held ones of `hashes` to the most recently used end, the first last; count a reuse if `reused`."""
         held = self.held[slot]
         pop = held.pop
+        moved = 0
         for i in map(self.ids.get, reversed(hashes)):  # None for a hash nobody holds: never in `held`
             n = pop(i, None)  # type: ignore[arg-type]
             if n is not None:
+                moved += 1
                 if reused:
                     if not n:
                         self.hot[slot] += 1
                     n += 1
                 held[i] = n  # type: ignore[index]  # re-inserted: the most recently used end
+        self._compact(slot, moved)
+
+    def _compact(self, slot: int, popped: int) -> None:
+        """Count `popped` entries of `slot`'s dict; once they pass a quarter of it, a compact copy (same order) replaces
+        it. A popped entry is a hole only a resize reclaims, and a churning dict resizes to 3× its entries: ~2.2× the
+        memory of a compact one, `hot_victims`'s end behind holes (docs/routing.md "The KV index")."""
+        dead = self._dead[slot] + popped
+        held = self.held[slot]
+        if dead > (len(held) >> 2) + 64:
+            self.held[slot] = dict(held)
+            dead = 0
+        self._dead[slot] = dead
 
     def hot_victims(self, slot: int, k: int, keep: AbstractSet[int] = frozenset()) -> int:
         """Of the `k` least recently used blocks of `slot` not in `keep` (hashes), how many were reused since stored."""
@@ -209,6 +211,7 @@ class BlockMap:
             self.hot[slot] -= hot
         self._unmark(slot, gone)
         self.sizes[slot] = len(held)
+        self._compact(slot, len(gone))
         return len(gone)
 
     def clear_slot(self, slot: int) -> int:
@@ -218,6 +221,7 @@ class BlockMap:
         self.held[slot] = {}
         self.hot[slot] = 0
         self.sizes[slot] = 0
+        self._dead[slot] = 0
         return n
 
     def replace(self, slot: int, hashes: Iterable[int]) -> int:
@@ -233,6 +237,7 @@ class BlockMap:
         self.held[slot] = new
         self.hot[slot] = 0
         self.sizes[slot] = len(new)
+        self._dead[slot] = 0
         return len(new)
 
     def _ids_of(self, hashes: list[int], known: dict[int, int]) -> list[int]:
@@ -344,48 +349,3 @@ class BlockMap:
             if key is not None:
                 out[key] = depth
             bits ^= low
-
-
-class SlotCapacities:
-    """What a cache view needs for the capacity terms: each slot's total blocks, and the room query.
-
-    Shared by `KvIndex` (fed by events) and the approximate mode's `RoutedCache`
-    (fed by what was routed); both keep their blocks in `self.map`.
-    """
-
-    map: BlockMap
-    totals: dict[SlotKey, int]
-
-    def set_total(self, key: SlotKey, total: int) -> None:
-        """Record how many blocks `key` holds at most (0 = unknown: no capacity bound)."""
-        if total > 0:
-            self.totals[key] = total
-        else:
-            self.totals.pop(key, None)
-
-    def capacity(self, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int = 0) -> Capacity:
-        """How `new_blocks` more blocks of a prompt (its block hashes: `prompt`) fit into `key`'s cache.
-
-        `pending` counts blocks routed to `key` and not computed yet: they
-        take room before this prompt's do. The victims are the least
-        recently used blocks outside the prompt itself.
-        """
-        return slot_capacity(self.map, self.totals.get(key, 0), key, prompt, new_blocks, pending)
-
-    def _forget_totals(self, worker_id: str) -> None:
-        for key in [k for k in self.totals if k[0] == worker_id]:
-            del self.totals[key]
-
-
-def slot_capacity(
-    blocks: BlockMap, total: int, key: SlotKey, prompt: AbstractSet[int], new_blocks: int, pending: int
-) -> Capacity:
-    """`KvIndex.capacity` on any `BlockMap` (the approximate mode's too)."""
-    resident = blocks.count(key) + max(0, pending)
-    if total <= 0:
-        return Capacity(0, resident, 0)
-    evict = new_blocks + resident - total
-    s = blocks.slot_of.get(key)
-    if evict <= 0 or s is None:
-        return Capacity(total, resident, 0)
-    return Capacity(total, resident, blocks.hot_victims(s, evict, prompt))

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshllm.router.kv.blocks import BlockMap, SlotCapacities, SlotKey
+from meshllm.router.kv.blocks import BlockMap, SlotKey
+from meshllm.router.kv.capacity import SlotCapacities
 from meshllm.router.kv.tiers import LowerTiers, TierOverlap
 from meshllm.v1 import events_pb2, worker_pb2
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from meshllm.router.kv.blocks import BlockMap, SlotCapacities, SlotKey
+from meshllm.router.kv.blocks import BlockMap, SlotKey
+from meshllm.router.kv.capacity import SlotCapacities
 
 __all__ = ["PredictedIndex", "RoutedCache"]
 

@@ -25,7 +25,8 @@ import numpy.typing as npt
 
 from meshllm.errors import Unavailable
 from meshllm.router.config import RouterConfig, RouterMode
-from meshllm.router.kv.blocks import SlotCapacities, SlotKey
+from meshllm.router.kv.blocks import SlotKey
+from meshllm.router.kv.capacity import SlotCapacities
 from meshllm.router.kv.index import KvIndex, TierOverlap
 from meshllm.router.kv.predicted import PredictedIndex, RoutedCache
 from meshllm.router.policy.choice import Candidate, KvPolicy, Policy, score
