@@ -140,9 +140,7 @@ class KvIndex(SlotCapacities):
             return False
         device: dict[int, list[int]] = {}  # dp rank -> its blocks (a rank listed twice: both lists)
         for rank in snapshot.ranks:
-            hashes = device.setdefault(rank.dp_rank, [])
-            hashes += rank.block_hashes  # packed (workers since 2026-11-29), then StoredBlocks (older workers)
-            hashes += [b.block_hash for b in rank.blocks]
+            device.setdefault(rank.dp_rank, []).extend(_hashes(rank))
         for key in self.map.keys_of(wid):
             if key[1] not in device:
                 self.map.clear_slot(self.map.slot_of[key])
@@ -153,7 +151,7 @@ class KvIndex(SlotCapacities):
             slot = self.map.slot_of[(wid, rank.dp_rank)]
             for tb in rank.lower_tiers:
                 if tb.tier:
-                    self.lower.add(tb.tier, slot, [*tb.block_hashes, *(b.block_hash for b in tb.blocks)])
+                    self.lower.add(tb.tier, slot, _hashes(tb))
         st.last_event_id = snapshot.last_event_id
         buffered, overflowed = st.buffer, st.overflowed
         st.buffer, st.overflowed, st.syncing = [], False, False
@@ -182,9 +180,7 @@ class KvIndex(SlotCapacities):
         kind = ev.WhichOneof("data")
         if kind == "stored":
             stored = ev.stored
-            hashes = list(stored.block_hashes)  # packed (workers since 2026-11-29), then StoredBlocks (older workers)
-            if stored.blocks:
-                hashes += [b.block_hash for b in stored.blocks]
+            hashes = _hashes(stored)
             if stored.tier:
                 self.lower.add(stored.tier, slot, hashes)
             else:
@@ -248,3 +244,11 @@ class KvIndex(SlotCapacities):
     def size(self) -> int:
         """Distinct block hashes indexed in device tiers."""
         return len(self.map)
+
+
+def _hashes(msg: events_pb2.BlocksStored | worker_pb2.KvRankSnapshot | worker_pb2.KvTierBlocks) -> list[int]:
+    """A message's block hashes: packed `block_hashes` (workers since 2026-11-29), then `blocks` (older workers)."""
+    hashes = list(msg.block_hashes)
+    if msg.blocks:
+        hashes += [b.block_hash for b in msg.blocks]
+    return hashes

@@ -217,7 +217,7 @@ def policy_order(b: Bounds, t: FleetTable, alive: Bools) -> Iterator[int]:
         # asked for: a decision rarely needs more than a few dozen, and a sort of a whole fleet costs ~50 µs.
         primary = np.where(b.no_room[idx], np.inf, b.cost[idx])
         bound = primary[np.argpartition(primary, SORT_CHUNK - 1)[:SORT_CHUNK]].max()
-        if bound < np.inf:  # else (no room, or a NaN cost, among them) one sort of them all
+        if bound < np.inf:  # else (slots with no room among them) one sort of them all
             yield from _sorted(b, t, idx[primary <= bound])
             idx = idx[primary > bound]
     yield from _sorted(b, t, idx)
