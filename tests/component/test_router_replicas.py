@@ -1,9 +1,11 @@
 """Two router replicas under the same load agree on each worker's active blocks (RouterSyncEvent).
 
 Locks: route / prefill-done / complete decisions of one replica are applied
-by the other, so their per-worker active-block views differ by < 10 % while
-both route concurrently; once the load is gone both views are back to the
-workers' own reports.
+by the other at the times their replica made them, so once both have applied
+the same events and snapshots their per-worker active-block views are equal
+while both route concurrently, whichever order things arrived in (a stall of
+the machine may still age a snapshot past plausibility: the bounds leave 5 %);
+once the load is gone no charge is left.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ async def test_two_replicas_under_the_same_load_agree_on_active_blocks() -> None
         assert len(diffs) >= 30, "too few loaded samples"
         overall = sum(abs(a - b) for a, b in pairs) / sum(max(a, b) for a, b in pairs)
         p90 = sorted(diffs)[int(0.9 * len(diffs))]
-        assert statistics.median(diffs) < 0.10 and overall < 0.10 and p90 < 0.10, (
+        assert statistics.median(diffs) == 0 and overall < 0.05 and p90 < 0.05, (
             statistics.median(diffs),
             overall,
             p90,

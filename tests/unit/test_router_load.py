@@ -150,3 +150,29 @@ def test_a_replica_charges_a_routed_event_at_its_origins_time_not_at_its_arrival
     # A time from a clock an hour off counts as the arrival time: the charge is not an hour old.
     sync.apply("r1", kind(request_id="skewed", kind=kind.KIND_ROUTED, worker_id="b", blocks=5, routed_at_ms=at_ms - 3_600_000))
     assert other.expire(time.time(), max_age_s=60.0) == 0 and other.get(("b", 0)).active_blocks == 5
+
+
+def test_a_replica_releases_a_completed_event_at_its_origins_time_whatever_the_arrival_order() -> None:
+    """Locks: replica agreement — the origin released a request before a snapshot was taken, the other replica hears
+    of it after the snapshot arrived; both see the snapshot alone (it freed those blocks already), none twice."""
+    kind = events_pb2.RouterSyncEvent
+    now = time.time()
+    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=12, total_blocks=100, timestamp_ms=int(now * 1000))
+    ended_ms = int(now * 1000) - 30  # 30 ms before the snapshot was taken
+    origin, other = LoadTracker(), LoadTracker()
+    sync = ReplicaSync.__new__(ReplicaSync)
+    sync.load = other
+    for tracker in (origin, other):
+        tracker.route("r1", "q", ("a", 0), prefill_tokens=0, blocks=9, now=now - 1.0)
+        tracker.route("r1", "keep", ("a", 0), prefill_tokens=0, blocks=12, now=now - 1.0)
+    origin.complete("r1", "q", now=ended_ms / 1000.0)
+    origin.apply_snapshot(snap, now=now + 0.001)
+    other.apply_snapshot(snap, now=now + 0.001)
+    sync.apply("r1", kind(request_id="q", kind=kind.KIND_COMPLETED, worker_id="a", ended_at_ms=ended_ms))
+    assert origin.get(("a", 0)).active_blocks == other.get(("a", 0)).active_blocks == 12
+    # Ended after the snapshot was taken: both release it from the snapshot's count, whatever the order.
+    late_ms = int(now * 1000) + 40
+    origin.complete("r1", "keep", now=late_ms / 1000.0)
+    sync.apply("r1", kind(request_id="keep", kind=kind.KIND_COMPLETED, worker_id="a", ended_at_ms=late_ms))
+    a, b = origin.get(("a", 0)), other.get(("a", 0))
+    assert (a.active_blocks, a.stale) == (b.active_blocks, b.stale) == (0, True)

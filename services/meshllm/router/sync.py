@@ -29,6 +29,8 @@ A routed event carries the time its replica charged the request
 batch arrived: whether a worker's LoadSnapshot already counts a request is
 decided by comparing the two times (`LoadTracker.apply_snapshot`), and a
 batch's few milliseconds of delay made replicas decide it differently.
+A completed event carries the time its replica released the request
+(`ended_at_ms`) for the same reason: whether a snapshot still counts it.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class ReplicaSync(AsyncCloseable):
     def prefill_done(self, request_id: str, key: SlotKey) -> None:
         self._publish(Kind.KIND_PREFILL_DONE, request_id, key)
 
-    def completed(self, request_id: str, key: SlotKey) -> None:
-        self._publish(Kind.KIND_COMPLETED, request_id, key)
+    def completed(self, request_id: str, key: SlotKey, *, at_ms: int = 0) -> None:
+        """Publish a release; `at_ms` is the wall-clock ms the load tracker released it at (0: the receivers' clock)."""
+        self._publish(Kind.KIND_COMPLETED, request_id, key, at_ms=at_ms)
 
     def _publish(
         self, kind: int, request_id: str, key: SlotKey, *, prefill_tokens: int = 0, blocks: int = 0, at_ms: int = 0
@@ -143,7 +146,8 @@ class ReplicaSync(AsyncCloseable):
             dp_rank=key[1],
             prefill_tokens=prefill_tokens,
             blocks=blocks,
-            routed_at_ms=at_ms,
+            routed_at_ms=at_ms if kind == Kind.KIND_ROUTED else 0,
+            ended_at_ms=at_ms if kind == Kind.KIND_COMPLETED else 0,
         )
         self._pacer.request()
 
@@ -194,7 +198,7 @@ class ReplicaSync(AsyncCloseable):
         elif ev.kind == Kind.KIND_PREFILL_DONE:
             self.load.prefill_done(router_id, ev.request_id)
         elif ev.kind == Kind.KIND_COMPLETED:
-            self.load.complete(router_id, ev.request_id)
+            self.load.complete(router_id, ev.request_id, now=plausible_time(ev.ended_at_ms, time.time()))
 
     async def _aclose(self) -> None:
         self._pacer.flush_now()  # the last events still reach the other replicas

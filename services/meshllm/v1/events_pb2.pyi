@@ -114,7 +114,7 @@ class KvTierUsage(_message.Message):
     def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., block_bytes: _Optional[int] = ..., restore_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class RouterSyncEvent(_message.Message):
-    __slots__ = ("router_id", "request_id", "kind", "worker_id", "dp_rank", "prefill_tokens", "blocks", "routed_at_ms")
+    __slots__ = ("router_id", "request_id", "kind", "worker_id", "dp_rank", "prefill_tokens", "blocks", "routed_at_ms", "ended_at_ms")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RouterSyncEvent.Kind]
@@ -133,6 +133,7 @@ class RouterSyncEvent(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     request_id: str
     kind: RouterSyncEvent.Kind
@@ -141,7 +142,8 @@ class RouterSyncEvent(_message.Message):
     prefill_tokens: int
     blocks: int
     routed_at_ms: int
-    def __init__(self, router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[RouterSyncEvent.Kind, str]] = ..., worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., routed_at_ms: _Optional[int] = ...) -> None: ...
+    ended_at_ms: int
+    def __init__(self, router_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[RouterSyncEvent.Kind, str]] = ..., worker_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., routed_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ...) -> None: ...
 
 class RouterSyncBatch(_message.Message):
     __slots__ = ("router_id", "events")

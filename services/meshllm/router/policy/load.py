@@ -29,6 +29,7 @@ sooner).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class SlotLoad:
     reported: events_pb2.LoadSnapshot | None = None
     delta_blocks: int = 0  # charged − released since `reported` arrived
     stale: bool = False  # every request in the snapshot's view has ended since
+    taken: float = -math.inf  # wall-clock seconds `reported` was taken at
+    ended: int = 0  # requests `reported` counts that ended after it was taken
     released: deque[Release] = field(default_factory=deque)  # the last MAX_SNAPSHOT_AGE_S of releases
 
     @property
@@ -151,11 +154,16 @@ class LoadTracker:
             load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - c.prefill_tokens)
             load.prefilling = max(0, load.prefilling - 1)
         load.charged_blocks = max(0, load.charged_blocks - c.blocks)
-        load.delta_blocks -= c.blocks
         load.in_flight = max(0, load.in_flight - 1)
-        if load.in_flight == 0:
-            load.stale = True
         at = time.time() if now is None else now
+        # By the times, not the order of arrival, as in apply_snapshot: a replica that hears of the end after
+        # a snapshot taken later than it must not release the blocks twice.
+        if c.at > load.taken - ADMISSION_S:
+            load.delta_blocks -= c.blocks  # charged after the snapshot: on top of it until now
+        elif at > load.taken:
+            load.delta_blocks -= c.blocks  # counted by the snapshot, ended since
+            load.ended += 1
+        load.stale = load.in_flight == 0 and (load.reported is None or load.ended > 0)
         _forget_releases(load.released, at)
         load.released.append(Release(at, c.at, c.blocks))
 
@@ -173,7 +181,7 @@ class LoadTracker:
         self.changed.add(key)
         load = self.slot(key)
         load.reported = snap
-        taken = plausible_time(snap.timestamp_ms, now)
+        load.taken = taken = plausible_time(snap.timestamp_ms, now)
         cutoff = taken - ADMISSION_S
         charges = self._charges
         added = sum(c.blocks for c in (charges[k] for k in self._by_slot.get(key, ())) if c.at > cutoff)
@@ -181,6 +189,7 @@ class LoadTracker:
         # Requests the snapshot counts that ended after it was taken: their blocks are free already.
         ended = [r for r in load.released if r.at > taken and r.charged_at <= cutoff]
         load.delta_blocks = added - sum(r.blocks for r in ended)
+        load.ended = len(ended)
         load.stale = load.in_flight == 0 and bool(ended)
 
     def remove_worker(self, worker_id: str) -> None:

@@ -261,8 +261,9 @@ async def _leg(
     finally:
         if later_tokens:
             core.times.step(key, (last - first) * 1000 / later_tokens)
-        core.load.complete(core.id, leg_id)
-        core.sync.completed(leg_id, key)
+        ended_ms = int(time.time() * 1000)  # as the other replicas will see it, like at_ms
+        core.load.complete(core.id, leg_id, now=ended_ms / 1000.0)
+        core.sync.completed(leg_id, key, at_ms=ended_ms)
         if entry is not None:
             core.inflight.remove(entry)
             if core.mode is RouterMode.KV:
