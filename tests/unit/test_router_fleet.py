@@ -280,7 +280,7 @@ def test_bounds_are_the_exact_costs_where_no_reused_block_can_go() -> None:
         table = core.candidates.table(MODEL, AGGREGATED)
         assert table is not None
         bmap = core.index.map
-        counts = np.array([len(bmap.held[s]) for s in table.slot_list], dtype=np.int64)
+        counts = np.array([len(bmap.blocks(s)) for s in table.slot_list], dtype=np.int64)
         hot = np.array([bmap.hot[s] for s in table.slot_list], dtype=np.int64)
         ov = np.array([c.overlap_blocks for c in ref.candidates], dtype=np.int64)
         cfg = core.config.tuning
@@ -332,6 +332,6 @@ def test_sizes_follow_every_change_of_a_slot() -> None:
     bmap.add(s, [1, 2, 3, 3])
     assert bmap.sizes[s] == 3
     bmap.remove(s, [2, 9])
-    assert bmap.sizes[s] == 2 == len(bmap.held[s]) == len(bmap.blocks(s))
+    assert bmap.sizes[s] == 2 == len(list(bmap.iter_blocks(s))) == len(bmap.blocks(s))
     bmap.clear_slot(s)
     assert bmap.sizes[s] == 0

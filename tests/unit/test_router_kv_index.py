@@ -10,7 +10,7 @@ removed worker leaves the index at once.
 from __future__ import annotations
 
 from meshllm.protocol.kv import block_hashes
-from meshllm.router.kv.blocks import BlockMap
+from meshllm.router.kv.blocks import BlockMap, PyBlockMap
 from meshllm.router.kv.capacity import Capacity
 from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
@@ -244,19 +244,20 @@ def test_lower_tier_events_do_not_make_blocks_device_resident() -> None:
     assert index.overlaps([10, 11], [("w1", 0)]).get(("w1", 0), 0) == 0
 
 
-def _state(m: BlockMap) -> tuple[object, ...]:
+def _state(m: PyBlockMap) -> tuple[object, ...]:
     return (m.masks(), [list(m.blocks(s).items()) for s in range(len(m.held))], list(m.hot), list(m.sizes))
 
 
 def test_replace_leaves_the_state_clear_then_add_leaves_at_the_cost_of_the_difference() -> None:
-    """Locks: a snapshot applied as a difference (`BlockMap.replace`) ends exactly where clearing the slot and adding
-    the snapshot's blocks ends: the same masks, the same blocks in the same eviction order, no reuse counted."""
+    """Locks: a snapshot applied as a difference (the Python map's `replace`; the compiled one clears and adds) ends
+    exactly where clearing the slot and adding the snapshot's blocks ends: the same masks, the same blocks in the same
+    eviction order, no reuse counted."""
     import copy
     import random
 
     rng = random.Random(3)
     for _ in range(200):
-        m = BlockMap()
+        m = PyBlockMap()
         for s in range(rng.randrange(1, 6)):
             slot = m.slot((f"w{s}", 0))
             m.add(slot, [rng.randrange(40) for _ in range(rng.randrange(30))])
@@ -326,10 +327,11 @@ def test_a_stored_event_s_packed_hashes_and_stored_blocks_are_both_read_in_order
 
 def test_a_slot_s_dict_is_copied_compact_once_a_quarter_of_it_churned() -> None:
     """Locks: touches and removals leave holes in a slot's dict (a churning dict resizes to ~2.2x the memory of a
-    compact one); once the popped entries pass a quarter of it, the slot gets a compact copy, same order and counts."""
+    compact one); once the popped entries pass a quarter of it, the slot gets a compact copy, same order and counts.
+    (The Python map's; the compiled one's lists have no holes.)"""
     import sys
 
-    m = BlockMap()
+    m = PyBlockMap()
     s = m.slot(("w", 0))
     blocks = list(range(1, 2001))
     m.add(s, blocks)

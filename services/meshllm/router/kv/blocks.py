@@ -1,7 +1,11 @@
 """Block hash → the slots (worker, dp rank) holding it, and each slot's blocks in eviction order.
 
-Layout, chosen for speed and memory at fleet scale (bench/indexer.py, bench/fleet.py): every (worker id, dp
-rank) gets a *slot*, a small integer; every distinct block hash indexed gets a *block id*, a small integer
+`BlockMap` is the compiled map (compiled.py over `_blockcore.c`: ~54 B per pair at 1,024 workers against ~164
+here, 2× the ingestion) wherever the extension was built, else `PyBlockMap`, this module's, which answers the
+same (tests/unit/test_block_map_equivalence.py checks both against one reference).
+
+The Python map's layout, chosen for speed and memory in Python (bench/indexer.py, bench/fleet.py): every
+(worker id, dp rank) gets a *slot*, a small integer; every distinct block hash indexed gets a *block id*, a small integer
 too (`BlockMap.ids`; the id of a hash nobody holds any more is reused). `BlockMap.bits[id]` is an int whose
 bit `slot` is set when that slot holds the block; id 0 is never given out and its bits stay 0, so
 `bits[ids.get(h, 0)]` is the mask of any hash. A stored block is one dict lookup and one mask update; the
@@ -22,36 +26,32 @@ terms (`meshllm.router.kv.capacity`) for the event-fed `KvIndex` and the approxi
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import islice
+from typing import TYPE_CHECKING
 
-__all__ = ["BlockMap", "SlotKey"]
+from meshllm.router.kv.slots import SlotKey, SlotTable
 
-SlotKey = tuple[str, int]  # (worker id, dp rank)
+__all__ = ["BlockMap", "PyBlockMap", "SlotKey"]
+
+log = logging.getLogger(__name__)
 
 
-class BlockMap:
+class PyBlockMap(SlotTable):
     """block hash → block id → bitmask of slots, plus each slot's block ids in eviction order with their reuse counts."""
 
-    __slots__ = ("_dead", "_free", "_free_ids", "_keep", "_keys", "_version", "bits", "generation", "held", "hot", "ids",
-                 "keys", "sizes", "slot_of")  # fmt: skip
+    __slots__ = ("_dead", "_free_ids", "_keep", "_version", "bits", "held", "ids", "keys")
 
     def __init__(self) -> None:
+        super().__init__()
         self.ids: dict[int, int] = {}  # block hash -> block id (> 0)
         self.bits: list[int] = [0]  # block id -> bitmask of the slots holding it; 0 for id 0 and free ids
         self.keys = array("Q", [0])  # block id -> its hash, unboxed (0 for id 0 and free ids: never read)
-        self.slot_of: dict[SlotKey, int] = {}
         self.held: list[dict[int, int]] = []  # per slot: block id -> reuses, least recently used first (insertion order)
-        # Per slot, kept as blocks come and go: how many of its blocks were reused, and len(held[slot]). Arrays of
-        # int64, so a fleet decision reads them as numpy arrays without a copy (np.frombuffer), not a list to convert.
-        self.hot = array("q")
-        self.sizes = array("q")
         self._dead = array("q")  # per slot: entries popped from its dict since it was last compacted (`_compact`)
-        self.generation = 0  # bumped whenever a slot is allocated or freed (fleet tables cache slot numbers)
-        self._keys: list[SlotKey | None] = []
-        self._free: list[int] = []
         self._free_ids: list[int] = []
         self._version = 0  # bumped whenever a block id is given out or freed
         self._keep: tuple[frozenset[int], int, frozenset[int]] = (frozenset(), 0, frozenset())  # see _keep_ids
@@ -60,23 +60,9 @@ class BlockMap:
         """Distinct block hashes some slot holds."""
         return len(self.ids)
 
-    def slot(self, key: SlotKey) -> int:
-        """The slot of `key`, allocated on first use (freed slots are reused, lowest first)."""
-        s = self.slot_of.get(key)
-        if s is None:
-            if self._free:
-                s = self._free.pop()
-                self._keys[s] = key
-            else:
-                s = len(self._keys)
-                self._keys.append(key)
-                self.held.append({})
-                self.hot.append(0)
-                self.sizes.append(0)
-                self._dead.append(0)
-            self.slot_of[key] = s
-            self.generation += 1
-        return s
+    def _grow(self) -> None:
+        self.held.append({})
+        self._dead.append(0)
 
     def _new_id(self, h: int) -> int:
         """A block id for `h` (not indexed yet), its mask 0 until a slot's bit is set."""
@@ -256,24 +242,6 @@ class BlockMap:
             pass
         return got  # type: ignore[return-value]  # no None left
 
-    def drop(self, key: SlotKey) -> None:
-        """Forget `key` and its blocks; its slot becomes free."""
-        s = self.slot_of.pop(key, None)
-        if s is None:
-            return
-        self.clear_slot(s)
-        self._keys[s] = None
-        self._free.append(s)
-        self._free.sort(reverse=True)
-        self.generation += 1
-
-    def keys_of(self, worker_id: str) -> list[SlotKey]:
-        return [k for k in self.slot_of if k[0] == worker_id]
-
-    def count(self, key: SlotKey) -> int:
-        s = self.slot_of.get(key)
-        return 0 if s is None else len(self.held[s])
-
     # ------------------------------------------------------------ a slot's blocks by hash
     def blocks(self, slot: int) -> dict[int, int]:
         """`slot`'s blocks, hash → reuses, in eviction order (a copy)."""
@@ -283,6 +251,10 @@ class BlockMap:
     def iter_blocks(self, slot: int) -> Iterator[int]:
         """`slot`'s block hashes, least recently used first (do not change the slot while iterating)."""
         return map(self.keys.__getitem__, self.held[slot])
+
+    def oldest(self, slot: int, k: int) -> list[int]:
+        """The `k` least recently used block hashes of `slot`, least recently used first."""
+        return list(islice(self.iter_blocks(slot), max(k, 0)))
 
     def holds(self, slot: int, h: int) -> bool:
         return self.ids.get(h, 0) in self.held[slot]
@@ -298,20 +270,6 @@ class BlockMap:
         return {h: bits[i] for h, i in self.ids.items()}
 
     # ------------------------------------------------------------ overlaps
-    def overlaps(self, hashes: Sequence[int], keys: Iterable[SlotKey]) -> dict[SlotKey, int]:
-        """Leading blocks of `hashes` each of `keys` holds (keys holding none are absent)."""
-        slot_of = self.slot_of
-        mask = 0
-        for k in keys:
-            s = slot_of.get(k)
-            if s is not None and self.held[s]:
-                mask |= 1 << s
-        out: dict[SlotKey, int] = {}
-        if mask:
-            for depth, bits in self.overlap_groups(hashes, mask):
-                self._record(bits, depth, out)
-        return out
-
     def overlap_groups(self, hashes: Sequence[int], mask: int) -> list[tuple[int, int]]:
         """`overlaps` by slot bits: (depth, bits of the slots among `mask` whose prefix ends there), depth > 0.
 
@@ -341,11 +299,12 @@ class BlockMap:
             out.append((depth, mask))
         return out
 
-    def _record(self, bits: int, depth: int, out: dict[SlotKey, int]) -> None:
-        keys = self._keys
-        while bits:
-            low = bits & -bits
-            key = keys[low.bit_length() - 1]
-            if key is not None:
-                out[key] = depth
-            bits ^= low
+
+if TYPE_CHECKING:
+    BlockMap = PyBlockMap
+else:
+    try:
+        from meshllm.router.kv.compiled import CBlockMap as BlockMap
+    except ImportError as e:  # built without a C compiler: the same answers, ~2.5x the memory, slower ingestion
+        log.warning("the compiled KV index is not built (%s): using the Python one", e)
+        BlockMap = PyBlockMap

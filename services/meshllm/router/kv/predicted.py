@@ -24,7 +24,6 @@ The prefix walk of both is `BlockMap.overlaps`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import islice
 
 from meshllm.router.kv.blocks import BlockMap, SlotKey
 from meshllm.router.kv.capacity import SlotCapacities
@@ -126,7 +125,7 @@ class RoutedCache(SlotCapacities):
             used[h] = now
         total, size = self.totals.get(key, 0), self.map.sizes[slot]
         if total > 0 and size > total:
-            self._drop(slot, list(islice(self.map.iter_blocks(slot), size - total)))
+            self._drop(slot, self.map.oldest(slot, size - total))
 
     def expire(self, now: float) -> int:
         """Forget blocks not routed for `ttl_s`; returns how many."""

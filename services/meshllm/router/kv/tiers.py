@@ -25,10 +25,9 @@ __all__ = ["DeviceBlocks", "LowerTiers", "TierOverlap"]
 
 
 class DeviceBlocks(Protocol):
-    """What the tiers read of the device index (`kv_index.BlockMap`, which builds on this module)."""
+    """What the tiers read of the device index (`blocks.BlockMap`, Python or compiled)."""
 
-    ids: dict[int, int]  # block hash -> block id (> 0)
-    bits: list[int]  # block id -> bitmask of the slots holding it (bits[0] == 0)
+    def mask(self, h: int) -> int: ...  # the bitmask of the slots holding `h` (0: nobody)
 
     def holding(self, slot: int, hashes: Iterable[int]) -> set[int]: ...  # those of `hashes` that `slot` holds
 
@@ -124,11 +123,11 @@ class LowerTiers:
         if not alive:
             return out
         # One walk for every slot: where does each one's run through device ∪ lower tiers end?
-        dget, dbits, lget = device.ids.get, device.bits, self.any.get
+        dmask, lget = device.mask, self.any.get
         ends: dict[int, int] = {}
         n = len(hashes)
         for i, h in enumerate(hashes):
-            gone = alive & ~(dbits[dget(h, 0)] | lget(h, 0))
+            gone = alive & ~(dmask(h) | lget(h, 0))
             if gone:
                 while gone:
                     low = gone & -gone
