@@ -40,6 +40,7 @@ from harness.runinfo import LoadMonitor, best_phrase, load_sentence, machine, to
 from harness.stats import pct
 
 from meshllm.protocol.kv import block_hashes, stored_blocks
+from meshllm.router.kv.blocks import BlockMap
 from meshllm.router.kv.index import KvIndex
 from meshllm.v1 import events_pb2, worker_pb2
 
@@ -286,6 +287,11 @@ def render(r: dict[str, float], args: argparse.Namespace, loads: list[float], bu
     def us(name: str, fmt: str = "{:,.0f}") -> str:
         return " / ".join(fmt.format(r[f"{name}_{p}"] * 1000) for p in ("p50", "p90", "p99"))
 
+    impl = (
+        "in C (`kv/_blockcore.c`)"
+        if BlockMap.__module__.endswith("compiled")
+        else "the Python map (`kv/blocks.py`: the C extension was not built)"
+    )
     return f"""## KV indexer
 
 `.venv/bin/python bench/indexer.py --repeat {args.repeat} --lookups {args.lookups}` on {today()} ({machine()}; {build}).
@@ -310,10 +316,10 @@ system prefix), each hashed and walked over all {WORKERS} workers; percentiles o
 | block-events/s applied, lower tiers ({int(r["tier_events"]):,} host and disk block-events, one run) | {r["tier_apply"]:,.0f} |
 | lookup with lower tiers (hash + walk + tier walk) p50 / p90 / p99 | {us("tiers")} µs (p99 {ok_tiers} the {target_ms} target) |
 
-The index maps each block hash to a bitmask of (worker, dp rank) slots and keeps each slot's blocks in
-a dict (its eviction order by insertion, with reuse counts); applying a stored block is one dict update
-plus one dict insert, and a lookup ANDs the masks along the prompt's chained hashes, stopping at the
-first block no candidate holds. Hashing the prompt (XXH3 over 256 blocks) is most of a lookup. The last
+The index is the one a router uses, {impl}: each block hash maps to the (worker, dp rank) slots holding it, and
+each slot keeps its blocks in eviction order with reuse counts (docs/routing.md "The KV index"); a lookup
+intersects the holders along the prompt's chained hashes, stopping at the first block no candidate holds.
+Hashing the prompt (XXH3 over 256 blocks) is most of a lookup. The last
 row adds what `kv` routing asks next, per worker: `KvIndex.capacity` with every cache full (the prompt's
 new blocks evict as many least recently used ones, each checked for reuse; half the documents were touched as
 reused, in random order, so reused blocks are spread through the eviction order). The last two rows
