@@ -166,3 +166,15 @@ def test_hashes_span_64_bits_and_bad_ones_are_refused(impl: type[BlockMap] | Non
         with pytest.raises(OverflowError):
             m.remove(s, [0, -1])
         assert m.count(("a", 0)) == 4 and len(m) == 4 and m.sizes[s] == 4  # a bad hash anywhere changes nothing
+
+
+def test_the_compiled_walk_refuses_a_negative_or_non_int_mask() -> None:
+    if CBlockMap is None:
+        pytest.fail(f"the compiled KV index did not build: {BUILD_ERROR}")
+    m = CBlockMap()
+    m.add(m.slot(("a", 0)), [1, 2])
+    with pytest.raises(ValueError, match="not negative"):
+        m.overlap_groups([1, 2], -1)
+    with pytest.raises(TypeError, match="is an int"):
+        m.overlap_groups([1, 2], 1.0)  # type: ignore[arg-type]
+    assert m.overlap_groups([1, 2], 1) == [(2, 1)] and m.overlap_groups([1, 2], 0) == []

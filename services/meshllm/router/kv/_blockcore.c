@@ -429,7 +429,7 @@ static uint32_t *slots_of_mask(PyObject *mask, Py_ssize_t *n) {
         PyErr_SetString(PyExc_TypeError, "a slot mask is an int");
         return NULL;
     }
-    if (Py_SIZE(mask) < 0) {
+    if (_PyLong_Sign(mask) < 0) {
         PyErr_SetString(PyExc_ValueError, "a slot mask is not negative");
         return NULL;
     }
@@ -507,69 +507,73 @@ static void Core_dealloc(Core *c) {
 
 static Py_ssize_t Core_len(Core *c) { return (Py_ssize_t)c->live; }
 
+/* The slot `slot` and the hashes of `seq` (*hs, *n; free it) that add, touch, remove and replace work on. */
+static Slot *slot_and_hashes(Core *c, Py_ssize_t slot, PyObject *seq, uint64_t **hs, Py_ssize_t *n) {
+    Slot *s = slot_at(c, slot);
+    if (s == NULL || (*hs = hashes_of(seq, n)) == NULL)
+        return NULL;
+    return s;
+}
+
+/* A new pair: block b (made for hash h when 0) held by `slot` too, its holder entry at `at` (0 for a new block), a
+   node at the slot's most recently used end with `reuses`. Returns the node, 0 when out of memory (nothing changed). */
+static uint32_t place(Core *c, Slot *s, uint32_t slot, uint32_t b, Py_ssize_t at, uint64_t h, uint32_t reuses) {
+    if (!b && !(b = new_block(c, h)))
+        return 0;
+    uint32_t node = new_node(c, b);
+    if (!node || insert_holder(c, b, at, slot, node)) {
+        if (node)
+            free_node(c, node);
+        if (!c->bcount[b])
+            free_block(c, b);
+        return 0;
+    }
+    c->nodes[node].reuses = reuses;
+    link_tail(c, s, node);
+    s->size++;
+    return node;
+}
+
 /* add(slot, hashes) -> how many were new to the slot (appended at the most recently used end, in order) */
 static PyObject *Core_add(Core *c, PyObject *args) {
     Py_ssize_t slot, n, added = 0;
     PyObject *seq;
+    uint64_t *hs;
     if (!PyArg_ParseTuple(args, "nO:add", &slot, &seq))
         return NULL;
-    Slot *s = slot_at(c, slot);
+    Slot *s = slot_and_hashes(c, slot, seq, &hs, &n);
     if (s == NULL)
         return NULL;
-    uint64_t *hs = hashes_of(seq, &n);
-    if (hs == NULL)
-        return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t h = hs[i];
-        uint32_t b = lookup(c, h);
-        Py_ssize_t at = 0;
-        if (!b) {
-            b = new_block(c, h);
-            if (!b)
-                goto fail;
-        } else {
-            at = find_holder(c, b, (uint32_t)slot);
-            if (at >= 0)
-                continue;
-            at = -at - 1;
+        uint32_t b = lookup(c, hs[i]);
+        Py_ssize_t at = b ? find_holder(c, b, (uint32_t)slot) : -1;
+        if (at >= 0)
+            continue;
+        if (!place(c, s, (uint32_t)slot, b, -at - 1, hs[i], 0)) {
+            /* out of memory: what was added stays (the wrapper's sizes are then off; the process is in trouble) */
+            PyMem_RawFree(hs);
+            return NULL;
         }
-        uint32_t node = new_node(c, b);
-        if (!node || insert_holder(c, b, at, (uint32_t)slot, node)) {
-            if (node)
-                free_node(c, node);
-            if (!c->bcount[b])
-                free_block(c, b);
-            goto fail;
-        }
-        link_tail(c, s, node);
-        s->size++;
         added++;
     }
     PyMem_RawFree(hs);
     return PyLong_FromSsize_t(added);
-fail: /* out of memory: what was added stays (the wrapper's sizes are then off; the process is in trouble anyway) */
-    PyMem_RawFree(hs);
-    return NULL;
 }
 
 /* touch(slot, hashes, reused) -> reuse count change of the slot's hot blocks (blocks reused at least once) */
 static PyObject *Core_touch(Core *c, PyObject *args) {
     Py_ssize_t slot, n, hot = 0;
     PyObject *seq;
+    uint64_t *hs;
     int reused;
     if (!PyArg_ParseTuple(args, "nOp:touch", &slot, &seq, &reused))
         return NULL;
-    Slot *s = slot_at(c, slot);
+    Slot *s = slot_and_hashes(c, slot, seq, &hs, &n);
     if (s == NULL)
-        return NULL;
-    uint64_t *hs = hashes_of(seq, &n);
-    if (hs == NULL)
         return NULL;
     for (Py_ssize_t i = n - 1; i >= 0; i--) { /* the first block last */
         uint32_t b = lookup(c, hs[i]);
-        if (!b)
-            continue;
-        Py_ssize_t at = find_holder(c, b, (uint32_t)slot);
+        Py_ssize_t at = b ? find_holder(c, b, (uint32_t)slot) : -1;
         if (at < 0)
             continue;
         uint32_t node = holders(c, b)[at].node;
@@ -589,20 +593,16 @@ static PyObject *Core_touch(Core *c, PyObject *args) {
 static PyObject *Core_remove(Core *c, PyObject *args) {
     Py_ssize_t slot, n, gone = 0;
     PyObject *seq;
+    uint64_t *hs;
     if (!PyArg_ParseTuple(args, "nO:remove", &slot, &seq))
         return NULL;
-    Slot *s = slot_at(c, slot);
+    Slot *s = slot_and_hashes(c, slot, seq, &hs, &n);
     if (s == NULL)
-        return NULL;
-    uint64_t *hs = hashes_of(seq, &n);
-    if (hs == NULL)
         return NULL;
     uint64_t hot = s->hot;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t b = lookup(c, hs[i]);
-        if (!b)
-            continue;
-        Py_ssize_t at = find_holder(c, b, (uint32_t)slot);
+        Py_ssize_t at = b ? find_holder(c, b, (uint32_t)slot) : -1;
         if (at < 0)
             continue;
         if (drop_pair(c, s, b, at)) {
@@ -650,45 +650,27 @@ static PyObject *Core_clear_slot(Core *c, PyObject *arg) {
 static PyObject *Core_replace(Core *c, PyObject *args) {
     Py_ssize_t slot, n;
     PyObject *seq;
+    uint64_t *hs;
     if (!PyArg_ParseTuple(args, "nO:replace", &slot, &seq))
         return NULL;
-    Slot *s = slot_at(c, slot);
+    Slot *s = slot_and_hashes(c, slot, seq, &hs, &n);
     if (s == NULL)
-        return NULL;
-    uint64_t *hs = hashes_of(seq, &n);
-    if (hs == NULL)
         return NULL;
     uint64_t placed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t b = lookup(c, hs[i]), node;
-        Py_ssize_t at = 0;
-        if (b) {
-            at = find_holder(c, b, (uint32_t)slot);
-            if (at >= 0) {
-                node = holders(c, b)[at].node;
-                if (c->nodes[node].reuses == FRESH)
-                    continue; /* a duplicate */
-                unlink_node(c, s, node);
-                link_tail(c, s, node);
-                c->nodes[node].reuses = FRESH;
-                placed++;
-                continue;
-            }
-            at = -at - 1;
-        } else if (!(b = new_block(c, hs[i]))) {
-            goto fail;
+        uint32_t b = lookup(c, hs[i]);
+        Py_ssize_t at = b ? find_holder(c, b, (uint32_t)slot) : -1;
+        if (at >= 0) {
+            uint32_t node = holders(c, b)[at].node;
+            if (c->nodes[node].reuses == FRESH)
+                continue; /* a duplicate */
+            unlink_node(c, s, node);
+            link_tail(c, s, node);
+            c->nodes[node].reuses = FRESH;
+        } else if (!place(c, s, (uint32_t)slot, b, -at - 1, hs[i], FRESH)) {
+            PyMem_RawFree(hs); /* out of memory: FRESH marks are left on placed nodes (the process is in trouble) */
+            return NULL;
         }
-        node = new_node(c, b);
-        if (!node || insert_holder(c, b, at, (uint32_t)slot, node)) {
-            if (node)
-                free_node(c, node);
-            if (!c->bcount[b])
-                free_block(c, b);
-            goto fail;
-        }
-        c->nodes[node].reuses = FRESH;
-        link_tail(c, s, node);
-        s->size++;
         placed++;
     }
     PyMem_RawFree(hs);
@@ -702,9 +684,6 @@ static PyObject *Core_replace(Core *c, PyObject *args) {
         c->nodes[node].reuses = 0;
     s->hot = 0;
     return PyLong_FromUnsignedLongLong(s->size);
-fail: /* out of memory: FRESH marks are left on placed nodes (the process is in trouble anyway) */
-    PyMem_RawFree(hs);
-    return NULL;
 }
 
 /* hot_victims(slot, k, keep) -> of the k least recently used blocks not in keep (hashes), how many were reused */
