@@ -27,9 +27,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# The KV index's C core (services/meshllm/router/kv/_blockcore.c) is built by pip install; without a C compiler and
+# The KV index's C core (services/meshllm/router/kv/_blockcore.c and its headers) is built by pip install (setup.py); without a C compiler and
 # Python's headers the install goes on and routers use the Python index (same answers, ~3x the memory).
-BLOCKCORE := services/meshllm/router/kv/_blockcore.c
+BLOCKCORE := $(wildcard services/meshllm/router/kv/_blockcore*.[ch])
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(BLOCKCORE)
 	$(PIP) install --quiet -e .
 	touch $@

@@ -9,6 +9,7 @@ setup(
         Extension(
             "meshllm.router.kv._blockcore",
             sources=["services/meshllm/router/kv/_blockcore.c"],
+            depends=[f"services/meshllm/router/kv/_blockcore_{h}.h" for h in ("store", "convert", "walk")],
             extra_compile_args=["-O2"],
             optional=True,
         )
