@@ -15,6 +15,7 @@ grpc.health.v1.Health/Check answers SERVING.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -239,7 +240,7 @@ def test_router_route_answers_a_prompts_token_ids_with_scored_candidates(mesh: M
         if max(overlap.values()) == full_blocks or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert overlap[decision["workerId"]] == full_blocks, decision
+    assert overlap[decision["workerId"]] == full_blocks, json.dumps(decision, indent=1)
 
     listed = router.call("meshllm.v1.Router/ListWorkers", {"model": "mocker"})
     assert {w["workerId"] for w in listed["workers"]} == set(workers)

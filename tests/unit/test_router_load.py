@@ -176,3 +176,21 @@ def test_a_replica_releases_a_completed_event_at_its_origins_time_whatever_the_a
     sync.apply("r1", kind(request_id="keep", kind=kind.KIND_COMPLETED, worker_id="a", ended_at_ms=late_ms))
     a, b = origin.get(("a", 0)), other.get(("a", 0))
     assert (a.active_blocks, a.stale) == (b.active_blocks, b.stale) == (0, True)
+
+
+def test_a_sample_taken_while_a_short_request_ran_stops_counting_when_it_ends_whatever_the_order() -> None:
+    """Locks: a request shorter than ADMISSION_S is in the worker's sample though charged after the sample's cutoff;
+    once it ended nothing is in flight, so the sample goes stale in both arrival orders (a `kv` decision would
+    otherwise see the worker that just cached the prompt as busy until its next sample)."""
+    snap = events_pb2.LoadSnapshot(worker_id="a", active_blocks=4, total_blocks=100, timestamp_ms=100_010)
+    for snapshot_first in (True, False):
+        t = LoadTracker()
+        t.route("r", "q", ("a", 0), prefill_tokens=0, blocks=4, now=100.0)
+        if snapshot_first:
+            t.apply_snapshot(snap, now=100.012)
+            t.complete("r", "q", now=100.015)
+        else:
+            t.complete("r", "q", now=100.015)
+            t.apply_snapshot(snap, now=100.016)
+        load = t.get(("a", 0))
+        assert (load.active_blocks, load.stale) == (0, True), snapshot_first

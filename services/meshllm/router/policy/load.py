@@ -22,9 +22,11 @@ two replicas in opposite orders still give both the same view. Times are
 wall-clock seconds; a snapshot whose timestamp is implausible (clocks
 apart) counts as taken when it arrived. Snapshots of
 engines that do not page their cache (`total_blocks` 0) correct nothing, and
-a snapshot stops counting once every request on the worker has ended after
-it was taken (the worker reports again within 100 ms, but short requests end
-sooner).
+a snapshot stops counting once no request is in flight on the worker and one
+ended after the snapshot was taken (the worker reports again within 100 ms,
+but short requests end sooner: a sample taken while one ran still counts it).
+Releases too go by their time (a replica's COMPLETED carries it): whichever
+order a release and a snapshot arrive in, every replica ends with the same view.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class SlotLoad:
     delta_blocks: int = 0  # charged − released since `reported` arrived
     stale: bool = False  # every request in the snapshot's view has ended since
     taken: float = -math.inf  # wall-clock seconds `reported` was taken at
-    ended: int = 0  # requests `reported` counts that ended after it was taken
+    ended_since: int = 0  # requests that ended after `reported` was taken (whenever charged)
     released: deque[Release] = field(default_factory=deque)  # the last MAX_SNAPSHOT_AGE_S of releases
 
     @property
@@ -158,12 +160,11 @@ class LoadTracker:
         at = time.time() if now is None else now
         # By the times, not the order of arrival, as in apply_snapshot: a replica that hears of the end after
         # a snapshot taken later than it must not release the blocks twice.
-        if c.at > load.taken - ADMISSION_S:
-            load.delta_blocks -= c.blocks  # charged after the snapshot: on top of it until now
-        elif at > load.taken:
-            load.delta_blocks -= c.blocks  # counted by the snapshot, ended since
-            load.ended += 1
-        load.stale = load.in_flight == 0 and (load.reported is None or load.ended > 0)
+        if c.at > load.taken - ADMISSION_S or at > load.taken:
+            load.delta_blocks -= c.blocks  # charged after the snapshot (on top of it until now), or counted and ended since
+        if at > load.taken:
+            load.ended_since += 1
+        load.stale = load.in_flight == 0 and (load.reported is None or load.ended_since > 0)
         _forget_releases(load.released, at)
         load.released.append(Release(at, c.at, c.blocks))
 
@@ -189,8 +190,8 @@ class LoadTracker:
         # Requests the snapshot counts that ended after it was taken: their blocks are free already.
         ended = [r for r in load.released if r.at > taken and r.charged_at <= cutoff]
         load.delta_blocks = added - sum(r.blocks for r in ended)
-        load.ended = len(ended)
-        load.stale = load.in_flight == 0 and bool(ended)
+        load.ended_since = sum(1 for r in load.released if r.at > taken)
+        load.stale = load.in_flight == 0 and load.ended_since > 0
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker's load and the charges on it."""
