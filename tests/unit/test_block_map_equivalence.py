@@ -178,3 +178,19 @@ def test_the_compiled_walk_refuses_a_negative_or_non_int_mask() -> None:
     with pytest.raises(TypeError, match="is an int"):
         m.overlap_groups([1, 2], 1.0)  # type: ignore[arg-type]
     assert m.overlap_groups([1, 2], 1) == [(2, 1)] and m.overlap_groups([1, 2], 0) == []
+
+
+def test_a_python_index_made_without_the_extension_says_why_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the extension was not built, the first index a process makes logs why (not every command's import)."""
+    import meshllm.router.kv.blocks as blocks
+
+    monkeypatch.setattr(blocks, "COMPILED_ERROR", "No module named 'meshllm.router.kv._blockcore'")
+    monkeypatch.setattr(blocks, "_warned", False)
+    monkeypatch.setattr(blocks, "BlockMap", PyBlockMap)
+    with caplog.at_level("WARNING", logger="meshllm.router.kv.blocks"):
+        assert isinstance(blocks.block_map(), PyBlockMap)
+        assert isinstance(blocks.block_map(), PyBlockMap)
+    said = [r.getMessage() for r in caplog.records if "compiled KV index is not built" in r.getMessage()]
+    assert len(said) == 1 and "_blockcore" in said[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshllm.router.kv.blocks import BlockMap, SlotKey
+from meshllm.router.kv.blocks import SlotKey, block_map
 from meshllm.router.kv.capacity import SlotCapacities
 from meshllm.router.kv.tiers import LowerTiers, TierOverlap
 from meshllm.v1 import events_pb2, worker_pb2
@@ -51,7 +51,7 @@ class KvIndex(SlotCapacities):
     """
 
     def __init__(self) -> None:
-        self.map = BlockMap()
+        self.map = block_map()
         self.totals: dict[SlotKey, int] = {}  # capacity per slot, when known
         self.lower = LowerTiers()  # host and disk blocks per slot
         self._workers: dict[str, _WorkerState] = {}

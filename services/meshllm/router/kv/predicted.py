@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from meshllm.router.kv.blocks import BlockMap, SlotKey
+from meshllm.router.kv.blocks import SlotKey, block_map
 from meshllm.router.kv.capacity import SlotCapacities
 
 __all__ = ["PredictedIndex", "RoutedCache"]
@@ -35,7 +35,7 @@ class PredictedIndex:
     """Reference-counted (slot, block hash) entries, removed explicitly when their request ends."""
 
     def __init__(self) -> None:
-        self.map = BlockMap()
+        self.map = block_map()
         self._refs: dict[tuple[int, int], int] = {}
         self._entries: dict[str, tuple[SlotKey, tuple[int, ...]]] = {}
         self._seq = 0
@@ -104,7 +104,7 @@ class RoutedCache(SlotCapacities):
 
     def __init__(self, *, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self.map = BlockMap()
+        self.map = block_map()
         self.totals: dict[SlotKey, int] = {}
         self._used: dict[int, dict[int, float]] = {}  # slot -> block hash -> when last routed
 
