@@ -95,114 +95,99 @@ static PyObject *Core_hot_victims(Core *c, PyObject *args) {
     return PyLong_FromSsize_t(hot);
 }
 
+/* Split the sorted candidates `cur` by block b's holders (sorted by slot): next = cur ∩ holders, gone = the rest.
+   A block with 8x more holders than candidates (a prefix the whole fleet holds) is searched, else merged. */
+static void split_by_holders(Core *c, uint32_t b, const uint32_t *cur, Py_ssize_t ncur, uint32_t *next,
+                             Py_ssize_t *nn, uint32_t *gone, Py_ssize_t *ng) {
+    Holder *hs = holders(c, b);
+    Py_ssize_t nh = c->bcount[b], j = 0;
+    *nn = *ng = 0;
+    for (Py_ssize_t i = 0; i < ncur; i++) {
+        if (nh >= ncur * 8) {
+            Py_ssize_t hi = nh;
+            while (j < hi) {
+                Py_ssize_t mid = (j + hi) >> 1;
+                if (hs[mid].slot < cur[i])
+                    j = mid + 1;
+                else
+                    hi = mid;
+            }
+        } else {
+            while (j < nh && hs[j].slot < cur[i])
+                j++;
+        }
+        if (j < nh && hs[j].slot == cur[i])
+            next[(*nn)++] = cur[i];
+        else
+            gone[(*ng)++] = cur[i];
+    }
+}
+
+/* Append (depth, bits of `slots`) to `out`; -1 on error. */
+static int append_group(PyObject *out, Py_ssize_t depth, const uint32_t *slots, Py_ssize_t n) {
+    PyObject *bits = bits_of(slots, n, sizeof(uint32_t));
+    PyObject *item = bits ? Py_BuildValue("(nN)", depth, bits) : NULL;
+    int bad = item == NULL || PyList_Append(out, item);
+    Py_XDECREF(item);
+    return bad ? -1 : 0;
+}
+
 /* overlap_groups(hashes, mask) -> [(depth, bits of the slots among mask whose prefix ends there)], depth > 0 */
 static PyObject *Core_overlap_groups(Core *c, PyObject *args) {
     PyObject *seq, *mask;
     if (!PyArg_ParseTuple(args, "OO:overlap_groups", &seq, &mask))
         return NULL;
-    Py_ssize_t ncur;
+    Py_ssize_t ncur, depth = 0;
     uint32_t *cur = slots_of_mask(mask, &ncur);
     if (cur == NULL)
         return NULL;
     uint32_t *next = PyMem_RawMalloc((size_t)(ncur ? ncur : 1) * sizeof(uint32_t));
     uint32_t *gone = PyMem_RawMalloc((size_t)(ncur ? ncur : 1) * sizeof(uint32_t));
     PyObject *out = PyList_New(0), *fast = NULL;
+    int failed = 1;
     if (next == NULL || gone == NULL || out == NULL) {
         if (out == NULL || !PyErr_Occurred())
             PyErr_NoMemory();
-        goto fail;
+        goto end;
     }
-    if (!ncur)
-        goto done;
-    fast = PySequence_Fast(seq, "hashes must be iterable");
-    if (fast == NULL)
-        goto fail;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), depth = 0;
+    if (ncur && (fast = PySequence_Fast(seq, "hashes must be iterable")) == NULL)
+        goto end;
+    PyObject **items = fast ? PySequence_Fast_ITEMS(fast) : NULL;
+    Py_ssize_t n = fast ? PySequence_Fast_GET_SIZE(fast) : 0;
     uint32_t prev = 0;
-    for (; depth < n; depth++) {
+    for (; ncur && depth < n; depth++) {
         uint64_t h;
         if (as_hash(items[depth], &h))
-            goto fail;
+            goto end;
         uint32_t b = lookup(c, h);
-        Py_ssize_t nn = 0, ng = 0;
         if (b && b == prev)
-            continue;
+            continue; /* the same block again: the same holders */
         prev = b;
-        if (b) { /* next = cur ∩ holders(b), gone = cur \ holders(b): both sorted */
-            Holder *hs = holders(c, b);
-            Py_ssize_t nh = c->bcount[b], i = 0, j = 0;
-            if (nh >= ncur * 8) {
-                for (; i < ncur; i++) {
-                    Py_ssize_t lo = j, hi = nh;
-                    while (lo < hi) {
-                        Py_ssize_t mid = (lo + hi) >> 1;
-                        if (hs[mid].slot < cur[i])
-                            lo = mid + 1;
-                        else
-                            hi = mid;
-                    }
-                    j = lo;
-                    if (j < nh && hs[j].slot == cur[i])
-                        next[nn++] = cur[i];
-                    else
-                        gone[ng++] = cur[i];
-                }
-            } else {
-                while (i < ncur) {
-                    if (j >= nh || cur[i] < hs[j].slot)
-                        gone[ng++] = cur[i++];
-                    else if (cur[i] == hs[j].slot) {
-                        next[nn++] = cur[i++];
-                        j++;
-                    } else
-                        j++;
-                }
-            }
-        } else {
-            memcpy(gone, cur, (size_t)ncur * sizeof(uint32_t));
-            ng = ncur;
-        }
+        Py_ssize_t nn = 0, ng = ncur;
+        if (b)
+            split_by_holders(c, b, cur, ncur, next, &nn, gone, &ng);
+        else
+            memcpy(gone, cur, (size_t)ncur * sizeof(uint32_t)); /* nobody holds it: every candidate stops */
         if (!ng)
             continue;
-        if (depth) {
-            PyObject *bits = bits_of(gone, ng, sizeof(uint32_t));
-            PyObject *item = bits ? Py_BuildValue("(nN)", depth, bits) : NULL;
-            if (item == NULL || PyList_Append(out, item)) {
-                Py_XDECREF(item);
-                goto fail;
-            }
-            Py_DECREF(item);
-        }
+        if (depth && append_group(out, depth, gone, ng))
+            goto end;
         uint32_t *t = cur;
         cur = next;
         next = t;
         ncur = nn;
-        if (!ncur)
-            goto done;
     }
-    if (depth && ncur) {
-        PyObject *bits = bits_of(cur, ncur, sizeof(uint32_t));
-        PyObject *item = bits ? Py_BuildValue("(nN)", depth, bits) : NULL;
-        if (item == NULL || PyList_Append(out, item)) {
-            Py_XDECREF(item);
-            goto fail;
-        }
-        Py_DECREF(item);
-    }
-done:
+    if (depth && ncur && append_group(out, depth, cur, ncur))
+        goto end;
+    failed = 0;
+end:
     Py_XDECREF(fast);
     PyMem_RawFree(cur);
     PyMem_RawFree(next);
     PyMem_RawFree(gone);
+    if (failed)
+        Py_CLEAR(out);
     return out;
-fail:
-    Py_XDECREF(fast);
-    Py_XDECREF(out);
-    PyMem_RawFree(cur);
-    PyMem_RawFree(next);
-    PyMem_RawFree(gone);
-    return NULL;
 }
 
 

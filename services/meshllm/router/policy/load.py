@@ -83,7 +83,7 @@ class SlotLoad:
     prefilling: int = 0  # in-flight charges not yet prefilled (no first token yet)
     reported: events_pb2.LoadSnapshot | None = None
     delta_blocks: int = 0  # charged − released since `reported` arrived
-    stale: bool = False  # every request in the snapshot's view has ended since
+    stale: bool = False  # `reported` stopped counting: nothing in flight and a request ended after it (until the next)
     taken: float = -math.inf  # wall-clock seconds `reported` was taken at
     ended_since: int = 0  # requests that ended after `reported` was taken (whenever charged)
     released: deque[Release] = field(default_factory=deque)  # the last MAX_SNAPSHOT_AGE_S of releases
