@@ -3,6 +3,7 @@
     .venv/bin/python bench/mesh.py                         # split + split-with-router, speedup 1000 and 10, c=32,64
     .venv/bin/python bench/mesh.py --dynamo --in-process   # + NVIDIA Dynamo 1.6.1 (the baseline) and `meshllm run`
     .venv/bin/python bench/mesh.py --profile               # + a py-spy profile of every meshllm process
+    .venv/bin/python bench/mesh.py --profile --profile-dir D   # ... keeping py-spy's raw stacks in D
     .venv/bin/python bench/mesh.py --no-engines            # without the mocker engines alone (in-process, no mesh)
     .venv/bin/python bench/mesh.py --overhead --dynamo     # + TTFT/ITL at speedup 1, c=1: engine alone vs the mesh
     .venv/bin/python bench/mesh.py --requests 64 --speedup 1000 --concurrency 32 --no-write   # a quick look
@@ -195,6 +196,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-engines", action="store_true", help="skip the mocker engines alone (in-process, no mesh)")
     p.add_argument("--profile", action="store_true", help="py-spy every meshllm process during an extra level")
     p.add_argument("--profile-requests", type=int, default=0, help="requests of the profiled level (default --requests)")
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="keep py-spy's raw stacks here (one file per process; default: a temporary directory)",
+    )
     p.add_argument("--overhead", action="store_true", help="also TTFT/ITL at speedup 1, c=1 vs the engine alone")
     p.add_argument("--overhead-requests", type=int, default=24, help="requests per system in --overhead")
     p.add_argument("--overhead-only", action="store_true", help="only the --overhead measurement")
@@ -254,7 +261,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     res.load_avg.append(os.getloadavg()[0])
     with tempfile.TemporaryDirectory(prefix="meshllm-bench-profiles-") as tmp:
         if not args.overhead_only:
-            await throughput(args, res, load, Path(tmp))
+            await throughput(args, res, load, args.profile_dir or Path(tmp))
         if args.overhead:
             await overhead(args, res, load)
     res.load_avg.append(os.getloadavg()[0])

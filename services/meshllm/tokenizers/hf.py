@@ -31,7 +31,9 @@ __all__ = ["HFTokenizer", "load_hf_tokenizer", "read_json"]
 class HFTokenizer:
     """A `tokenizers.Tokenizer` with the metadata the frontend needs (see `Tokenizer`)."""
 
-    releases_gil = True  # `encode` runs in Rust without the GIL: a thread encodes on another core
+    # `encode` runs in Rust without the GIL (a thread encodes on another core); only ASCII pieces up to
+    # words.MAX_PIECE_CHARS are split in Python (tokenizers/words.py), holding it for about a millisecond at most.
+    releases_gil = True
 
     def __init__(
         self,

@@ -9,7 +9,9 @@ between `<|im_start|>` and `<|im_end|>` — and the next turn of a conversation
 repeats every earlier piece verbatim, as does every request that starts with
 the same system prompt. `SegmentCache.encode` splits the text the same way,
 takes the ids of the pieces it has seen from its cache and encodes only the
-others (in one `encode_batch_fast` call, which releases the GIL). Requests of
+others: ASCII ones word by word where the tokenizer allows it
+(tokenizers/words.py), the rest in one `encode_batch_fast` call, which
+releases the GIL. Requests of
 ~12,000 tokens (turns 9–16 of 32 interleaved conversations) encode in 0.53 ms
 instead of 3.2 ms at the median (bench/tokenize_cache.py).
 
@@ -37,6 +39,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer as FastTokenizer
 
+from meshllm.tokenizers.words import MAX_PIECE_CHARS, WordCache
+
 __all__ = ["DEFAULT_BUDGET_TOKENS", "SegmentCache"]
 
 # Token ids the cache keeps (~8 MB of ids, plus the pieces' text): a few hundred long conversations.
@@ -46,9 +50,17 @@ DEFAULT_BUDGET_TOKENS = 2_000_000
 class SegmentCache:
     """Encode texts piece by piece, reusing the ids of pieces seen before (see the module docstring)."""
 
-    def __init__(self, fast: FastTokenizer, added: dict[str, int], *, budget_tokens: int = DEFAULT_BUDGET_TOKENS) -> None:
+    def __init__(
+        self,
+        fast: FastTokenizer,
+        added: dict[str, int],
+        *,
+        budget_tokens: int = DEFAULT_BUDGET_TOKENS,
+        words: WordCache | None = None,
+    ) -> None:
         self._fast = fast
         self._added = added
+        self.words = words  # new ASCII pieces are encoded word by word (tokenizers/words.py)
         # Longest first: Python's alternation takes the first that matches, which is then the longest at that position.
         alternatives = sorted(added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")").split if added else None
@@ -69,7 +81,7 @@ class SegmentCache:
             if not tok.special or tok.normalized or tok.lstrip or tok.rstrip or tok.single_word or not tok.content:
                 return None
             added[tok.content] = token_id
-        return cls(fast, added, budget_tokens=budget_tokens)
+        return cls(fast, added, budget_tokens=budget_tokens, words=WordCache.for_tokenizer(fast))
 
     @property
     def held_tokens(self) -> int:
@@ -107,9 +119,19 @@ class SegmentCache:
         return out
 
     def _encode_new(self, pieces: Sequence[str]) -> dict[str, list[int]]:
-        """Encode `pieces` in one call and keep them; returns their ids as the library's lists (no second conversion)."""
-        encodings = self._fast.encode_batch_fast(list(pieces), add_special_tokens=False)
-        fresh: dict[str, list[int]] = {piece: enc.ids for piece, enc in zip(pieces, encodings, strict=True)}
+        """Encode `pieces` (ASCII ones word by word, the others in one library call) and keep them."""
+        fresh: dict[str, list[int]] = {}
+        rest = list(pieces)
+        if self.words is not None:
+            rest = []
+            for piece in pieces:
+                if len(piece) <= MAX_PIECE_CHARS and piece.isascii():
+                    fresh[piece] = self.words.encode(piece)
+                else:
+                    rest.append(piece)
+        if rest:
+            encodings = self._fast.encode_batch_fast(rest, add_special_tokens=False)
+            fresh.update((piece, enc.ids) for piece, enc in zip(rest, encodings, strict=True))
         limit = self.budget_tokens // 8
         with self._lock:
             for piece, ids in fresh.items():
