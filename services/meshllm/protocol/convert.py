@@ -270,6 +270,9 @@ def chunk_to_proto(c: TokenChunk) -> pb.GenerateChunk:
 
 def chunk_into_proto(m: pb.GenerateChunk, c: TokenChunk) -> None:
     """Fill an empty GenerateChunk message in place (e.g. one inside a batch, with no copy)."""
+    if len(c) == 1 and "token_ids" in c:  # nearly every chunk of a stream: one lookup, not one per field
+        m.token_ids.extend(c["token_ids"])
+        return
     if ids := c.get("token_ids"):
         m.token_ids.extend(ids)
     if index := c.get("index"):
