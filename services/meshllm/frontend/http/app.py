@@ -70,6 +70,7 @@ from meshllm.frontend.http.request_ids import (
     path_id,
     tenant_of,
 )
+from meshllm.frontend.http.sse_direct import DirectSse, direct_eligible
 from meshllm.frontend.openai import embeddings_api
 from meshllm.frontend.openai.bodies import collect, sse_events
 from meshllm.frontend.openai.inference import Completion, InferenceCore
@@ -339,7 +340,10 @@ class OpenAIApp:
             annotate_span(completion, client_id)
             extra.append((REQUEST_ID_HEADER, completion.id.encode("latin-1", "replace")))
             if req.stream:
-                return await self._stream(send, shape[1](completion), watch, extra)
+                direct = DirectSse(send, completion) if shape[1] is sse_events and direct_eligible(req, completion) else None
+                if direct is not None:
+                    completion.direct = direct.take
+                return await self._stream(send, shape[1](completion), watch, extra, direct)
             result = await shape[0](completion)
             watch.stop()
             return await json_response(send, 200, result, extra)
@@ -360,7 +364,12 @@ class OpenAIApp:
                 await completion.aclose()
 
     async def _stream(
-        self, send: Send, events: AsyncIterator[bytes], watch: Disconnect, headers: list[tuple[bytes, bytes]] | None = None
+        self,
+        send: Send,
+        events: AsyncIterator[bytes],
+        watch: Disconnect,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        direct: DirectSse | None = None,
     ) -> int:
         first = await anext(events)  # errors before the first event become a plain HTTP error
         await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *(headers or ())]})
@@ -368,8 +377,18 @@ class OpenAIApp:
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        await body(first)
-        last = await write_ready(events, body)  # events ready back to back share one write (http/ready_writes.py)
+        write = body if direct is None else direct.write
+        try:
+            await write(first)
+            if direct is not None:
+                direct.live = True  # plain content events may now be written where their tokens arrive
+            last = await write_ready(events, write)  # events ready back to back share one write (http/ready_writes.py)
+            if direct is not None:
+                direct.live = False
+                await direct.settle()
+        finally:
+            if direct is not None:
+                direct.close()
         watch.stop()
         await send({"type": "http.response.body", "body": last, "more_body": False})
         return 200

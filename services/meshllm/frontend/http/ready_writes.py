@@ -13,7 +13,7 @@ one write.
 
 Knowing whether the next event needs a wait means starting the source's
 `__anext__` by hand (`send(None)`): it either finishes (ready) or stops at the
-future it waits on, which `_resumed` then awaits on the task's behalf. A
+future it waits on, which `resumed` then awaits on the task's behalf. A
 write that fails or is cancelled while such a step is in flight throws the
 cancellation into the step, so the source unwinds as it would under a
 cancelled `async for`.
@@ -26,13 +26,13 @@ import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
-__all__ = ["write_ready"]
+__all__ = ["resumed", "write_ready"]
 
 Step = Coroutine[Any, Any, bytes]
 
 
 @types.coroutine
-def _resumed(step: Step, waiting: Any) -> Generator[Any, Any, bytes]:
+def resumed(step: Step, waiting: Any) -> Generator[Any, Any, bytes]:
     """Await the rest of a step that `send(None)` started and that waits on `waiting`."""
     value = waiting
     while True:
@@ -86,7 +86,7 @@ async def write_ready(events: AsyncIterator[bytes], write: Callable[[bytes], Awa
                 raise
             pending = []
         try:
-            pending.append(await _resumed(step, waiting))
+            pending.append(await resumed(step, waiting))
         except StopAsyncIteration:
             break
     return b"".join(pending)

@@ -21,7 +21,9 @@ import contextlib
 import itertools
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
@@ -174,13 +176,19 @@ class Completion:
         self._cut: MeshError | None = None
         self._task = asyncio.current_task()
         self._upstream_wait = False
+        # `direct`: set by an edge before iterating (http/sse_direct.py); takes a delta of a single-choice stream
+        # as it is made, in the session reader, and returns True when it wrote it itself (see `_direct_single`).
+        self.direct: Callable[[Delta], bool] | None = None
         core._open.add(self)
 
     # ------------------------------------------------------------ streaming
     def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of every choice as they come; ends when every choice has finished."""
         if self._gen is None:
-            self._gen = self._single() if len(self.choices) == 1 else self._merged()
+            if len(self.choices) > 1:
+                self._gen = self._merged()
+            else:
+                self._gen = self._single() if self.direct is None else self._direct_single(self.direct)
         return self._gen
 
     def _observe(self, chunk: TokenChunk, last: list[float]) -> None:
@@ -239,6 +247,76 @@ class Completion:
         finally:
             await _aclose(stream)
         raise StreamIncomplete("the upstream stream ended without a terminal chunk")
+
+    # size: the direct stream's chunk handler, pump and consumer share its state: one function whose finally ends all
+    async def _direct_single(self, direct: Callable[[Delta], bool]) -> AsyncIterator[Delta]:
+        """`_single` where the edge writes plain deltas itself, with no task woken per token.
+
+        Every chunk is handled by `take`, in stream order: non-terminal ones in the session reader (the call's
+        relay: they skip the upstream generator chain), the rest (terminal, errors, a disaggregated request's
+        first tokens, every chunk of an upstream that does not relay) in a pump task that iterates the chain.
+        A delta goes to `direct` while this generator is idle (nothing waiting here, no cut); the rest wait
+        here, in order, and are yielded. The chain yields a chunk only after every chunk it relayed before.
+        """
+        choice = self.choices[0]
+        last = [0.0]
+        backlog: deque[Delta | BaseException | None] = deque()  # None: the chain ended without a terminal
+        waiter: list[asyncio.Future[None] | None] = [None]  # set while this generator waits for the backlog
+        broken = [False]
+
+        def wake() -> None:
+            if (w := waiter[0]) is not None and not w.done():
+                w.set_result(None)
+
+        def take(chunk: TokenChunk) -> None:
+            if broken[0] or choice.finished:
+                return
+            try:
+                self._observe(chunk, last)
+                delta = choice.feed(chunk)
+            except Exception as exc:  # raised here, as `_single` would, not in the session reader
+                broken[0] = True
+                backlog.append(exc)
+                wake()
+                return
+            if backlog or waiter[0] is None or self._cut is not None or choice.finished or not direct(delta):
+                backlog.append(delta)
+                wake()
+
+        async def pump() -> None:
+            stream = self.core.upstream.generate(self.plan.requests[0], call=(self.call or CallInfo()).relaying(take))
+            try:
+                async for chunk in stream:
+                    take(chunk)
+                backlog.append(None)
+            except Exception as exc:
+                backlog.append(exc)
+            finally:
+                wake()
+                await _aclose(stream)
+
+        task = asyncio.create_task(pump(), name=f"{self.internal_id}-upstream")
+        try:
+            while True:
+                if not backlog:
+                    waiter[0] = future = asyncio.get_running_loop().create_future()
+                    try:
+                        await self._next(partial(_same, future))
+                    finally:
+                        waiter[0] = None
+                    continue
+                item = backlog.popleft()
+                if item is None:
+                    raise StreamIncomplete("the upstream stream ended without a terminal chunk")
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if choice.finished:
+                    return
+        finally:
+            broken[0] = True
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _merged(self) -> AsyncIterator[Delta]:
         queue: asyncio.Queue[tuple[int, TokenChunk | BaseException | None]] = asyncio.Queue()
@@ -308,6 +386,10 @@ class Completion:
             m.output_tokens.inc(u["completion_tokens"])
             m.cached_tokens.inc(u["prompt_tokens_details"]["cached_tokens"])
             self.core.admission.exit()
+
+
+def _same(future: asyncio.Future[None]) -> asyncio.Future[None]:
+    return future
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:
