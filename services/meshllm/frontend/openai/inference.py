@@ -176,9 +176,7 @@ class Completion:
         self._cut: MeshError | None = None
         self._task = asyncio.current_task()
         self._upstream_wait = False
-        # `direct`: set by an edge before iterating (http/sse_direct.py); takes a delta of a single-choice stream
-        # as it is made, in the session reader, and returns True when it wrote it itself (see `_direct_single`).
-        self.direct: Callable[[Delta], bool] | None = None
+        self.direct: Callable[[Delta], bool] | None = None  # an edge's writer of plain deltas (_direct_single)
         core._open.add(self)
 
     # ------------------------------------------------------------ streaming
