@@ -114,9 +114,13 @@ async def stack(
             await thing.aclose()
 
 
-def body(i: int, **extra: Any) -> dict[str, Any]:
-    prompt = [(i * 7919 + k * 104729) % 30000 + 3 for k in range(40 + i)]
-    return {"model": "mocker", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, **extra}
+def body(i: int, *, chat: bool = False, **extra: Any) -> dict[str, Any]:
+    if chat:  # a chat: its content events are written from the session reader (frontend/http/sse_direct.py)
+        words = " ".join(f"w{(i * 7919 + k * 104729) % 3000}" for k in range(20 + i))
+        question: dict[str, Any] = {"messages": [{"role": "user", "content": words}]}
+    else:
+        question = {"prompt": [(i * 7919 + k * 104729) % 30000 + 3 for k in range(40 + i)]}
+    return {"model": "mocker", **question, "max_tokens": MAX_TOKENS, "ignore_eos": True, **extra}
 
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
@@ -133,21 +137,22 @@ def late_word(text: str) -> str:
     raise AssertionError(f"no late word in {text!r}")
 
 
-async def run_all(url: str, payloads: list[dict[str, Any]]) -> list[Completion]:
-    return list(await asyncio.wait_for(asyncio.gather(*(stream_completion(url, p) for p in payloads)), 30))
+async def run_all(url: str, payloads: list[dict[str, Any]], *, chat: bool = False) -> list[Completion]:
+    return list(await asyncio.wait_for(asyncio.gather(*(stream_completion(url, p, chat=chat) for p in payloads)), 30))
 
 
-async def test_streams_of_a_dying_replica_resume_on_the_other_with_the_exact_output() -> None:
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_streams_of_a_dying_replica_resume_on_the_other_with_the_exact_output(chat: bool) -> None:
     async with stack() as s:
         n = 8
-        undisturbed = await run_all(s.url, [body(i) for i in range(n)])
+        undisturbed = await run_all(s.url, [body(i, chat=chat) for i in range(n)], chat=chat)
         for r in undisturbed:
             assert r.ok and r.finish_reason == "length" and r.usage is not None
             assert r.usage["completion_tokens"] == MAX_TOKENS
         # Even requests stop at a word that first comes late in their output: after the break.
         stops = {i: late_word(undisturbed[i].text) for i in range(0, n, 2)}
-        payloads = [body(i, stop=[stops[i]]) if i in stops else body(i) for i in range(n)]
-        streams = StreamSet.completions(s.url, payloads, timeout_s=30)
+        payloads = [body(i, chat=chat, stop=[stops[i]]) if i in stops else body(i, chat=chat) for i in range(n)]
+        streams = StreamSet.completions(s.url, payloads, timeout_s=30, chat=chat)
         await wait_until(lambda: streams.under_way(3), timeout_s=20, what="every stream under way")
         assert max(len(a) for a in streams.arrivals) < MAX_TOKENS // 2  # the break comes mid-stream
         dying = s.replicas[0]

@@ -109,6 +109,13 @@ class RouterReplicas:
     def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Attempts until one ends with its terminal chunk; `state.current_worker` is the replica streaming now."""
         state = MigrationState(request, limit=self._limit(request.get("model", "")))
+        if call is not None and (relay := call.relay) is not None:
+            # The caller's relay gets the replicas' non-terminal chunks as the router's legs hand them on: seen by
+            # the migration state first, which the chain's chunks are when `migrating` yields them.
+            def observed(chunk: TokenChunk) -> None:
+                relay(state.observe(chunk))
+
+            call = call.relaying(observed)
 
         def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
             self.resumed += resent
@@ -132,14 +139,23 @@ class RouterReplicas:
             gone: list[Replica] = []
             for target in self._order(state.excluded):
                 stream = target.generate(req, call=call)
+                relayed = state.chunks  # chunks the caller's relay got from this replica before the first yielded
                 try:
                     first = await anext(stream)
                 except StopAsyncIteration:
+                    if state.chunks > relayed:
+                        state.current_worker = target.address
+                        raise StreamIncomplete(f"router {target.address} ended the stream without a terminal") from None
                     last = StreamIncomplete(f"router {target.address} ended the stream without a chunk")
                     gone.append(target)
                     continue
                 except MeshError as exc:
                     await _aclose(stream)
+                    if state.chunks > relayed:  # tokens reached the caller: a break mid-stream, for `migrating`
+                        state.current_worker = target.address
+                        if not isinstance(exc, MIGRATABLE) and _gone(exc, target):
+                            raise Disconnected(f"router {target.address} went away: {exc.message}") from None
+                        raise
                     if _gone(exc, target):
                         gone.append(target)
                     elif not isinstance(exc, MIGRATABLE):

@@ -134,8 +134,10 @@ async def stream_completion(
     *,
     on_event: Callable[[Completion], None] | None = None,
     timeout_s: float = 60.0,
+    chat: bool = False,
 ) -> Completion:
-    """POST /v1/completions with `stream: true` (and usage); `on_event` sees the result after every event.
+    """POST /v1/completions (`chat`: /v1/chat/completions) with `stream: true` (and usage); `on_event` sees the
+    result after every event.
 
     A connection that breaks mid-stream is a result too (`error` says how), never an exception.
     """
@@ -144,7 +146,7 @@ async def stream_completion(
     conn = Connection(Endpoint.parse(url))
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await conn.post("/completions", payload)
+            resp = await conn.post("/chat/completions" if chat else "/completions", payload)
             result.status = resp.status
             if resp.status != 200:
                 result.error = (await resp.read()).decode(errors="replace")
@@ -158,7 +160,7 @@ async def stream_completion(
                 if "error" in event:
                     result.error = event["error"]
                 for choice in event.get("choices") or ():
-                    result.text += choice.get("text") or ""
+                    result.text += (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 result.usage = event.get("usage") or result.usage
                 if on_event is not None:
@@ -219,11 +221,13 @@ class StreamSet(Generic[T]):
         self.tasks = [asyncio.create_task(_awaited(start(self._recorder(i)))) for i, start in enumerate(starts)]
 
     @staticmethod
-    def completions(url: str, bodies: Sequence[dict[str, Any]], *, timeout_s: float = 60.0) -> StreamSet[Completion]:
+    def completions(
+        url: str, bodies: Sequence[dict[str, Any]], *, timeout_s: float = 60.0, chat: bool = False
+    ) -> StreamSet[Completion]:
         """`stream_completion` of each body."""
 
         def start(body: dict[str, Any]) -> Callable[[Callable[[], None]], Awaitable[Completion]]:
-            return lambda tick: stream_completion(url, body, on_event=lambda _: tick(), timeout_s=timeout_s)
+            return lambda tick: stream_completion(url, body, on_event=lambda _: tick(), timeout_s=timeout_s, chat=chat)
 
         return StreamSet([start(body) for body in bodies])
 
