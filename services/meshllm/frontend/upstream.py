@@ -153,9 +153,7 @@ class RouterReplicas:
                     await _aclose(stream)
                     if state.chunks > relayed:  # tokens reached the caller: a break mid-stream, for `migrating`
                         state.current_worker = target.address
-                        if not isinstance(exc, MIGRATABLE) and _gone(exc, target):
-                            raise Disconnected(f"router {target.address} went away: {exc.message}") from None
-                        raise
+                        raise _midstream(exc, target) from None
                     if _gone(exc, target):
                         gone.append(target)
                     elif not isinstance(exc, MIGRATABLE):
@@ -169,9 +167,7 @@ class RouterReplicas:
                     async for chunk in stream:
                         yield chunk
                 except MeshError as exc:
-                    if not isinstance(exc, MIGRATABLE) and _gone(exc, target):
-                        raise Disconnected(f"router {target.address} went away: {exc.message}") from None
-                    raise
+                    raise _midstream(exc, target) from None
                 finally:
                     await _aclose(stream)
                 return
@@ -193,6 +189,13 @@ class RouterReplicas:
             where = ", ".join(c.address for c in self._clients)
             raise Unavailable(f"no router replica could be reached within {self.wait_s:g} s ({where}): {last.message}") from None
         return deadline
+
+
+def _midstream(exc: MeshError, target: Replica) -> MeshError:
+    """A replica's stream that broke after chunks reached the caller, as `migrating` takes it."""
+    if not isinstance(exc, MIGRATABLE) and _gone(exc, target):
+        return Disconnected(f"router {target.address} went away: {exc.message}")
+    return exc
 
 
 def _gone(exc: MeshError, target: Replica) -> bool:
