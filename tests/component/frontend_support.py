@@ -159,6 +159,11 @@ async def start_mesh(*, workers: int = 1, **frontend: Any) -> Mesh:
 # ---------------------------------------------------------------- HTTP
 
 
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    """A /v1/chat/completions body for the echo model: one user message, plus `extra` fields."""
+    return {"model": "echo", "messages": [{"role": "user", "content": content}], **extra}
+
+
 @dataclass
 class Reply:
     status: int

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from frontend_support import Mesh, content_of, request, start_mesh
+from frontend_support import Mesh, chat, content_of, request, start_mesh
 
 from meshllm.frontend.http import app as app_module
 from meshllm.frontend.http.sse_direct import DirectSse
@@ -52,10 +52,6 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(DirectSse, "take", take)
     return written
-
-
-def chat(content: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "echo", "messages": [{"role": "user", "content": content}], **extra}
 
 
 _ID = re.compile(rb'"id":"[^"]*"|"created":\d+')

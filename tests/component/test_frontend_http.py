@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from frontend_support import Mesh, content_of, request, start_mesh
+from frontend_support import Mesh, chat, content_of, request, start_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -23,10 +23,6 @@ async def mesh() -> AsyncIterator[Mesh]:
     m = await start_mesh(workers=1, max_inflight=64)
     yield m
     await m.aclose()
-
-
-def chat(content: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "echo", "messages": [{"role": "user", "content": content}], **extra}
 
 
 async def test_stream_is_framed_like_openai_and_utf8_split_across_tokens_arrives_intact(mesh: Mesh) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from frontend_support import Mesh, content_of, request, start_mesh
+from frontend_support import Mesh, chat, content_of, request, start_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -37,10 +37,6 @@ async def mesh() -> AsyncIterator[Mesh]:
     m = await start_mesh(workers=1, tool_call_parser="hermes", reasoning_parser="qwen3")
     yield m
     await m.aclose()
-
-
-def chat(content: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "echo", "messages": [{"role": "user", "content": content}], **extra}
 
 
 def streamed_calls(events: list[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -109,13 +109,8 @@ class RouterReplicas:
     def generate(self, request: TokenRequest, *, call: CallInfo | None = None) -> AsyncIterator[TokenChunk]:
         """Attempts until one ends with its terminal chunk; `state.current_worker` is the replica streaming now."""
         state = MigrationState(request, limit=self._limit(request.get("model", "")))
-        if call is not None and (relay := call.relay) is not None:
-            # The caller's relay gets the replicas' non-terminal chunks as the router's legs hand them on: seen by
-            # the migration state first, which the chain's chunks are when `migrating` yields them.
-            def observed(chunk: TokenChunk) -> None:
-                relay(state.observe(chunk))
-
-            call = call.relaying(observed)
+        if call is not None:
+            call = state.relaying(call)  # relayed chunks are seen by the migration state too
 
         def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
             self.resumed += resent

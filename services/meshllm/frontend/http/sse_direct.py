@@ -73,7 +73,10 @@ class DirectSse:
         """Write `d`'s event now and return True, or return False: the request's task writes it, in order."""
         if not self.live or self.writing or self._inflight is not None:
             return False
-        if d.index or d.finish_reason is not None or d.logprobs or d.reasoning or d.tool_calls or d.prompt_logprobs:
+        # sse_events' own test for its plain content event (and for a delta it skips), field for field
+        if d.index or d.finish_reason is not None or d.logprobs is not None or d.prompt_logprobs is not None:
+            return False
+        if d.reasoning or d.tool_calls:
             return False
         if not d.text:
             return True

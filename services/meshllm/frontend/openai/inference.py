@@ -23,7 +23,6 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
 from typing import Any, TypeVar
 
 from meshllm.errors import MeshError, Overloaded, StreamIncomplete, Unavailable
@@ -259,12 +258,12 @@ class Completion:
         choice = self.choices[0]
         last = [0.0]
         backlog: deque[Delta | BaseException | None] = deque()  # None: the chain ended without a terminal
-        waiter: list[asyncio.Future[None] | None] = [None]  # set while this generator waits for the backlog
+        filled = asyncio.Event()  # set when the backlog gets something
+        idle = [False]  # this generator waits for the backlog (nothing of it in flight): `direct` may write
         broken = [False]
 
         def wake() -> None:
-            if (w := waiter[0]) is not None and not w.done():
-                w.set_result(None)
+            filled.set()
 
         def take(chunk: TokenChunk) -> None:
             if broken[0] or choice.finished:
@@ -277,7 +276,7 @@ class Completion:
                 backlog.append(exc)
                 wake()
                 return
-            if backlog or waiter[0] is None or self._cut is not None or choice.finished or not direct(delta):
+            if backlog or not idle[0] or self._cut is not None or choice.finished or not direct(delta):
                 backlog.append(delta)
                 wake()
 
@@ -297,11 +296,12 @@ class Completion:
         try:
             while True:
                 if not backlog:
-                    waiter[0] = future = asyncio.get_running_loop().create_future()
+                    filled.clear()
+                    idle[0] = True
                     try:
-                        await self._next(partial(_same, future))
+                        await self._next(filled.wait)
                     finally:
-                        waiter[0] = None
+                        idle[0] = False
                     continue
                 item = backlog.popleft()
                 if item is None:
@@ -384,10 +384,6 @@ class Completion:
             m.output_tokens.inc(u["completion_tokens"])
             m.cached_tokens.inc(u["prompt_tokens_details"]["cached_tokens"])
             self.core.admission.exit()
-
-
-def _same(future: asyncio.Future[None]) -> asyncio.Future[None]:
-    return future
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

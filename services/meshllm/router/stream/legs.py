@@ -82,13 +82,6 @@ def stream_request(core: RoutingCore, request: TokenRequest, call: CallInfo | No
     come through the generator.
     """
     state = MigrationState(request, limit=core.migration_limit(request["model"]))
-    outer = call or CallInfo()
-    outbox = outer.relay
-    relay: ChunkRelay | None = None
-    if outbox is not None:
-
-        def relay(chunk: TokenChunk) -> None:
-            outbox(state.observe(chunk))
 
     def failure(failed: str | None, exc: MeshError, resent: bool) -> None:
         if failed is not None:
@@ -103,7 +96,7 @@ def stream_request(core: RoutingCore, request: TokenRequest, call: CallInfo | No
             f"({exc.code}); migrated", worker_id=failed,
         )  # fmt: skip
 
-    legs = outer.relaying(relay)
+    legs = state.relaying(call)
     return migrating(state, lambda req: _attempt(core, req, state, legs), peer="worker", on_failure=failure)
 
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 from meshllm.errors import MeshError, StreamIncomplete, Unavailable
+from meshllm.plane.request.transport import CallInfo
 from meshllm.protocol.types import StopSettings, TokenChunk, TokenRequest, TokenUsage
 
 __all__ = ["MIGRATABLE", "MigrationState", "migrating"]
@@ -108,6 +109,19 @@ class MigrationState:
         if "usage" in chunk:
             chunk = {**chunk, "usage": self.usage(chunk["usage"])}
         return chunk
+
+    def relaying(self, call: CallInfo | None) -> CallInfo:
+        """`call` (a blank one for None) whose relay, if it has one, gets each chunk after this state has seen it:
+        relayed chunks skip `migrating`, which observes the chunks it yields."""
+        outer = call or CallInfo()
+        outbox = outer.relay
+        if outbox is None:
+            return outer
+
+        def relay(chunk: TokenChunk) -> None:
+            outbox(self.observe(chunk))
+
+        return outer.relaying(relay)
 
     def length_terminal(self) -> TokenChunk:
         """The terminal for a stream that broke after its last allowed token."""
