@@ -43,9 +43,9 @@ class _Counted(SessionServer):
 
     calls = 0
 
-    def serve(self, request_iterator: Any, context: Any) -> AsyncIterator[session_pb2.SessionDown]:
+    def serve(self, request_iterator: Any, context: Any, **carrier: Any) -> AsyncIterator[session_pb2.SessionDown]:
         self.calls += 1
-        return super().serve(request_iterator, context)
+        return super().serve(request_iterator, context, **carrier)
 
 
 class SessionWorker(worker_pb2_grpc.WorkerServicer):

@@ -42,7 +42,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -117,15 +117,28 @@ class SessionServer:
         self.closing = False
 
     async def serve(
-        self, request_iterator: AsyncIterator[session_pb2.SessionUp], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[session_pb2.SessionUp],
+        context: grpc.aio.ServicerContext | None,
+        *,
+        bind_acks: Callable[[Callable[[int], None] | None], None] | None = None,
     ) -> AsyncIterator[session_pb2.SessionDown]:
-        """The body of a `GenerateSession` handler: yields the messages to send."""
+        """The body of a `GenerateSession` handler: yields the messages to send.
+
+        `bind_acks` (a carrier that parses messages in its own callbacks: TCP) is given the session's
+        acknowledgement taker, then None at the end: an acknowledgement alone is then handed over where it
+        is read, without waking the session's reader task once per message sent.
+        """
         session = _ServerSession(self)
         self._sessions.add(session)
+        if bind_acks is not None:
+            bind_acks(session.acknowledged)
         try:
             async for down in session.run(request_iterator):
                 yield down
         finally:
+            if bind_acks is not None:
+                bind_acks(None)
             self._sessions.discard(session)
 
     def close(self) -> None:
@@ -157,6 +170,11 @@ class _ServerSession:
         self._beat: asyncio.TimerHandle | None = None  # wakes the writer when a heartbeat may be due
 
     def wake(self) -> None:
+        _wake(self._waiter)
+
+    def acknowledged(self, n: int) -> None:
+        """The client took `n` more messages (SessionUp.acked): the writer may send again."""
+        self.inflight = max(0, self.inflight - n)
         _wake(self._waiter)
 
     def _beat_due(self) -> None:
@@ -239,11 +257,10 @@ class _ServerSession:
     async def _read(self, request_iterator: AsyncIterator[session_pb2.SessionUp]) -> None:
         try:
             async for msg in request_iterator:
+                if msg.flow_control:
+                    self.flow = True
                 if msg.acked or msg.flow_control:
-                    if msg.flow_control:
-                        self.flow = True
-                    self.inflight = max(0, self.inflight - msg.acked)
-                    self.wake()
+                    self.acknowledged(msg.acked)
                 for sid in msg.cancel:
                     task = self.tasks.get(sid)
                     if task is not None:

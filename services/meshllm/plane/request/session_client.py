@@ -192,34 +192,15 @@ class _ClientSession:
 
     async def _read(self) -> None:
         err: MeshError = StreamIncomplete(f"{self.peer} ended the session")
-        loop = self._loop
         try:
+            receive = getattr(self.call, "receive", None)
+            if receive is not None:
+                receive(self._take)  # a TcpCall hands each message over as it is read; read() returns only the end
             while True:
                 msg = await self.call.read()
                 if msg is grpc.aio.EOF:
                     break
-                now = loop.time()
-                pipes = self.pipes
-                if pipes:
-                    self.step_s += STEP_WEIGHT * (now - max(self.last_rx, self.busy_since) - self.step_s)
-                self.last_rx = now
-                if not msg.items:
-                    continue  # a heartbeat
-                self.stats[0] += 1
-                self.stats[1] += len(msg.items)
-                self._acks += 1
-                if not self._ack_due:
-                    self._ack_due = True
-                    loop.call_soon(self._acknowledge)
-                for item in msg.items:
-                    pipe = pipes.get(item.stream_id)
-                    if pipe is None:
-                        continue  # a stream the client already dropped
-                    if item.HasField("error"):
-                        pipe.fail(error_from_code(item.error.code, item.error.message))
-                    else:
-                        pipe.last_at = now
-                        pipe.put(chunk_from_proto(item.chunk))
+                self._take(msg)
         except grpc.aio.AioRpcError as exc:
             err = mesh_error(exc)
         except MeshError as exc:  # a TcpCall (plane/request/tcp_session.py) raises the session's end as it is
@@ -236,6 +217,34 @@ class _ClientSession:
             self._kick()
             self._writer.cancel()
             self._watchdog.cancel()
+
+    def _take(self, msg: session_pb2.SessionDown) -> None:
+        """One message from the server: its items to their streams' pipes, and its acknowledgement scheduled."""
+        if self.dead:
+            return
+        loop = self._loop
+        now = loop.time()
+        pipes = self.pipes
+        if pipes:
+            self.step_s += STEP_WEIGHT * (now - max(self.last_rx, self.busy_since) - self.step_s)
+        self.last_rx = now
+        if not msg.items:
+            return  # a heartbeat
+        self.stats[0] += 1
+        self.stats[1] += len(msg.items)
+        self._acks += 1
+        if not self._ack_due:
+            self._ack_due = True
+            loop.call_soon(self._acknowledge)
+        for item in msg.items:
+            pipe = pipes.get(item.stream_id)
+            if pipe is None:
+                continue  # a stream the client already dropped
+            if item.HasField("error"):
+                pipe.fail(error_from_code(item.error.code, item.error.message))
+            else:
+                pipe.last_at = now
+                pipe.put(chunk_from_proto(item.chunk))
 
     async def _watch(self) -> None:
         """Break the session when its peer falls silent, and fail streams that stop making progress."""

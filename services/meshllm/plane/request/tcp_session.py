@@ -38,12 +38,20 @@ import hmac
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from meshllm.errors import CannotConnect, Disconnected, FailedPrecondition, InvalidArgument, MeshError, error_from_code
+from meshllm.errors import (
+    CannotConnect,
+    Disconnected,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    error_from_code,
+    log_unexpected,
+)
 from meshllm.plane.auth import session_scope
 from meshllm.plane.request.tcp_frames import DOWN, END, HELLO, UP, FrameConnection
 from meshllm.v1 import session_pb2
@@ -85,6 +93,7 @@ class TcpCall:
     ) -> None:
         self.address = address
         self._messages: collections.deque[session_pb2.SessionDown] = collections.deque()
+        self._receiver: Callable[[session_pb2.SessionDown], None] | None = None  # takes DOWN messages as read
         self._waiter: asyncio.Future[None] | None = None
         self._error: MeshError | None = None
         self._eof = False
@@ -115,10 +124,21 @@ class TcpCall:
     def _on_frame(self, kind: int, payload: bytes) -> None:
         if kind == DOWN:
             try:
-                self._messages.append(session_pb2.SessionDown.FromString(payload))
+                down = session_pb2.SessionDown.FromString(payload)
             except Exception:
                 self._fail(Disconnected(f"{self.address} sent a malformed session message"))
                 self._conn.abort()
+                return
+            receiver = self._receiver
+            if receiver is None:
+                self._messages.append(down)
+            else:
+                try:
+                    receiver(down)  # no reader task wakes per message
+                except Exception as exc:
+                    log_unexpected(log, "a session message's receiver failed", exc)
+                    self._fail(Disconnected(f"the session to {self.address} failed on a message: {exc!r}"))
+                    self._conn.abort()
                 return
         elif kind == END:
             try:
@@ -152,6 +172,13 @@ class TcpCall:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+    def receive(self, receiver: Callable[[session_pb2.SessionDown], None]) -> None:
+        """Hand every DOWN message to `receiver` as it is read (those read already first); `read()` then
+        returns only the end: `grpc.aio.EOF`, or the session's error raised."""
+        while self._messages:
+            receiver(self._messages.popleft())
+        self._receiver = receiver
 
     async def read(self) -> Any:
         while True:
@@ -256,6 +283,7 @@ class _ServerConn:
         self.closed = False
         self.failed: MeshError | None = None
         self.greeted = False
+        self.take_acks: Callable[[int], None] | None = None  # the session's, while it runs (SessionServer.serve)
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.conn.abort)
 
     def _on_frame(self, kind: int, payload: bytes) -> None:
@@ -271,9 +299,15 @@ class _ServerConn:
             self.failed = InvalidArgument(f"unexpected session frame from the client (kind {kind})")
         else:
             try:
-                self.ups.append(session_pb2.SessionUp.FromString(payload))
+                up = session_pb2.SessionUp.FromString(payload)
             except Exception:
                 self.failed = InvalidArgument("a session message from the client does not parse")
+            else:
+                take = self.take_acks
+                if take is not None and not self.ups and not up.open and not up.cancel and not up.flow_control:
+                    take(up.acked)  # an acknowledgement alone (nearly every message): no reader task wakes for it
+                    return
+                self.ups.append(up)
         self._wake()
 
     def _hello(self, payload: bytes) -> None:
@@ -317,6 +351,9 @@ class _ServerConn:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _bind_acks(self, take: Callable[[int], None] | None) -> None:
+        self.take_acks = take
+
     async def _requests(self) -> AsyncIterator[session_pb2.SessionUp]:
         while True:
             if self.ups:
@@ -334,7 +371,7 @@ class _ServerConn:
         conn = self.conn
         end: dict[str, str] = {"code": "", "message": ""}
         try:
-            async for down in server.serve(self._requests(), None):
+            async for down in server.serve(self._requests(), None, bind_acks=self._bind_acks):
                 if conn.lost:
                     break
                 conn.write(DOWN, down.SerializeToString())
