@@ -90,6 +90,38 @@ def test_seen_words_are_not_encoded_again(smollm2: HFTokenizer) -> None:
     assert words.encoded_words == encoded
 
 
+class _BatchSizes:
+    """A tokenizer that records the size of each `encode_batch_fast` batch it is given."""
+
+    def __init__(self, fast: Tokenizer) -> None:
+        self.fast = fast
+        self.batches: list[int] = []
+
+    def encode_batch_fast(self, texts: list[str], *, add_special_tokens: bool) -> list[object]:
+        self.batches.append(len(texts))
+        return self.fast.encode_batch_fast(texts, add_special_tokens=add_special_tokens)  # type: ignore[no-any-return]
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> object:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_new_words_and_other_pieces_go_to_the_library_one_per_call(smollm2: HFTokenizer) -> None:
+    """A batch of several runs on the library's thread pool (words.encode_each says what that costs)."""
+    spy = _BatchSizes(smollm2.fast)
+    words = WordCache(spy, DIGITS_PATTERN)  # type: ignore[arg-type]
+    known = "the quick brown fox jumps over the lazy dog again and again while the cat sleeps"
+    assert words.encode(known) == _library(smollm2.fast, known)
+    text = known + " zqxv wvut"  # a few new words among known ones: encoded as words, not as the whole text
+    assert words.encode(text) == _library(smollm2.fast, text)
+    assert spy.batches and set(spy.batches) == {1}
+    added = {t: smollm2.fast.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>")}
+    segments = SegmentCache(spy, added, words=None)  # type: ignore[arg-type]
+    spy.batches.clear()
+    text = "héllo wörld<|im_end|>ça va<|im_start|>naïve"  # three new pieces in one text
+    assert segments.encode(text) == _library(smollm2.fast, text)
+    assert spy.batches == [1, 1, 1]
+
+
 def test_the_cache_stays_within_max_words(smollm2: HFTokenizer) -> None:
     words = WordCache.for_tokenizer(smollm2.fast, max_words=50)
     assert words is not None

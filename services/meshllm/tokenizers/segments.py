@@ -10,8 +10,8 @@ repeats every earlier piece verbatim, as does every request that starts with
 the same system prompt. `SegmentCache.encode` splits the text the same way,
 takes the ids of the pieces it has seen from its cache and encodes only the
 others: ASCII ones word by word where the tokenizer allows it
-(tokenizers/words.py), the rest in one `encode_batch_fast` call, which
-releases the GIL. Requests of
+(tokenizers/words.py), the rest by the library, one call per piece
+(`words.encode_each`: no thread hand-off), each releasing the GIL. Requests of
 ~12,000 tokens (turns 9–16 of 32 interleaved conversations) encode in 0.53 ms
 instead of 3.2 ms at the median (bench/tokenize_cache.py).
 
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from meshllm.tokenizers.words import MAX_PIECE_CHARS, WordCache
+from meshllm.tokenizers.words import MAX_PIECE_CHARS, WordCache, encode_each
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "SegmentCache"]
 
@@ -130,8 +130,7 @@ class SegmentCache:
                 else:
                     rest.append(piece)
         if rest:
-            encodings = self._fast.encode_batch_fast(rest, add_special_tokens=False)
-            fresh.update((piece, enc.ids) for piece, enc in zip(rest, encodings, strict=True))
+            fresh.update(zip(rest, encode_each(self._fast, rest), strict=True))
         limit = self.budget_tokens // 8
         with self._lock:
             for piece, ids in fresh.items():
