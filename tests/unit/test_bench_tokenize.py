@@ -45,3 +45,30 @@ def test_cache_bench_checks_both_encodings_agree_and_reports_the_reuse() -> None
     table, figures = cache.run(args)
     assert "conversations, all turns | 6 |" in table and "unique prompts (bench/mesh.py's shape) | 4 |" in table
     assert 0.3 < figures["reused"] < 1.0  # later turns repeat the earlier pieces
+
+
+@needs_model
+def test_batch_bench_measures_both_ways_for_every_size_each_round() -> None:
+    batch = load("tokenize_batch")
+    res = batch.run(2, 40)
+    assert set(res) == {(k, w) for k in batch.SIZES for w in (0, 1)}
+    assert all(len(v) == 2 and all(cpu > 0 and wall > 0 for cpu, wall in v) for v in res.values())
+
+
+def test_batch_report_divides_each_ways_cpu_by_the_batchs_and_shows_wall_time() -> None:
+    batch = load("tokenize_batch")
+    res = {(k, w): [(10.0 * k * (1 if w == 0 else 0.5), 7.0 * k)] * 3 for k in batch.SIZES for w in (0, 1)}
+    text = batch.render(res, 3, 400, [0.4])
+    assert text.startswith(batch.SECTION + "\n") and "--rounds 3 --calls 400" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.endswith("× |")]
+    assert len(rows) == 2 * len(batch.SIZES)
+    assert rows[0].startswith("| 1 | one batch") and rows[0].endswith("| 7.0 | 1.00× |")
+    assert rows[1].startswith("| 1 | one call per text") and "| 5.0 (5.0–5.0) |" in rows[1] and rows[1].endswith("0.50× |")
+
+
+def test_batch_flags_are_checked_with_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    batch = load("tokenize_batch")
+    with pytest.raises(SystemExit) as exc:
+        batch.main(["--rounds", "0", "--no-write"])
+    assert exc.value.code == 2
+    assert "--rounds and --calls must be at least 1" in capsys.readouterr().err
