@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 from typing import Any
 
 from harness.doc import write_section
-from harness.runinfo import LoadMonitor, load_sentence, machine, today, versions
+from harness.runinfo import LoadMonitor, command_line, load_sentence, machine, today, versions
 from harness.systems import MODEL_DIR, SystemSpec, start_system
 from mesh import measure_level
 from mesh_load import Load, calibrate_chars_per_token
@@ -50,7 +49,7 @@ def section(rows: dict[tuple[float, int], list[dict[str, Any]]], argv: list[str]
     lines = [
         HEADING,
         "",
-        f"`{shlex.join(['bench/frontend_procs.py', *argv])}` on {today()} ({machine()}; "
+        f"`{command_line(['bench/frontend_procs.py', *argv])}` on {today()} ({machine()}; "
         f"{versions('grpcio', 'uvloop', 'uvicorn', 'prometheus-client')}).",
         f"The split mesh of bench/mesh.py (etcd, NATS, 2 mocker workers, round-robin) with `meshllm frontend --workers N`; "
         f"load: {load.describe()}, concurrency {c}, {requests} measured requests per run, {repeats} repeat(s), the values "

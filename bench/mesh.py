@@ -45,6 +45,7 @@ from typing import Any
 from harness.buildinfo import build_info, code_fingerprint
 from harness.cpu import CpuMeter
 from harness.doc import write_section
+from harness.runinfo import command_line
 from harness.systems import LABELS, MODEL_DIR, Running, SystemSpec, start_system
 from mesh_load import Load, calibrate_chars_per_token, drive, engine_alone, engines_alone
 from mesh_profile import Profile, Profiler, py_spy_binary
@@ -249,7 +250,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> Results:
     cpt = args.chars_per_token or calibrate_chars_per_token(load_tokenizer(str(args.model_path)), Load())
     load = Load(chars_per_token=cpt)
     res = Results(
-        argv=shlex.join(["bench/mesh.py", *argv]), systems=systems, speedups=args.speedup, levels=args.concurrency,
+        argv=command_line(["bench/mesh.py", *argv]), systems=systems, speedups=args.speedup, levels=args.concurrency,
         requests=args.requests, warmup=args.warmup, repeats=args.repeats, workers=args.workers,
         router_mode=args.router_mode, load=load.describe(),
         extra="; ".join(

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import datetime
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 
 from harness.buildinfo import build_info
 from harness.doc import write_section
-from harness.runinfo import LoadMonitor, load_sentence
+from harness.runinfo import LoadMonitor, command_line, load_sentence
 from harness.systems import LABELS, MODEL_DIR, ROOT, SystemSpec, start_system
 from mesh import EXTRA_COMMANDS, measure_level
 from mesh_load import Load, calibrate_chars_per_token
@@ -212,7 +211,7 @@ def main(argv: list[str]) -> int:
                 print("bench/mesh_ab.py: interrupted; every process it started was stopped", file=sys.stderr)
                 return 130
     heading = f"{HEADING}: {args.label}" if args.label else HEADING
-    text = render(res, argv=shlex.join(["bench/mesh_ab.py", *argv]), base=base, head=head, pairs=args.pairs,
+    text = render(res, argv=command_line(["bench/mesh_ab.py", *argv]), base=base, head=head, pairs=args.pairs,
                   requests=args.requests, info=info, load_avg=monitor.samples, heading=heading)  # fmt: skip
     print(text)
     if args.write:

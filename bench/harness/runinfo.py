@@ -13,6 +13,8 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
 import sys
 import threading
@@ -22,6 +24,7 @@ from types import TracebackType
 __all__ = [
     "LoadMonitor",
     "best_phrase",
+    "command_line",
     "llama_cpp_build",
     "load_sentence",
     "machine",
@@ -34,6 +37,16 @@ __all__ = [
 
 def today() -> str:
     return datetime.date.today().isoformat()
+
+
+_DOUBLE_QUOTABLE = re.compile(r'[^"$`\\!]*')
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """`argv` as a shell command a reader can copy: `shlex.join`, except that an argument with an apostrophe and
+    nothing a shell expands inside double quotes is double-quoted (`--label "the router's relay"`, not the
+    `'the router'"'"'s relay'` that `shlex.quote` gives)."""
+    return " ".join(f'"{a}"' if "'" in a and _DOUBLE_QUOTABLE.fullmatch(a) else shlex.quote(a) for a in argv)
 
 
 def machine() -> str:

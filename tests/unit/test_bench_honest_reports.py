@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -330,3 +331,10 @@ def test_frontend_processes_report_ratios_to_one_process_with_the_tail_and_the_r
     assert "--repeats 2" in text and "2 repeat(s)" in text
     assert percentile_lines_complete(text) == []
     assert NOISE not in text and NOISE in procs.section(rows, [], 64, 480, 2, load_spec, BUSY)
+
+
+def test_a_reports_command_line_is_one_a_reader_can_copy() -> None:
+    runinfo = load("harness.runinfo")
+    line = runinfo.command_line(["bench/mesh_ab.py", "--label", "the router's relay", "--base", "5c6f3a9", "a b", "$x's"])
+    assert line == """bench/mesh_ab.py --label "the router's relay" --base 5c6f3a9 'a b' '$x'"'"'s'"""
+    assert shlex.split(line) == ["bench/mesh_ab.py", "--label", "the router's relay", "--base", "5c6f3a9", "a b", "$x's"]
