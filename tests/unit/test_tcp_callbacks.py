@@ -1,4 +1,5 @@
-"""TCP sessions take messages in the connection's callbacks: a server's acknowledgements, a client's DOWN messages.
+"""TCP sessions take messages in the connection's callbacks: a server's acknowledgements, a client's DOWN messages;
+and a client acknowledges a message only after the consumers it woke have run.
 
 Per message sent, the peer acknowledges (flow control); per engine step, a client reads a DOWN message. Taking
 them where the connection reads them, rather than waking a task per message, is what these check: what goes
@@ -14,9 +15,10 @@ import grpc
 import pytest
 
 from meshllm import errors
-from meshllm.plane.request.session import SessionServer
+from meshllm.plane.request.session import SessionClient, SessionServer
 from meshllm.plane.request.tcp_frames import DOWN, UP
 from meshllm.plane.request.tcp_session import TcpCall, TcpSessionServer, _ServerConn
+from meshllm.protocol.types import TokenRequest
 from meshllm.v1 import session_pb2
 
 
@@ -113,3 +115,58 @@ async def test_a_receiver_that_raises_ends_the_session_as_disconnected() -> None
             await asyncio.wait_for(call.read(), 1)
     finally:
         call.cancel()
+
+
+class _Call:
+    """A session call whose messages the test hands in, writing acknowledgements at once as a TcpCall does."""
+
+    def __init__(self) -> None:
+        self.downs: asyncio.Queue[session_pb2.SessionDown] = asyncio.Queue()
+        self.log: list[str] = []
+        self.opened = asyncio.Event()
+        self.acked = asyncio.Event()
+
+    async def read(self) -> session_pb2.SessionDown:
+        return await self.downs.get()
+
+    async def write(self, up: session_pb2.SessionUp) -> None:
+        if up.open:
+            self.opened.set()
+        if up.acked:
+            self._ack()
+
+    def write_nowait(self, up: session_pb2.SessionUp) -> bool:
+        self._ack()
+        return True
+
+    def _ack(self) -> None:
+        self.log.append("ack")
+        self.acked.set()
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_a_message_is_acknowledged_after_the_consumers_it_woke_have_had_their_turn() -> None:
+    """The server merges what its engines make until the acknowledgement: it must not come before the consumer
+    of the message's tokens has run (a task reading its stream, not only a relay)."""
+    call = _Call()
+    client = SessionClient(lambda: call, "peer", "/meshllm.v1.Worker/Generate")
+    request: TokenRequest = {"request_id": "r", "model": "m", "token_ids": [1, 2, 3]}
+
+    async def consume() -> None:
+        async for chunk in client.generate(request):
+            call.log.append(f"consumer {chunk['token_ids']}")
+
+    task = asyncio.ensure_future(consume())
+    try:
+        await asyncio.wait_for(call.opened.wait(), 5)
+        down = session_pb2.SessionDown()
+        down.items.add(stream_id=1).chunk.token_ids.append(7)
+        call.downs.put_nowait(down)
+        await asyncio.wait_for(call.acked.wait(), 5)
+        assert call.log[:2] == ["consumer [7]", "ack"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()

@@ -233,9 +233,6 @@ class _ClientSession:
         self.stats[0] += 1
         self.stats[1] += len(msg.items)
         self._acks += 1
-        if not self._ack_due:
-            self._ack_due = True
-            loop.call_soon(self._acknowledge)
         for item in msg.items:
             pipe = pipes.get(item.stream_id)
             if pipe is None:
@@ -245,6 +242,10 @@ class _ClientSession:
             else:
                 pipe.last_at = now
                 pipe.put(chunk_from_proto(item.chunk))
+        if not self._ack_due:
+            # Scheduled after the items: the consumer tasks they woke are ahead of it on the loop.
+            self._ack_due = True
+            loop.call_soon(self._acknowledge)
 
     async def _watch(self) -> None:
         """Break the session when its peer falls silent, and fail streams that stop making progress."""
