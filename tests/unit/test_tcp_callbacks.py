@@ -1,5 +1,5 @@
 """TCP sessions take messages in the connection's callbacks: a server's acknowledgements, a client's DOWN messages;
-and a client acknowledges a message only after the consumers it woke have run.
+and a client acknowledges a message on the loop's next turn, while the consumers it woke work.
 
 Per message sent, the peer acknowledges (flow control); per engine step, a client reads a DOWN message. Taking
 them where the connection reads them, rather than waking a task per message, is what these check: what goes
@@ -147,9 +147,9 @@ class _Call:
         return True
 
 
-async def test_a_message_is_acknowledged_after_the_consumers_it_woke_have_had_their_turn() -> None:
-    """The server merges what its engines make until the acknowledgement: it must not come before the consumer
-    of the message's tokens has run (a task reading its stream, not only a relay)."""
+async def test_a_message_is_acknowledged_on_the_next_turn_of_the_loop_while_its_consumer_works() -> None:
+    """The acknowledgement goes before the consumer tasks the message woke have run, so the server's next message
+    travels while they work (one in flight); a relay's work is done before it, in the reader."""
     call = _Call()
     client = SessionClient(lambda: call, "peer", "/meshllm.v1.Worker/Generate")
     request: TokenRequest = {"request_id": "r", "model": "m", "token_ids": [1, 2, 3]}
@@ -165,7 +165,7 @@ async def test_a_message_is_acknowledged_after_the_consumers_it_woke_have_had_th
         down.items.add(stream_id=1).chunk.token_ids.append(7)
         call.downs.put_nowait(down)
         await asyncio.wait_for(call.acked.wait(), 5)
-        assert call.log[:2] == ["consumer [7]", "ack"]
+        assert call.log[:2] == ["ack", "consumer [7]"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

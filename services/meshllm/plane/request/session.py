@@ -12,8 +12,8 @@ start one task per stream running the handler, cancels cancel that task); the
 stream tasks push chunks into one outbox; a writer task sends everything the
 outbox holds as one message whenever it has something and the client has
 taken the previous one (flow control: a client that sets
-`SessionUp.flow_control` acknowledges each message once its streams'
-consumers have had their turn, and the server keeps at most `FLOW_WINDOW`
+`SessionUp.flow_control` acknowledges each message on its loop's next turn
+after taking it, and the server keeps at most `FLOW_WINDOW`
 unacknowledged). While a message waits (the window, the client reads
 slowly), later tokens of a stream are merged into its pending chunk
 (`meshllm.protocol.chunks`), so nothing blocks the engine and memory stays

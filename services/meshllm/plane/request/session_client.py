@@ -3,8 +3,10 @@
 Per (address, method): a reader task demultiplexes items into one pipe per
 stream (merging the same way as the server when its consumer lags), a writer
 task batches opens, cancels and acknowledgements: each message taken is
-acknowledged once the consumers it woke have had their turn, and the server
-sends its next message only then (flow control, plane/request/session.py). A stream is an async iterator with the
+acknowledged on the loop's next turn, once its items are in their pipes or
+relayed (the consumer tasks they woke work while the next message travels),
+and the server sends its next message only then (flow control,
+plane/request/session.py). A stream is an async iterator with the
 contract of `generate_stream`: chunks, then exactly one terminal, or the
 MeshError the server (or the broken call) stands for; dropping it sends a
 cancel. A session that breaks fails all its open streams (`Unavailable` /
@@ -163,8 +165,12 @@ class _ClientSession:
         wake(self._send_waiter)
 
     def _acknowledge(self) -> None:
-        # Runs after the consumers woken by the message(s) taken have had their turn: the server's next
-        # message then carries everything its engines made while this process was busy with the last one.
+        # Runs on the loop's next turn after the message(s) taken: their relays have already run, while the
+        # consumer tasks and writes they woke run after it, so the server's next message travels while they
+        # work (one message in flight, FLOW_WINDOW). A process too busy to reach its next turn acknowledges
+        # late, and the server merges meanwhile. Acknowledging only after the consumers' writes instead cost
+        # the split mesh at c=64 4 % of its req/s and 1.4x its ITL p50 (docs/benchmarks.md, "Change against
+        # its base: a message acknowledged after the consumers it woke").
         self._ack_due = False
         if self._acks and not self._opens and not self._cancels and self._flow_sent:
             # A carrier that can write at once (TCP) takes the acknowledgement here, without waking the writer.
@@ -233,6 +239,10 @@ class _ClientSession:
         self.stats[0] += 1
         self.stats[1] += len(msg.items)
         self._acks += 1
+        if not self._ack_due:
+            # Ahead of what the items wake: the next message travels while their consumers work (see _acknowledge).
+            self._ack_due = True
+            loop.call_soon(self._acknowledge)
         for item in msg.items:
             pipe = pipes.get(item.stream_id)
             if pipe is None:
@@ -242,10 +252,6 @@ class _ClientSession:
             else:
                 pipe.last_at = now
                 pipe.put(chunk_from_proto(item.chunk))
-        if not self._ack_due:
-            # Scheduled after the items: the consumer tasks they woke are ahead of it on the loop.
-            self._ack_due = True
-            loop.call_soon(self._acknowledge)
 
     async def _watch(self) -> None:
         """Break the session when its peer falls silent, and fail streams that stop making progress."""
