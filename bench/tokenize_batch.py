@@ -5,8 +5,8 @@
 
 The word cache (meshllm/tokenizers/words.py) hands the words of a prompt it has not seen to the library. A batch
 of two or more texts runs on the library's rayon thread pool, one of one stays in the calling thread; this
-measures what each way costs the process in CPU time (every thread: rayon's workers spin while they wait for
-more work) and in wall time, for batches of 1 to 64 six-letter words, the ways alternating `--rounds` times.
+measures what each way costs the process in CPU time (every thread, the
+rayon pool's included) and in wall time, for batches of 1 to 64 six-letter words, the ways alternating `--rounds` times.
 The frontend encodes prompts on its event loop, so both figures are its own.
 """
 
@@ -87,8 +87,8 @@ range in brackets), the two ways alternating. {load_sentence(loads)}
 |---:|---|---:|---:|---:|
 {body}
 
-A batch of one stays in the calling thread; from two texts on the library hands the batch to its rayon pool, whose
-threads spin after their work: the CPU the hand-off costs is the process's, while the encode itself is the same.
+A batch of one stays in the calling thread; from two texts on the library hands the batch to its rayon pool: where
+a row's CPU exceeds its wall time, the pool's threads were busy beside the caller, and that CPU is the process's.
 """
 
 

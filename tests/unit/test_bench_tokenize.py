@@ -30,12 +30,20 @@ def test_idle_report_divides_each_median_by_the_back_to_back_one() -> None:
     assert "| 0.200 / 0.200 / 0.200 |" in rows[0]
 
 
-def test_idle_flags_are_checked_with_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    idle = load("tokenize_idle")
+@pytest.mark.parametrize(
+    ("bench", "argv", "message"),
+    [
+        ("tokenize_idle", ["--block", "2"], "--block more than 2"),
+        ("tokenize_batch", ["--rounds", "0"], "--rounds and --calls must be at least 1"),
+    ],
+)
+def test_flags_are_checked_with_a_one_line_error(
+    bench: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        idle.main(["--block", "2", "--no-write"])
+        load(bench).main([*argv, "--no-write"])
     assert exc.value.code == 2
-    assert "--block more than 2" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @needs_model
@@ -64,11 +72,3 @@ def test_batch_report_divides_each_ways_cpu_by_the_batchs_and_shows_wall_time() 
     assert len(rows) == 2 * len(batch.SIZES)
     assert rows[0].startswith("| 1 | one batch") and rows[0].endswith("| 7.0 | 1.00× |")
     assert rows[1].startswith("| 1 | one call per text") and "| 5.0 (5.0–5.0) |" in rows[1] and rows[1].endswith("0.50× |")
-
-
-def test_batch_flags_are_checked_with_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    batch = load("tokenize_batch")
-    with pytest.raises(SystemExit) as exc:
-        batch.main(["--rounds", "0", "--no-write"])
-    assert exc.value.code == 2
-    assert "--rounds and --calls must be at least 1" in capsys.readouterr().err

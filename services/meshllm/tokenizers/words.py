@@ -75,7 +75,7 @@ def encode_each(fast: FastTokenizer, texts: Sequence[str]) -> list[list[int]]:
     """`fast`'s ids of each text (no special tokens), one library call per text.
 
     Why not one `encode_batch_fast(texts)`: a batch of two or more runs on the library's rayon pool, and the
-    hand-off to its threads (which then spin while waiting for more) costs more CPU than the encode: 2 words
+    hand-off to its threads costs more process CPU than the encode: 2 words
     35 vs 8 µs, 64 words 315 vs 261 µs of process CPU (docs/benchmarks.md "Tokenizer batches against one call
     per text"). A batch of one stays in the calling thread (and still releases the GIL).
     """
